@@ -1,0 +1,83 @@
+"""The transport state one MoE shape needs: its fleet, its handle pool, its staging.
+
+A manager hands one EPRuntime to every MoE layer of the same shape (vLLM calls
+`get_handle` once per layer), so layers share fleet, handles and buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EPRuntime:
+    spec: FleetSpec
+    fleet: Any
+    pool: HandlePool
+    rank: int
+    world_size: int
+    # HT only: per-received-row staging, allocated once, reused by every layer.
+    ht_ids: torch.Tensor | None = None
+    ht_weights: torch.Tensor | None = None
+    ht_negative: torch.Tensor | None = None
+    ht_combine_in: torch.Tensor | None = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.spec.num_experts // self.world_size
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    def destroy(self) -> None:
+        self.pool.destroy()
+
+
+def build_runtime(
+    fleets: FleetCache,
+    spec: FleetSpec,
+    top_k: int,
+    device: torch.device | int | str,
+    pool_sizes: list[int],
+) -> EPRuntime:
+    """Create (or reuse) the fleet, build the pool and warm it with `pool_sizes`."""
+    if spec.num_experts % fleets.world_size != 0:
+        raise ValueError(
+            f"{spec.num_experts} experts cannot be split evenly over {fleets.world_size} EP ranks"
+        )
+    fleet = fleets.get(spec)
+    pool = HandlePool(fleet, spec, top_k, device)
+    if pool_sizes:
+        pool.warm(pool_sizes)
+        logger.info(
+            "flashinfer_ep: %s handle pool warmed for %d token counts (%s), %.1f MB GPU memory",
+            spec.algorithm,
+            len(pool.sizes),
+            _compact(pool.sizes),
+            pool.memory_bytes / 1e6,
+        )
+    runtime = EPRuntime(spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size)
+    if spec.algorithm == HIGH_THROUGHPUT:
+        rows = pool.capacity * fleets.world_size
+        dev = torch.device(device)
+        runtime.ht_ids = torch.empty(rows, top_k, dtype=torch.int64, device=dev)
+        runtime.ht_weights = torch.empty(rows, top_k, dtype=torch.float32, device=dev)
+        runtime.ht_negative = torch.empty(rows, top_k, dtype=torch.bool, device=dev)
+        runtime.ht_combine_in = torch.zeros(rows, spec.hidden_size, dtype=torch.bfloat16, device=dev)
+    return runtime
+
+
+def _compact(sizes: list[int]) -> str:
+    if len(sizes) <= 6:
+        return ", ".join(map(str, sizes))
+    return f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}"

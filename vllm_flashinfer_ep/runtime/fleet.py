@@ -1,0 +1,171 @@
+"""Fleet bootstrap and the per-shape fleet cache.
+
+A FlashInfer `Fleet` owns the NCCL-EP group (communicator, RDMA buffers) for one MoE
+shape. vLLM models usually have one MoE shape; draft/MTP layers may add another, so
+fleets are cached by shape and shared by every layer of that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.limits import (
+    HT_MAX_TOKENS_PER_RANK,
+    SUPPORTED_HIDDEN_SIZES,
+    unsupported_hidden_size_reason,
+)
+from vllm_flashinfer_ep.runtime.transport import moe_ep
+
+logger = logging.getLogger(__name__)
+
+LOW_LATENCY = "low_latency"
+HIGH_THROUGHPUT = "high_throughput"
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The shape a fleet is sized for. Equal specs share one fleet."""
+
+    algorithm: str  # LOW_LATENCY | HIGH_THROUGHPUT
+    num_experts: int
+    max_tokens_per_rank: int
+    hidden_size: int
+    dtype_bytes: int = 2
+    fault_tolerance: bool = False
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in (LOW_LATENCY, HIGH_THROUGHPUT):
+            raise ValueError(f"unknown algorithm {self.algorithm!r}")
+        if self.algorithm == LOW_LATENCY and self.hidden_size not in SUPPORTED_HIDDEN_SIZES:
+            raise FlashInferEPConfigError(
+                unsupported_hidden_size_reason(self.hidden_size)
+                + f" (supported: {list(SUPPORTED_HIDDEN_SIZES)}); vLLM layers are rounded "
+                "up by the plugin, so this only happens when the runtime is used directly."
+            )
+        if self.fault_tolerance and self.algorithm != LOW_LATENCY:
+            raise FlashInferEPConfigError(
+                "NCCL-EP fault tolerance exists only for the low-latency algorithm: use "
+                "--all2all-backend flashinfer_ep_low_latency or drop --enable-fault-tolerance."
+            )
+        if self.dtype_bytes != 2:
+            raise FlashInferEPConfigError(
+                "the flashinfer_ep backends dispatch BF16 activations only "
+                f"(got {self.dtype_bytes}-byte elements); use --dtype bfloat16."
+            )
+
+    @property
+    def effective_max_tokens_per_rank(self) -> int:
+        """HT fleets are clamped by NCCL-EP to MAX_SUPPORTED_TOKENS_PER_RANK."""
+        if self.algorithm == HIGH_THROUGHPUT:
+            return min(self.max_tokens_per_rank, HT_MAX_TOKENS_PER_RANK)
+        return self.max_tokens_per_rank
+
+
+def bootstrap_config(rank: int, world_size: int, process_group: Any) -> Any:
+    """BootstrapConfig for one EP rank.
+
+    The device is the one vLLM already bound (`torch.cuda.current_device()`), never
+    derived from LOCAL_RANK/CUDA_VISIBLE_DEVICES, which vLLM may have remapped.
+    Stream 0 (the legacy default stream) is the handles' stream outside capture; the
+    pool orders it against torch's current stream explicitly.
+    """
+    fi = moe_ep()
+    return fi.BootstrapConfig(
+        world_size=world_size,
+        rank=rank,
+        stream=0,
+        auto_bootstrap=False,
+        process_group=process_group,
+        device=torch.cuda.current_device(),
+    )
+
+
+def _fleet_knobs(spec: FleetSpec) -> list[Any]:
+    fi = moe_ep()
+    # Route NCCL-EP's buffers through torch's caching allocator so vLLM's memory
+    # profiling sees them.
+    knobs: list[Any] = [fi.FleetAlgoKnobAllocator(torch_caching=True)]
+    rdma_bytes = envs.rdma_buffer_bytes()
+    if rdma_bytes > 0:
+        # A fixed size makes NCCL-EP allocate once at group creation and never
+        # re-allocate when handles are created later.
+        knobs.append(fi.FleetAlgoKnobRdmaBufferSize(bytes_=rdma_bytes))
+    if spec.fault_tolerance:
+        knobs.append(
+            fi.FleetAlgoKnobFaultTolerance(enabled=True, timeout_ms=envs.ft_timeout_ms())
+        )
+    return knobs
+
+
+def create_fleet(spec: FleetSpec, bootstrap: Any) -> Any:
+    """Create one fleet (collective over the EP group)."""
+    fi = moe_ep()
+    algorithm = (
+        fi.EpAlgorithm.LOW_LATENCY if spec.algorithm == LOW_LATENCY else fi.EpAlgorithm.HIGH_THROUGHPUT
+    )
+    # EXPERT_MAJOR is the LL layout vLLM's batched experts consume; HT ignores the
+    # layout field and always uses NCCL-EP's flat layout.
+    layout = fi.EpLayout.EXPERT_MAJOR
+    params = fi.FleetParams(
+        num_experts=spec.num_experts,
+        max_tokens_per_rank=spec.effective_max_tokens_per_rank,
+        token_hidden_size=spec.hidden_size,
+        dtype_bytes=spec.dtype_bytes,
+        algorithm=algorithm,
+        layout=layout,
+    )
+    if spec.max_tokens_per_rank != spec.effective_max_tokens_per_rank:
+        logger.warning(
+            "flashinfer_ep_high_throughput: NCCL-EP caps tokens per rank at %d; the fleet is "
+            "sized for %d instead of the requested %d (lower --max-num-batched-tokens to "
+            "silence this).",
+            HT_MAX_TOKENS_PER_RANK,
+            spec.effective_max_tokens_per_rank,
+            spec.max_tokens_per_rank,
+        )
+    return fi.create_fleet(bootstrap, params, algo_knobs=_fleet_knobs(spec), backend=envs.transport())
+
+
+class FleetCache:
+    """One fleet per FleetSpec, created on first use and destroyed together."""
+
+    def __init__(self, rank: int, world_size: int, process_group: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._process_group = process_group
+        self._fleets: dict[FleetSpec, Any] = {}
+
+    def get(self, spec: FleetSpec) -> Any:
+        fleet = self._fleets.get(spec)
+        if fleet is None:
+            boot = bootstrap_config(self.rank, self.world_size, self._process_group)
+            fleet = create_fleet(spec, boot)
+            self._fleets[spec] = fleet
+            logger.info(
+                "flashinfer_ep: created %s fleet (experts=%d, max_tokens_per_rank=%d, "
+                "hidden=%d, ep_world=%d, ft=%s)",
+                spec.algorithm,
+                spec.num_experts,
+                spec.effective_max_tokens_per_rank,
+                spec.hidden_size,
+                self.world_size,
+                spec.fault_tolerance,
+            )
+        return fleet
+
+    def fleets(self) -> list[Any]:
+        return list(self._fleets.values())
+
+    def destroy(self) -> None:
+        for fleet in self._fleets.values():
+            try:
+                fleet.destroy()
+            except Exception:  # noqa: BLE001 - teardown must not mask the real error
+                logger.exception("flashinfer_ep: fleet.destroy() failed")
+        self._fleets.clear()

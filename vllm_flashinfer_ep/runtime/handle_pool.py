@@ -1,0 +1,265 @@
+"""Persistent NCCL-EP handles, one per token count, shared by every MoE layer.
+
+Why: a FlashInfer handle is fixed to one token count and top_k and binds its routing
+weights at creation. CUDA graphs bake pointers, so a handle created inside a forward
+cannot be replayed. The pool creates one handle per size vLLM will capture, outside
+any capture (model load), warms each with one eager `update`, and re-targets it with
+`update` inside every forward. All layers share the handles through two static
+buffers (`topk_ids` int64, `topk_weights` fp32) that each layer copies its routing
+into, so memory grows with the number of captured sizes, not layers x sizes.
+
+Collective discipline: handle creation, update, dispatch and combine are collective
+over the EP group. The pool only uses a pooled handle when every rank runs the same
+token count (`uniform=True`, always the case under DP padding with CUDA graphs);
+otherwise every rank creates a fresh handle for the round, so ranks never pair
+different handles.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
+from vllm_flashinfer_ep.runtime.capture import is_capturing
+from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, FleetSpec
+from vllm_flashinfer_ep.runtime.limits import MAX_TOPK
+from vllm_flashinfer_ep.runtime.transport import moe_ep
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolCounters:
+    """What the pool did; tests and the benchmark read these."""
+
+    pooled_created: int = 0
+    fresh_created: int = 0
+    updates: int = 0
+    pooled_rounds: int = 0
+    fresh_rounds: int = 0
+    created_during_capture: int = 0
+    sizes: list[int] = field(default_factory=list)
+
+
+class HandlePool:
+    """Handles of one fleet, keyed by token count."""
+
+    def __init__(
+        self,
+        fleet: Any,
+        spec: FleetSpec,
+        top_k: int,
+        device: torch.device | int | str,
+    ) -> None:
+        if not 1 <= top_k <= MAX_TOPK:
+            raise ValueError(f"top_k must be in [1, {MAX_TOPK}], got {top_k}")
+        if top_k > spec.num_experts:
+            raise ValueError(f"top_k={top_k} exceeds the number of experts {spec.num_experts}")
+        self.fleet = fleet
+        self.spec = spec
+        self.top_k = top_k
+        self.capacity = spec.effective_max_tokens_per_rank
+        self.device = torch.device(device)
+        self.is_ht = spec.algorithm == HIGH_THROUGHPUT
+        self.topk_ids = torch.zeros(self.capacity, top_k, dtype=torch.int64, device=self.device)
+        self.topk_weights = torch.zeros(
+            self.capacity, top_k, dtype=torch.float32, device=self.device
+        )
+        # HT: NCCL-EP writes the number of received rows here at create/update.
+        self.num_received = (
+            torch.zeros(1, dtype=torch.int32, device=self.device) if self.is_ht else None
+        )
+        self.counters = PoolCounters()
+        self.memory_bytes = 0
+        self._handles: dict[int, Any] = {}
+        self._current: Any = None
+        self._current_is_fresh = False
+        self._handle_stream: torch.cuda.Stream | None = None
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self._handles)
+
+    def has_size(self, num_tokens: int) -> bool:
+        return num_tokens in self._handles
+
+    def warm(self, sizes: Iterable[int]) -> list[int]:
+        """Create and warm one handle per size (outside capture, same order on all ranks).
+
+        Sizes above the fleet capacity are dropped with a log line. Returns the sizes
+        now pooled.
+        """
+        if is_capturing():
+            raise HandlePoolError("HandlePool.warm() must run outside CUDA-graph capture")
+        wanted = sorted({int(s) for s in sizes if int(s) >= 1})
+        too_big = [s for s in wanted if s > self.capacity]
+        if too_big:
+            logger.info(
+                "flashinfer_ep: not pooling sizes %s above the fleet capacity %d "
+                "(those steps run eagerly with a fresh handle)",
+                too_big,
+                self.capacity,
+            )
+        before = _allocated_bytes(self.device)
+        for size in (s for s in wanted if s <= self.capacity):
+            if size in self._handles:
+                continue
+            self._fill_dummy_routing(size)
+            handle = self._create(size)
+            self._ordered(lambda h=handle, n=size: h.update(self._params(n)))
+            self.counters.updates += 1
+            self._handles[size] = handle
+            self.counters.pooled_created += 1
+        _synchronize(self.device)
+        self.memory_bytes += max(0, _allocated_bytes(self.device) - before)
+        self.counters.sizes = self.sizes
+        return self.sizes
+
+    # ----------------------------------------------------------------- rounds
+    def begin(
+        self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, uniform: bool = True
+    ) -> Any:
+        """Bind this layer's routing to a handle; returns the handle for the round.
+
+        `uniform` must be True only when every EP rank runs the same token count in
+        this forward; under CUDA-graph capture it always is.
+        """
+        num_tokens, top_k = topk_ids.shape
+        if top_k != self.top_k:
+            raise HandlePoolError(
+                f"this pool was built for top_k={self.top_k}, got routing with top_k={top_k}"
+            )
+        if num_tokens > self.capacity:
+            raise DispatchCapacityError(
+                f"{num_tokens} tokens on this rank exceed the flashinfer_ep fleet capacity of "
+                f"{self.capacity} tokens per rank; raise --max-num-batched-tokens (the fleet is "
+                "sized from it) or lower the batch size."
+            )
+        if num_tokens < 1:
+            raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
+        self._end_fresh()
+        self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
+        self.topk_weights[:num_tokens].copy_(topk_weights, non_blocking=True)
+
+        handle = self._handles.get(num_tokens) if uniform else None
+        if handle is not None:
+            self._ordered(lambda: handle.update(self._params(num_tokens)))
+            self.counters.updates += 1
+            self.counters.pooled_rounds += 1
+            self._current, self._current_is_fresh = handle, False
+            return handle
+        if is_capturing():
+            self.counters.created_during_capture += 1  # never happens: we raise
+            raise HandlePoolError(
+                f"no warmed flashinfer_ep handle for {num_tokens} tokens (pooled sizes: "
+                f"{self.sizes}); a handle cannot be created inside CUDA-graph capture. The "
+                "pool is warmed with vLLM's cudagraph capture sizes; if you changed them after "
+                "model load, restart, or run with --enforce-eager."
+            )
+        handle = self._create(num_tokens)
+        self.counters.fresh_created += 1
+        self.counters.fresh_rounds += 1
+        self._current, self._current_is_fresh = handle, True
+        return handle
+
+    def dispatch(self, x: torch.Tensor) -> Any:
+        handle = self._require_current()
+        fi = moe_ep()
+        return self._ordered(lambda: handle.dispatch(fi.DispatchInputParams(x=[x])))
+
+    def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Combine into `out` (written in place when given) and end the round."""
+        handle = self._require_current()
+        fi = moe_ep()
+        result = self._ordered(
+            lambda: handle.combine(fi.CombineInputParams(x=[expert_out], out=out))
+        )
+        return result.x
+
+    def end(self) -> None:
+        """End the round; a fresh handle is destroyed once its work is ordered."""
+        self._end_fresh()
+        self._current = None
+
+    # ---------------------------------------------------------------- cleanup
+    def destroy(self) -> None:
+        self.end()
+        for handle in self._handles.values():
+            try:
+                handle.destroy()
+            except Exception:  # noqa: BLE001
+                logger.exception("flashinfer_ep: handle.destroy() failed")
+        self._handles.clear()
+
+    # ---------------------------------------------------------------- helpers
+    def _params(self, num_tokens: int) -> Any:
+        return moe_ep().HandleParams(topk_ids=self.topk_ids[:num_tokens])
+
+    def _create(self, num_tokens: int) -> Any:
+        fi = moe_ep()
+        knobs: list[Any] = [fi.HandleAlgoKnobTopKWeights(weights=self.topk_weights[:num_tokens])]
+        if self.num_received is not None:
+            knobs.append(fi.HandleAlgoKnobNumReceivedTokens(target=self.num_received))
+        return self._ordered(lambda: self.fleet.create_handle(self._params(num_tokens), algo_knobs=knobs))
+
+    def _fill_dummy_routing(self, num_tokens: int) -> None:
+        rows = torch.arange(num_tokens, device=self.device).unsqueeze(1) * self.top_k
+        cols = torch.arange(self.top_k, device=self.device).unsqueeze(0)
+        self.topk_ids[:num_tokens].copy_((rows + cols) % self.spec.num_experts)
+        self.topk_weights[:num_tokens].fill_(1.0 / self.top_k)
+
+    def _require_current(self) -> Any:
+        if self._current is None:
+            raise HandlePoolError("dispatch/combine called without HandlePool.begin()")
+        return self._current
+
+    def _end_fresh(self) -> None:
+        if self._current_is_fresh and self._current is not None:
+            handle = self._current
+            self._current, self._current_is_fresh = None, False
+            # Same as FlashInfer's own eager forward: destroy right after combine;
+            # NCCL-EP orders the release after the handle's queued work.
+            handle.destroy()
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        if self._handle_stream is None and torch.cuda.is_available():
+            # Handles run on the fleet's stream outside capture: stream 0 (see fleet.py).
+            self._handle_stream = torch.cuda.default_stream(self.device)
+        return self._handle_stream
+
+    def _ordered(self, op: Callable[[], T]) -> T:
+        """Run a handle op, ordered against torch's current stream.
+
+        Outside capture FlashInfer issues handle work on the handle's own stream, not
+        on torch's current one (vLLM's capture warmups run on a side stream), so the
+        two are joined explicitly. Under capture FlashInfer uses the capturing stream.
+        """
+        if is_capturing() or not torch.cuda.is_available():
+            return op()
+        handle_stream = self._stream()
+        current = torch.cuda.current_stream(self.device)
+        if handle_stream is None or current.cuda_stream == handle_stream.cuda_stream:
+            return op()
+        handle_stream.wait_stream(current)
+        result = op()
+        current.wait_stream(handle_stream)
+        return result
+
+
+def _allocated_bytes(device: torch.device) -> int:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)

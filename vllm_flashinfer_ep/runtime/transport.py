@@ -1,0 +1,44 @@
+"""The one seam between the package and `flashinfer.moe_ep`.
+
+Everything the runtime needs from FlashInfer is looked up here, by name, from one
+module object. Unit tests install a fake module (tests/fakes/fake_moe_ep.py) through
+`use_transport_module`; production always uses the real `flashinfer.moe_ep`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_override: ModuleType | None = None
+
+
+def moe_ep() -> ModuleType:
+    """The transport module: `flashinfer.moe_ep`, or the fake a test installed."""
+    if _override is not None:
+        return _override
+    return importlib.import_module("flashinfer.moe_ep")
+
+
+def use_transport_module(module: ModuleType | None) -> None:
+    """Install (or with None remove) a stand-in for `flashinfer.moe_ep`. Tests only."""
+    global _override
+    _override = module
+
+
+def handle_supports_update() -> bool:
+    """Whether the installed FlashInfer's NCCL-EP handle has `update()`.
+
+    `update` (FlashInfer >= 0.7.2) is what lets one handle be created at warmup and
+    re-targeted inside captured forwards; without it every forward needs a fresh handle,
+    which cannot be captured.
+    """
+    if _override is not None:
+        return hasattr(getattr(_override, "Handle", object), "update")
+    try:
+        handle_mod = importlib.import_module(
+            "flashinfer.moe_ep.backends.split.comm.nccl_ep.handle"
+        )
+    except Exception:  # noqa: BLE001 - any import failure means "no"
+        return False
+    return callable(getattr(getattr(handle_mod, "NcclEpHandle", None), "update", None))

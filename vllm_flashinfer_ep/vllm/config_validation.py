@@ -1,0 +1,115 @@
+"""Engine-config-time checks for the flashinfer_ep backends.
+
+Runs inside `VllmConfig.__post_init__` (see patches/vllm_config.py), in the process
+that builds the engine config, before any worker starts. Every failure is one
+FlashInferEPConfigError that names the flag to change. Checks that need a GPU or the
+native library (libnccl version, libnccl_ep load, nvcc, compute capability) run in
+the worker, in the manager's constructor, before model load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep import backends
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.limits import MAX_TOPK, MIN_CUDA_MAJOR, SUPPORTED_HIDDEN_SIZES
+
+logger = logging.getLogger(__name__)
+
+# Names under which Hugging Face configs carry the number of routed experts per token.
+TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
+
+
+def model_top_k(hf_config: Any) -> int | None:
+    for name in TOPK_ATTRS:
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+            return max(value)
+    return None
+
+
+def validate(vllm_config: Any) -> None:
+    par = vllm_config.parallel_config
+    backend = par.all2all_backend
+    if not backends.is_ours(backend):
+        return
+    flag = f"--all2all-backend {backend}"
+
+    if par.enable_dbo:
+        raise FlashInferEPConfigError(
+            f"{flag} does not support dual-batch overlap: NCCL-EP's receive buffers are shared "
+            "by all handles of a fleet, so two micro-batches would overwrite each other. "
+            "Remove --enable-dbo."
+        )
+    if par.enable_fault_tolerance and not backends.supports_fault_tolerance(backend):
+        raise FlashInferEPConfigError(
+            f"{flag} has no fault tolerance (NCCL-EP supports it for low latency only): use "
+            "--all2all-backend flashinfer_ep_low_latency or remove --enable-fault-tolerance."
+        )
+    if importlib.util.find_spec("nccl") is None or importlib.util.find_spec("nccl.ep") is None:
+        raise FlashInferEPConfigError(
+            f"{flag} needs NCCL-EP: pip install 'nccl-extensions>=0.1.0' (module nccl.ep is missing)."
+        )
+    cuda = torch.version.cuda
+    if not cuda or int(cuda.split(".")[0]) < MIN_CUDA_MAJOR:
+        raise FlashInferEPConfigError(
+            f"{flag} needs torch built for CUDA >= {MIN_CUDA_MAJOR} (found "
+            f"{cuda or 'a CPU build'}); install torch 2.14.0+cu130 as vLLM 0.33.0 pins it."
+        )
+
+    model = vllm_config.model_config
+    if model is not None:
+        _validate_model(model, backend, flag)
+
+    if not par.use_all2all:
+        logger.warning(
+            "%s is selected but does nothing here: the MoE all2all only runs with "
+            "--data-parallel-size > 1 and --enable-expert-parallel.",
+            backend,
+        )
+    elif not par.enable_expert_parallel:
+        logger.warning(
+            "%s is selected without --enable-expert-parallel: vLLM will use its "
+            "all-gather/reduce-scatter path, not NCCL-EP.",
+            backend,
+        )
+
+
+def _validate_model(model: Any, backend: str, flag: str) -> None:
+    if getattr(model, "is_moe", True) is False:
+        return
+    quant = getattr(model, "quantization", None)
+    if quant:
+        raise FlashInferEPConfigError(
+            f"{flag} dispatches BF16 only, but the model is quantized ({quant}). Serve a BF16 "
+            "checkpoint, or pick another --all2all-backend (e.g. deepep_low_latency)."
+        )
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype) and dtype != torch.bfloat16:
+        raise FlashInferEPConfigError(
+            f"{flag} dispatches BF16 only, but the model dtype is {dtype}. Pass --dtype bfloat16."
+        )
+    hf = model.hf_text_config
+    top_k = model_top_k(hf)
+    if top_k is not None and top_k > MAX_TOPK:
+        raise FlashInferEPConfigError(
+            f"{flag}: the model routes each token to {top_k} experts, more than NCCL-EP's "
+            f"limit of {MAX_TOPK} (MAX_NUM_TOPK). Pick another --all2all-backend."
+        )
+    hidden = getattr(hf, "hidden_size", None)
+    if (
+        backend == backends.LOW_LATENCY
+        and isinstance(hidden, int)
+        and hidden > SUPPORTED_HIDDEN_SIZES[-1]
+    ):
+        raise FlashInferEPConfigError(
+            f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
+            f"{SUPPORTED_HIDDEN_SIZES[-1]}. Use --all2all-backend flashinfer_ep_high_throughput."
+        )

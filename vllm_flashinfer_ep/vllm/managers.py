@@ -1,0 +1,142 @@
+"""All2all managers for the two flashinfer_ep backends.
+
+vLLM builds one manager per EP group (in `CudaCommunicator.__init__`, patched by
+`patches/cuda_communicator.py`) and asks it for a "handle" once per MoE layer at
+model load. Our handle is an EPRuntime (fleet + warmed handle pool) shared by all
+layers of one MoE shape; the manager keeps strong references (vLLM's own handle cache
+is weak) and destroys everything in `destroy()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
+
+from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep.runtime import env_checks
+from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
+from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
+from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.transport import handle_supports_update
+
+logger = logging.getLogger(__name__)
+
+
+def pool_sizes_from_config(vllm_config: Any) -> list[int]:
+    """Token counts vLLM will capture, per EP rank (what the pool must pre-create)."""
+    if vllm_config is None:
+        return []
+    from vllm.config import CUDAGraphMode
+
+    comp = vllm_config.compilation_config
+    if comp.cudagraph_mode == CUDAGraphMode.NONE or not comp.cudagraph_capture_sizes:
+        return []
+    sizes = set(int(s) for s in comp.cudagraph_capture_sizes)
+    par = vllm_config.parallel_config
+    if par.use_sequence_parallel_moe:
+        tp = par.tensor_parallel_size
+        sizes |= {math.ceil(s / tp) for s in sizes}
+    return sorted(sizes)
+
+
+class _FlashInferEPManager(All2AllManagerBase):
+    algorithm: str = ""
+    backend_name: str = ""
+
+    def __init__(self, cpu_group: Any, tcp_store_group: Any = None) -> None:
+        super().__init__(cpu_group, tcp_store_group)
+        if not envs.skip_env_checks():
+            env_checks.ensure_nvcc_for_jit(logger.info)
+            env_checks.require_runtime_environment()
+        from vllm.config import get_current_vllm_config_or_none
+
+        self._vllm_config = get_current_vllm_config_or_none()
+        par = self._vllm_config.parallel_config if self._vllm_config is not None else None
+        self._fault_tolerance = bool(
+            par is not None
+            and par.enable_fault_tolerance
+            and backends.supports_fault_tolerance(self.backend_name)
+        )
+        self.support_fault_tolerance = self._fault_tolerance
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._fleets = FleetCache(self.rank, self.world_size, cpu_group)
+        self._runtimes: dict[tuple, EPRuntime] = {}
+        self._ft: FaultToleranceAdapter | None = None
+
+    # vLLM: one call per MoE layer at model load.
+    def get_handle(self, kwargs: dict[str, Any]) -> EPRuntime:
+        spec = FleetSpec(
+            algorithm=self.algorithm,
+            num_experts=int(kwargs["num_experts"]),
+            max_tokens_per_rank=int(kwargs["max_num_tokens_per_rank"]),
+            hidden_size=int(kwargs["hidden_size"]),
+            fault_tolerance=self._fault_tolerance,
+        )
+        top_k = int(kwargs["top_k"])
+        key = (spec, top_k)
+        runtime = self._runtimes.get(key)
+        if runtime is None:
+            sizes = self._pool_sizes()
+            runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes)
+            self._runtimes[key] = runtime
+            if self._fault_tolerance:
+                self._ft = FaultToleranceAdapter(self._fleets.fleets(), self._device)
+                self._ft.snapshot_baseline()
+        return runtime
+
+    def _pool_sizes(self) -> list[int]:
+        if self.algorithm != LOW_LATENCY:
+            return []  # HT is never captured; eager rounds use fresh handles
+        if not (envs.handle_pool_enabled() and handle_supports_update()):
+            return []
+        return pool_sizes_from_config(self._vllm_config)
+
+    # ------------------------------------------------------ fault tolerance
+    def _require_ft(self) -> FaultToleranceAdapter:
+        if self._ft is None:
+            raise RuntimeError(
+                f"{self.backend_name}: fault tolerance is not active (start vLLM with "
+                "--enable-fault-tolerance and --all2all-backend flashinfer_ep_low_latency)"
+            )
+        return self._ft
+
+    def query_active_mask(self) -> torch.Tensor:
+        return self._require_ft().query_active_mask()
+
+    def query_fault(self) -> torch.Tensor:
+        return self._require_ft().query_fault()
+
+    def clean_buffers(self) -> None:
+        self._require_ft().clean_buffers()
+
+    # ------------------------------------------------------------- teardown
+    def destroy(self) -> None:
+        for runtime in self._runtimes.values():
+            runtime.destroy()
+        self._runtimes.clear()
+        self._fleets.destroy()
+        self._ft = None
+
+    @property
+    def runtimes(self) -> list[EPRuntime]:
+        return list(self._runtimes.values())
+
+
+class FlashInferEPLowLatencyManager(_FlashInferEPManager):
+    algorithm = LOW_LATENCY
+    backend_name = backends.LOW_LATENCY
+
+
+class FlashInferEPHighThroughputManager(_FlashInferEPManager):
+    algorithm = HIGH_THROUGHPUT
+    backend_name = backends.HIGH_THROUGHPUT
+
+
+MANAGERS: dict[str, type[_FlashInferEPManager]] = {
+    backends.LOW_LATENCY: FlashInferEPLowLatencyManager,
+    backends.HIGH_THROUGHPUT: FlashInferEPHighThroughputManager,
+}
