@@ -23,7 +23,7 @@ import pytest
 from vllm_flashinfer_ep.evals.config import load_config
 from vllm_flashinfer_ep.evals.result import Status
 from vllm_flashinfer_ep.evals.runner import RunOptions, run_eval
-from vllm_flashinfer_ep.evals.server import ServerProcess, ServerStartError
+from vllm_flashinfer_ep.evals.server import ServerProcess
 
 FAKE_SERVER = textwrap.dedent(
     '''
@@ -35,7 +35,7 @@ FAKE_SERVER = textwrap.dedent(
     port = int(argv[argv.index("--port") + 1])
     if os.environ.get("FAKE_RECORD"):
         with open(os.environ["FAKE_RECORD"], "w") as fh:
-            env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM", "FAKE_CFG"))}
+            env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM", "FAKE_CFG", "HF_"))}
             json.dump({"argv": argv, "env": env}, fh)
     if os.environ.get("FAKE_IGNORE_SIGTERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -207,7 +207,8 @@ def test_offline_eval_end_to_end(
     result = run_eval(config, _options(fake_server, port, tmp_path, data_dir=gsm8k_dir))
 
     assert result.reason and result.task == "gsm8k_local_jsonl"
-    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    # Offline only while the run lasted (the server saw it), restored afterwards.
+    assert "HF_HUB_OFFLINE" not in os.environ and "HF_DATASETS_OFFLINE" not in os.environ
     expected = 0.0 if wrong else 1.0
     assert result.scores == {"strict-match": expected, "flexible-extract": expected}
     assert result.num_questions_scored == 3
@@ -219,6 +220,7 @@ def test_offline_eval_end_to_end(
     assert seen["argv"][-2:] == ["--port", str(port)]
     assert seen["env"]["FAKE_CFG_MARK"] == "from-config"
     assert seen["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert seen["env"]["HF_HUB_OFFLINE"] == "1" and seen["env"]["HF_DATASETS_OFFLINE"] == "1"
     # Torn down, and the record on disk says the same as the returned result.
     assert not any(_alive(int(p)) for p in pids.read_text().split())
     on_disk = json.loads((tmp_path / "result.json").read_text())
@@ -232,7 +234,9 @@ def test_limit_overrides_num_questions(
     monkeypatch.setenv("FAKE_GSM8K_TEST", str(gsm8k_dir / "test.jsonl"))
     monkeypatch.setenv("FAKE_MODEL", "tiny/model")
     config = load_config(_config(tmp_path))
-    result = run_eval(config, _options(fake_server, _free_port(), tmp_path, data_dir=gsm8k_dir, limit=1))
+    result = run_eval(
+        config, _options(fake_server, _free_port(), tmp_path, data_dir=gsm8k_dir, limit=1)
+    )
     assert result.num_questions_scored == 1 and result.limit == 1
     assert result.status is Status.PASSED, result.reason
 
@@ -323,16 +327,14 @@ def test_exception_inside_context_still_stops_server(tmp_path: Path, fake_server
     assert holder[0].proc is not None and holder[0].proc.poll() == -signal.SIGTERM
 
 
-def test_ctrl_c_of_the_cli_stops_server(
-    tmp_path: Path, fake_server: Path, gsm8k_dir: Path
-) -> None:
+def test_ctrl_c_of_the_cli_stops_server(tmp_path: Path, fake_server: Path, gsm8k_dir: Path) -> None:
     """SIGINT to a real `python -m vllm_flashinfer_ep.evals` run: server gone, exit 130."""
     port = _free_port()
     pids = tmp_path / "pids.txt"
     exe = tmp_path / "bin"
     exe.mkdir()
     # The CLI runs `vllm serve ...`; put a `vllm` on PATH that is the fake server.
-    (exe / "vllm").write_text(f"#!/bin/sh\nexec {sys.executable} {fake_server} \"$@\"\n")
+    (exe / "vllm").write_text(f'#!/bin/sh\nexec {sys.executable} {fake_server} "$@"\n')
     (exe / "vllm").chmod(0o755)
     cfg = _config(tmp_path, startup_max_wait_seconds=120)
     env = {
@@ -343,8 +345,21 @@ def test_ctrl_c_of_the_cli_stops_server(
         "VLLM_TARGET_DEVICE": "cpu",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_flashinfer_ep.evals", "gsm8k", "--config", str(cfg),
-         "--port", str(port), "--output", str(tmp_path / "out.json"), "--grace-seconds", "5", "--no-gpu-check"],
+        [
+            sys.executable,
+            "-m",
+            "vllm_flashinfer_ep.evals",
+            "gsm8k",
+            "--config",
+            str(cfg),
+            "--port",
+            str(port),
+            "--output",
+            str(tmp_path / "out.json"),
+            "--grace-seconds",
+            "5",
+            "--no-gpu-check",
+        ],
         env=env,
         stderr=subprocess.PIPE,
         text=True,

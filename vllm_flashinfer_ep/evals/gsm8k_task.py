@@ -9,8 +9,11 @@ object per line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,20 +87,35 @@ def write_offline_task(data_dir: Path, include_dir: Path, cache_dir: Path | None
     return OFFLINE_TASK
 
 
-def enter_offline_mode() -> None:
-    """Tell huggingface_hub/datasets not to touch the network.
+_OFFLINE_FLAGS = (
+    ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+    ("datasets.config", "HF_HUB_OFFLINE"),
+    ("datasets.config", "HF_DATASETS_OFFLINE"),
+)
 
-    Both read these variables at import time, so the flags are also set on the
-    already-imported modules.
+
+@contextlib.contextmanager
+def offline_mode() -> Iterator[None]:
+    """Keep huggingface_hub/datasets off the network for the block, then restore.
+
+    Both libraries read these variables at import time, so the flags are also set on
+    modules that are already imported.
     """
+    saved_env = {k: os.environ.get(k) for k in OFFLINE_ENV}
+    saved_flags: list[tuple[Any, str, Any]] = []
     os.environ.update(OFFLINE_ENV)
-    import sys
-
-    hub_constants = sys.modules.get("huggingface_hub.constants")
-    if hub_constants is not None:
-        hub_constants.HF_HUB_OFFLINE = True
-    ds_config = sys.modules.get("datasets.config")
-    if ds_config is not None:
-        ds_config.HF_HUB_OFFLINE = True
-        if hasattr(ds_config, "HF_DATASETS_OFFLINE"):
-            ds_config.HF_DATASETS_OFFLINE = True
+    for module_name, attr in _OFFLINE_FLAGS:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, attr):
+            saved_flags.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, True)
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for module, attr, value in saved_flags:
+            setattr(module, attr, value)

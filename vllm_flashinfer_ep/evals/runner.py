@@ -21,7 +21,7 @@ from types import FrameType
 from typing import TextIO
 
 from vllm_flashinfer_ep.evals.config import Gsm8kConfig, option_value
-from vllm_flashinfer_ep.evals.gsm8k_task import STOCK_TASK, enter_offline_mode, write_offline_task
+from vllm_flashinfer_ep.evals.gsm8k_task import STOCK_TASK, offline_mode, write_offline_task
 from vllm_flashinfer_ep.evals.lm_eval_client import completions_model_args, run_gsm8k
 from vllm_flashinfer_ep.evals.requirements import unmet_requirement
 from vllm_flashinfer_ep.evals.result import EvalResult, Status, judge
@@ -123,10 +123,11 @@ def _run(
         result.reason = f"port {options.port} on {LOOPBACK} is already in use"
         return
 
-    with tempfile.TemporaryDirectory(prefix="vllm-fi-ep-gsm8k-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-fi-ep-gsm8k-"))
         task, include_path = STOCK_TASK, None
         if options.data_dir is not None:
-            enter_offline_mode()
+            stack.enter_context(offline_mode())
             include_path = Path(tmp) / "tasks"
             task = write_offline_task(options.data_dir, include_path, Path(tmp) / "hf-datasets")
         result.task = task

@@ -26,8 +26,8 @@ import torch
 
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.runtime.capture import is_capturing
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, FleetSpec
-from vllm_flashinfer_ep.runtime.limits import MAX_TOPK
+from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec
+from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,12 @@ class HandlePool:
         spec: FleetSpec,
         top_k: int,
         device: torch.device | int | str,
+        *,
+        bind_ids: bool = True,
     ) -> None:
-        if not 1 <= top_k <= MAX_TOPK:
-            raise ValueError(f"top_k must be in [1, {MAX_TOPK}], got {top_k}")
+        limit = max_top_k(spec.algorithm == LOW_LATENCY)
+        if not 1 <= top_k <= limit:
+            raise ValueError(f"top_k must be in [1, {limit}] for {spec.algorithm}, got {top_k}")
         if top_k > spec.num_experts:
             raise ValueError(f"top_k={top_k} exceeds the number of experts {spec.num_experts}")
         self.fleet = fleet
@@ -68,6 +71,7 @@ class HandlePool:
         self.capacity = spec.effective_max_tokens_per_rank
         self.device = torch.device(device)
         self.is_ht = spec.algorithm == HIGH_THROUGHPUT
+        self.bind_ids = bind_ids
         self.topk_ids = torch.zeros(self.capacity, top_k, dtype=torch.int64, device=self.device)
         self.topk_weights = torch.zeros(
             self.capacity, top_k, dtype=torch.float32, device=self.device
@@ -108,7 +112,7 @@ class HandlePool:
                 too_big,
                 self.capacity,
             )
-        before = _allocated_bytes(self.device)
+        before = _used_bytes(self.device)
         for size in (s for s in wanted if s <= self.capacity):
             if size in self._handles:
                 continue
@@ -119,7 +123,7 @@ class HandlePool:
             self._handles[size] = handle
             self.counters.pooled_created += 1
         _synchronize(self.device)
-        self.memory_bytes += max(0, _allocated_bytes(self.device) - before)
+        self.memory_bytes += max(0, _used_bytes(self.device) - before)
         self.counters.sizes = self.sizes
         return self.sizes
 
@@ -146,24 +150,33 @@ class HandlePool:
         if num_tokens < 1:
             raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
         self._end_fresh()
-        self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
+        # Weights are bound to the handle at creation: always copy them. Ids can be
+        # bound per call (`update` takes any int64 contiguous CUDA tensor), which saves
+        # one copy kernel per layer; other ids are copied into the static buffer.
         self.topk_weights[:num_tokens].copy_(topk_weights, non_blocking=True)
+        ids = self._bindable_ids(topk_ids)
+        if ids is None:
+            self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
+            ids = self.topk_ids[:num_tokens]
 
         handle = self._handles.get(num_tokens) if uniform else None
         if handle is not None:
-            self._ordered(lambda: handle.update(self._params(num_tokens)))
+            params = moe_ep().HandleParams(topk_ids=ids)
+            self._ordered(lambda: handle.update(params))
             self.counters.updates += 1
             self.counters.pooled_rounds += 1
             self._current, self._current_is_fresh = handle, False
             return handle
         if is_capturing():
-            self.counters.created_during_capture += 1  # never happens: we raise
+            self.counters.created_during_capture += 1  # attempts; each is refused below
             raise HandlePoolError(
                 f"no warmed flashinfer_ep handle for {num_tokens} tokens (pooled sizes: "
                 f"{self.sizes}); a handle cannot be created inside CUDA-graph capture. The "
                 "pool is warmed with vLLM's cudagraph capture sizes; if you changed them after "
                 "model load, restart, or run with --enforce-eager."
             )
+        if ids.data_ptr() != self.topk_ids.data_ptr():
+            self.topk_ids[:num_tokens].copy_(ids, non_blocking=True)
         handle = self._create(num_tokens)
         self.counters.fresh_created += 1
         self.counters.fresh_rounds += 1
@@ -202,6 +215,16 @@ class HandlePool:
     # ---------------------------------------------------------------- helpers
     def _params(self, num_tokens: int) -> Any:
         return moe_ep().HandleParams(topk_ids=self.topk_ids[:num_tokens])
+
+    def _bindable_ids(self, topk_ids: torch.Tensor) -> torch.Tensor | None:
+        if (
+            self.bind_ids
+            and topk_ids.dtype == torch.int64
+            and topk_ids.is_contiguous()
+            and topk_ids.device == self.device
+        ):
+            return topk_ids
+        return None
 
     def _create(self, num_tokens: int) -> Any:
         fi = moe_ep()
@@ -254,10 +277,13 @@ class HandlePool:
         return result
 
 
-def _allocated_bytes(device: torch.device) -> int:
+def _used_bytes(device: torch.device) -> int:
+    """Device memory in use by anyone (NCCL-EP allocates handles outside torch's allocator)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0
-    return int(torch.cuda.memory_allocated(device))
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
 
 
 def _synchronize(device: torch.device) -> None:

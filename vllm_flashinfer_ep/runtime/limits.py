@@ -13,14 +13,22 @@ from __future__ import annotations
 # 3072 is NOT in the list.
 SUPPORTED_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
 
-# Largest top_k the package accepts. nccl-extensions 0.1.0
-# `nccl/ep/include/nccl_ep/common.hpp` defines MAX_NUM_TOPK 32 and FlashInfer checks
-# nothing. FlashInfer's runbook says LL <= 8 and `ll_ep.cuh` has kCombineMaxTopk = 9,
-# but LL and HT round trips with top_k 8, 9, 10, 16 were exact on one H200 at world
-# size 1 (integration notes, section 8), and tests/kernels/test_transport_gpu.py
-# re-measures top_k up to this value on the device. Multi-rank behaviour above 9 is
-# unmeasured, so the limit is the header's cap.
-MAX_TOPK: int = 32
+# Largest top_k per algorithm. nccl-extensions 0.1.0 `nccl/ep/include/nccl_ep/common.hpp`
+# defines MAX_NUM_TOPK 32 and FlashInfer checks nothing (its runbook says LL <= 8).
+# Measured on one H200 at world size 1 (tests/kernels/test_transport_gpu.py::
+# test_top_k_limit, 128 experts, hidden 2048): LL and HT round trips exact for top_k
+# 8, 9, 10, 16; HT exact for 32; LL with 32 is refused by ncclEpInitHandle ("LL top-k
+# geometry is unsupported: top-k=32, num_experts=128, comm_sms=132, ...
+# forwarding_warps=31"). So LL is capped at the largest measured value, HT at the
+# header's cap. Multi-rank behaviour above 9 is unmeasured.
+MAX_TOPK_LL: int = 16
+MAX_TOPK_HT: int = 32
+MAX_TOPK: int = max(MAX_TOPK_LL, MAX_TOPK_HT)
+
+
+def max_top_k(algorithm_is_low_latency: bool) -> int:
+    return MAX_TOPK_LL if algorithm_is_low_latency else MAX_TOPK_HT
+
 
 # libnccl_ep.so imports ncclCommQueryProperties / ncclGetPeerDevicePointer /
 # ncclWinGetUserPtr, first exported by NCCL 2.30.7 (integration notes, section 1).

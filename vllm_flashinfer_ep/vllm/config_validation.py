@@ -17,7 +17,7 @@ import torch
 
 from vllm_flashinfer_ep import backends
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.runtime.limits import MAX_TOPK, MIN_CUDA_MAJOR, SUPPORTED_HIDDEN_SIZES
+from vllm_flashinfer_ep.runtime.limits import MIN_CUDA_MAJOR, SUPPORTED_HIDDEN_SIZES, max_top_k
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,16 @@ def _validate_model(model: Any, backend: str, flag: str) -> None:
         )
     hf = model.hf_text_config
     top_k = model_top_k(hf)
-    if top_k is not None and top_k > MAX_TOPK:
+    limit = max_top_k(backend == backends.LOW_LATENCY)
+    if top_k is not None and top_k > limit:
+        other = (
+            " Try --all2all-backend flashinfer_ep_high_throughput."
+            if backend == backends.LOW_LATENCY and top_k <= max_top_k(False)
+            else " Pick another --all2all-backend."
+        )
         raise FlashInferEPConfigError(
-            f"{flag}: the model routes each token to {top_k} experts, more than NCCL-EP's "
-            f"limit of {MAX_TOPK} (MAX_NUM_TOPK). Pick another --all2all-backend."
+            f"{flag}: the model routes each token to {top_k} experts, more than this backend "
+            f"supports ({limit}, see vllm_flashinfer_ep/runtime/limits.py).{other}"
         )
     hidden = getattr(hf, "hidden_size", None)
     if (

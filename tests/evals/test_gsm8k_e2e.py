@@ -1,0 +1,81 @@
+"""gsm8k accuracy of every listed config on real GPUs (skipped where it cannot run).
+
+Each config in configs/gsm8k/models-dp2-ep.txt (or the list named by
+VLLM_FLASHINFER_EP_GSM8K_CONFIG_LIST) is served with `vllm serve` and scored with
+lm-eval's gsm8k; it must reach accuracy_threshold - tolerance.
+
+Runs only when this host has the GPUs (dp x tp), the model is a local directory or
+fully in the Hugging Face cache, and (for nixl_ep-transport configs) FlashInfer has
+NIXL-EP. Nothing is downloaded unless VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1. Data:
+VLLM_FLASHINFER_EP_GSM8K_DATA_DIR (train.jsonl/test.jsonl), else those files in the
+temp dir where vLLM's own harness caches them, else the hub (downloads allowed only).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from vllm_flashinfer_ep.evals.config import load_config, load_config_list
+from vllm_flashinfer_ep.evals.gsm8k_task import SPLIT_FILES
+from vllm_flashinfer_ep.evals.requirements import unmet_requirement
+from vllm_flashinfer_ep.evals.result import Status
+from vllm_flashinfer_ep.evals.runner import RunOptions, run_eval
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_LIST = Path(
+    os.environ.get(
+        "VLLM_FLASHINFER_EP_GSM8K_CONFIG_LIST", REPO / "configs" / "gsm8k" / "models-dp2-ep.txt"
+    )
+)
+ALLOW_DOWNLOADS = os.environ.get("VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS") == "1"
+DATA_DIR_ENV = "VLLM_FLASHINFER_EP_GSM8K_DATA_DIR"
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
+
+
+def _gsm8k_data_dir() -> Path | None:
+    """Local gsm8k files, or None when lm-eval may fetch them; skips when neither."""
+    if os.environ.get(DATA_DIR_ENV):
+        return Path(os.environ[DATA_DIR_ENV])
+    cached = Path(tempfile.gettempdir())
+    if all((cached / name).is_file() for name in SPLIT_FILES.values()):
+        return cached
+    if ALLOW_DOWNLOADS:
+        return None
+    pytest.skip(
+        f"no local gsm8k data: set {DATA_DIR_ENV} to a dir with train.jsonl/test.jsonl "
+        "or VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("config_path", load_config_list(CONFIG_LIST), ids=lambda p: p.stem)
+def test_gsm8k_accuracy(config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config(config_path)
+    reason = unmet_requirement(config, allow_download=ALLOW_DOWNLOADS)
+    if reason is not None:
+        pytest.skip(reason)
+    data_dir = _gsm8k_data_dir()
+    if not ALLOW_DOWNLOADS:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the server must use the cached model
+    log = tmp_path / "server.log"
+    result = run_eval(
+        config,
+        RunOptions(
+            port=_free_port(),
+            data_dir=data_dir,
+            output=tmp_path / "result.json",
+            server_log=log,
+        ),
+    )
+    assert result.status is Status.PASSED, f"{result.status.value}: {result.reason} (log: {log})"

@@ -1,0 +1,216 @@
+"""Real NCCL-EP on one GPU: LL/HT round trips and the handle pool under CUDA graphs.
+
+Runs the package's engine-agnostic runtime (fleet cache, handle pool, rounds) on
+flashinfer.moe_ep + nccl.ep. World size 1 (the multi-rank variant lives in
+test_transport_multigpu.py). Skipped with a reason without a GPU and NCCL-EP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from vllm_flashinfer_ep.bench.reference import (
+    random_routing,
+    reduce_received_rows,
+    reference_moe,
+    scale_expert_rows,
+)
+from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
+from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
+from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
+from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
+
+pytestmark = pytest.mark.gpu
+
+NUM_EXPERTS = 128
+TOP_K = 8
+CAPACITY = 256
+HIDDEN_SIZES = [2048, 4096, 7168]
+TOKEN_COUNTS = [1, 8, 128, 256]
+NUM_LAYERS = 8
+# bf16 activations and outputs: relative tolerance of a few bf16 ulps.
+ATOL, RTOL = 2e-2, 2e-2
+
+_fleet_caches: dict[tuple, FleetCache] = {}
+
+
+def _runtime(group, algorithm: str, hidden: int, sizes=(), top_k: int = TOP_K):
+    cache = _fleet_caches.setdefault((algorithm, hidden), FleetCache(0, 1, group))
+    spec = FleetSpec(algorithm, NUM_EXPERTS, CAPACITY, hidden)
+    return build_runtime(cache, spec, top_k, torch.device("cuda", 0), list(sizes))
+
+
+def _inputs(num_tokens: int, hidden: int, seed: int, top_k: int = TOP_K):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = torch.device("cuda", 0)
+    x = torch.randn(num_tokens, hidden, device=dev, generator=gen).to(torch.bfloat16)
+    ids, weights = random_routing(num_tokens, NUM_EXPERTS, top_k, dev, gen)
+    scales = torch.rand(NUM_EXPERTS, device=dev, generator=gen) + 0.5
+    return x, ids, weights, scales
+
+
+def _ll_step(rnd: LowLatencyRound, x, ids, weights, scales, out):
+    d = rnd.dispatch(x, ids, weights)
+    return rnd.combine(scale_expert_rows(d.expert_x, scales), out)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_ll_round_trip(ep_group_world1, hidden, num_tokens):
+    rt = _runtime(ep_group_world1, LOW_LATENCY, hidden)
+    x, ids, weights, scales = _inputs(num_tokens, hidden, seed=num_tokens + hidden)
+    rnd = LowLatencyRound(rt)
+    d = rnd.dispatch(x, ids, weights)
+    counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS).to(torch.int32)
+    torch.testing.assert_close(d.expert_num_tokens, counts)
+    # every expert's first `count` rows are exactly the tokens routed to it
+    for e in torch.nonzero(counts).flatten().tolist()[:16]:
+        rows = d.expert_x[e, : counts[e]].float()
+        want = x[(ids == e).any(dim=1)].float()
+        torch.testing.assert_close(rows.sum(0), want.sum(0), atol=1e-1, rtol=1e-2)
+    out = torch.empty_like(x)
+    got = rnd.combine(scale_expert_rows(d.expert_x, scales), out)
+    assert got.data_ptr() == out.data_ptr(), "combine must write into the caller's output"
+    torch.testing.assert_close(out, reference_moe(x, ids, weights, scales), atol=ATOL, rtol=RTOL)
+    assert rt.pool.counters.fresh_created >= 1 and not rt.pool.sizes
+
+
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_ht_round_trip(ep_group_world1, hidden, num_tokens):
+    rt = _runtime(ep_group_world1, HIGH_THROUGHPUT, hidden)
+    x, ids, weights, scales = _inputs(num_tokens, hidden, seed=7 * num_tokens + hidden)
+    rnd = HighThroughputRound(rt)
+    d = rnd.dispatch(x, ids, weights)
+    assert d.x.shape[0] == num_tokens  # world 1: every token received once
+    assert not bool(d.remote_slot.any())
+    reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(d.x.shape[0]))
+    out = torch.empty_like(x)
+    rnd.combine(out)
+    torch.testing.assert_close(out, reference_moe(x, ids, weights, scales), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
+    rt = _runtime(ep_group_world1, LOW_LATENCY, hidden, sizes=TOKEN_COUNTS)
+    pool = rt.pool
+    assert pool.sizes == TOKEN_COUNTS
+    rnd = LowLatencyRound(rt)
+    per_handle_mb = pool.memory_bytes / len(pool.sizes) / 1e6
+    print(f"POOL_MEMORY hidden={hidden} sizes={len(pool.sizes)} per_handle_MB={per_handle_mb:.2f}")
+    _record({"hidden": hidden, "pool_sizes": pool.sizes, "pool_bytes": pool.memory_bytes})
+    for num_tokens in TOKEN_COUNTS:
+        layers = [_inputs(num_tokens, hidden, seed=1000 * i + num_tokens) for i in range(NUM_LAYERS)]
+        outs = [torch.empty_like(layer[0]) for layer in layers]
+
+        def step(layers=layers, outs=outs):
+            for (x, ids, w, s), out in zip(layers, outs):
+                _ll_step(rnd, x, ids, w, s, out)
+
+        step()  # eager, pooled
+        torch.cuda.synchronize()
+        eager = [o.clone() for o in outs]
+        for (x, ids, w, s), got in zip(layers, eager):
+            torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+
+        fresh_before = pool.counters.fresh_created
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # warmup on a side stream, as vLLM does
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        assert pool.counters.fresh_created == fresh_before, "no handle may be created in capture"
+        assert pool.counters.created_during_capture == 0
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, eager):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+        # change routing, weights, activations and scales in place; replay again
+        for i, (x, ids, w, s) in enumerate(layers):
+            nx, nids, nw, ns = _inputs(num_tokens, hidden, seed=77 + i + num_tokens)
+            x.copy_(nx), ids.copy_(nids), w.copy_(nw), s.copy_(ns)
+        graph.replay()
+        torch.cuda.synchronize()
+        for (x, ids, w, s), got in zip(layers, outs):
+            torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+        step()  # eager after replay agrees too
+        torch.cuda.synchronize()
+        for (x, ids, w, s), got in zip(layers, outs):
+            torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+        assert pool.counters.fresh_created == fresh_before
+        del graph
+
+
+@pytest.mark.parametrize(
+    "algorithm,top_k",
+    [(LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],
+)
+def test_top_k_limit(ep_group_world1, algorithm, top_k):
+    """Re-measures the top_k range behind runtime.limits.MAX_TOPK_LL/HT on this GPU."""
+    hidden = SUPPORTED_HIDDEN_SIZES[0]
+    cache = FleetCache(0, 1, ep_group_world1)
+    rt = build_runtime(cache, FleetSpec(algorithm, NUM_EXPERTS, 64, hidden), top_k, torch.device("cuda", 0), [])
+    x, ids, weights, scales = _inputs(16, hidden, seed=top_k, top_k=top_k)
+    out = torch.empty_like(x)
+    if algorithm == LOW_LATENCY:
+        _ll_step(LowLatencyRound(rt), x, ids, weights, scales, out)
+    else:
+        rnd = HighThroughputRound(rt)
+        d = rnd.dispatch(x, ids, weights)
+        reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(d.x.shape[0]))
+        rnd.combine(out)
+    torch.testing.assert_close(out, reference_moe(x, ids, weights, scales), atol=ATOL, rtol=RTOL)
+    rt.destroy()
+    cache.destroy()
+
+
+def test_ll_top_k_above_limit_is_refused_before_nccl_ep(ep_group_world1):
+    cache = FleetCache(0, 1, ep_group_world1)
+    with pytest.raises(ValueError, match="top_k must be in"):
+        build_runtime(cache, FleetSpec(LOW_LATENCY, NUM_EXPERTS, 64, 2048), MAX_TOPK_LL + 1, torch.device("cuda", 0), [])
+    cache.destroy()
+
+
+def test_over_dispatch_is_a_clear_error(ep_group_world1):
+    rt = _runtime(ep_group_world1, LOW_LATENCY, 2048)
+    x, ids, weights, _ = _inputs(CAPACITY + 1, 2048, seed=3)
+    with pytest.raises(DispatchCapacityError, match="max-num-batched-tokens"):
+        LowLatencyRound(rt).dispatch(x, ids, weights)
+
+
+def test_unwarmed_size_under_capture_raises(ep_group_world1):
+    rt = _runtime(ep_group_world1, LOW_LATENCY, 2048, sizes=[8])
+    x, ids, weights, _ = _inputs(5, 2048, seed=5)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(HandlePoolError, match="cannot be created inside CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            LowLatencyRound(rt).dispatch(x, ids, weights)
+    rt.pool.end()
+    torch.cuda.synchronize()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _destroy_fleets():
+    yield
+    torch.cuda.synchronize()
+    for cache in _fleet_caches.values():
+        cache.destroy()
+    _fleet_caches.clear()
+
+
+def _record(entry: dict) -> None:
+    path = os.environ.get("FLASHINFER_EP_TEST_RECORD")
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")

@@ -1,0 +1,1 @@
+"""Decode-step all2all benchmark (`vllm-flashinfer-ep bench`)."""

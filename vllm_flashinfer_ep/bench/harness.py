@@ -1,0 +1,204 @@
+"""GPU side of the benchmark: builds fleets/pools, checks equality, times the modes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe, scale_expert_rows
+from vllm_flashinfer_ep.bench.run import MODES, Row, summarize
+from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
+from vllm_flashinfer_ep.runtime.fleet import LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime.transport import moe_ep
+
+
+class Harness:
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        self.device = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
+        self.fleets = FleetCache(self.rank, self.world_size, dist.group.WORLD)
+        capacity = max(args.tokens)
+        spec = FleetSpec(LOW_LATENCY, args.num_experts, capacity, args.hidden)
+        # Same fleet for every mode: only the handle strategy differs.
+        self.fresh_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
+        self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, args.tokens)
+        self.fleet = self.fleets.get(spec)
+        self.scales = [torch.ones(args.num_experts, device=self.device) for _ in range(args.layers)]
+        if args.expert_compute:
+            gen = torch.Generator(device=self.device).manual_seed(1)
+            self.scales = [torch.rand(args.num_experts, device=self.device, generator=gen) + 0.5 for _ in range(args.layers)]
+        self._raw_handles: dict[int, Any] = {}
+        self._raw_ids = torch.zeros(capacity, args.top_k, dtype=torch.int64, device=self.device)
+        self._raw_w = torch.zeros(capacity, args.top_k, dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------- steps
+    def _layers(self, num_tokens: int, seed: int):
+        gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
+        layers = []
+        for _ in range(self.args.layers):
+            x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen).to(torch.bfloat16)
+            ids, w = random_routing(num_tokens, self.args.num_experts, self.args.top_k, self.device, gen)
+            layers.append((x, ids, w, torch.empty_like(x)))
+        return layers
+
+    def _expert(self, expert_x: torch.Tensor, layer: int) -> torch.Tensor:
+        if not self.args.expert_compute:
+            return expert_x
+        return scale_expert_rows(expert_x, self.scales[layer])
+
+    def _package_step(self, rnd: LowLatencyRound, layers) -> None:
+        for i, (x, ids, w, out) in enumerate(layers):
+            d = rnd.dispatch(x, ids, w)
+            rnd.combine(self._expert(d.expert_x, i), out)
+
+    def _raw_handle(self, num_tokens: int) -> Any:
+        handle = self._raw_handles.get(num_tokens)
+        if handle is None:
+            fi = moe_ep()
+            ids = self._raw_ids[:num_tokens]
+            rows = torch.arange(num_tokens, device=self.device).unsqueeze(1) * self.args.top_k
+            ids.copy_((rows + torch.arange(self.args.top_k, device=self.device)) % self.args.num_experts)
+            self._raw_w[:num_tokens].fill_(1.0 / self.args.top_k)
+            handle = self.fleet.create_handle(
+                fi.HandleParams(topk_ids=ids),
+                algo_knobs=[fi.HandleAlgoKnobTopKWeights(weights=self._raw_w[:num_tokens])],
+            )
+            handle.update(fi.HandleParams(topk_ids=ids))
+            torch.cuda.synchronize()
+            self._raw_handles[num_tokens] = handle
+        return handle
+
+    def _raw_step(self, layers, bind: bool) -> None:
+        fi = moe_ep()
+        num_tokens = layers[0][0].shape[0]
+        handle = self._raw_handle(num_tokens)
+        ids_buf, w_buf = self._raw_ids[:num_tokens], self._raw_w[:num_tokens]
+        for i, (x, ids, w, out) in enumerate(layers):
+            w_buf.copy_(w)
+            if bind:
+                handle.update(fi.HandleParams(topk_ids=ids))
+            else:
+                ids_buf.copy_(ids)
+                handle.update(fi.HandleParams(topk_ids=ids_buf))
+            d = handle.dispatch(fi.DispatchInputParams(x=[x]))
+            handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, i)], out=out))
+
+    def _capture(self, fn) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return graph
+
+    # -------------------------------------------------------------- run
+    def run(self) -> list[Row]:
+        rows = []
+        progress = _Progress(len(self.args.tokens) * len(MODES), self.rank == 0 and not self.args.no_progress)
+        for num_tokens in self.args.tokens:
+            rows.append(self._run_size(num_tokens, progress))
+        progress.close()
+        return rows
+
+    def _run_size(self, num_tokens: int, progress: _Progress) -> Row:
+        fresh, pooled = LowLatencyRound(self.fresh_rt), LowLatencyRound(self.pool_rt)
+        sets = {m: self._layers(num_tokens, seed=num_tokens) for m in MODES}  # same data per mode
+        steps = {
+            "fresh": lambda: self._package_step(fresh, sets["fresh"]),
+            "pooled": lambda: self._package_step(pooled, sets["pooled"]),
+        }
+        graphs = {
+            "graph": self._capture(lambda: self._package_step(pooled, sets["graph"])),
+            "raw": self._capture(lambda: self._raw_step(sets["raw"], bind=False)),
+            "raw_bind": self._capture(lambda: self._raw_step(sets["raw_bind"], bind=True)),
+        }
+        for name, graph in graphs.items():
+            steps[name] = graph.replay
+        self._check_equal(num_tokens, sets, steps)
+        samples: dict[str, list[float]] = {m: [] for m in MODES}
+        for _ in range(self.args.warmup):
+            for m in MODES:
+                steps[m]()
+        torch.cuda.synchronize()
+        for i in range(self.args.steps):
+            for m in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:  # rotate the order
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if self.world_size > 1:
+                    dist.barrier()
+                start.record()
+                steps[m]()
+                end.record()
+                end.synchronize()
+                samples[m].append(start.elapsed_time(end))
+        for _ in MODES:
+            progress.update()
+        row = Row(num_tokens)
+        for m in MODES:
+            row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
+        row.pool_bytes_per_size = self.pool_rt.pool.memory_bytes / max(1, len(self.pool_rt.pool.sizes))
+        return row
+
+    def _check_equal(self, num_tokens: int, sets, steps) -> None:
+        for m in MODES:
+            for *_, out in sets[m]:
+                out.zero_()
+            steps[m]()
+        torch.cuda.synchronize()
+        for li in range(self.args.layers):
+            x, ids, w, _ = sets["fresh"][li]
+            want = reference_moe(x, ids, w, self.scales[li]) if self.world_size == 1 else sets["fresh"][li][3]
+            for m in MODES:
+                got = sets[m][li][3]
+                if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+                    err = (got.float() - want.float()).abs().max().item()
+                    raise SystemExit(
+                        f"bench: mode {m!r} disagrees at T={num_tokens}, layer {li} (max abs err "
+                        f"{err:.3g}); refusing to report timings"
+                    )
+
+    def close(self) -> None:
+        for handle in self._raw_handles.values():
+            handle.destroy()
+        self.fresh_rt.destroy()
+        self.pool_rt.destroy()
+        self.fleets.destroy()
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._draw()
+
+    def update(self) -> None:
+        self.done += 1
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")

@@ -1,0 +1,46 @@
+"""Torch reference MoE and the trivial expert op used by GPU tests and the benchmark.
+
+Experts are per-expert scalars: expert e maps a row x to x * scale[e]. That keeps the
+reference exact enough in BF16 while still proving every row reached the right
+expert and came back to the right token with the right weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_routing(
+    num_tokens: int, num_experts: int, top_k: int, device: torch.device, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token (int64) and normalized fp32 weights."""
+    scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
+    ids = scores.topk(top_k, dim=1).indices.to(torch.int64)
+    weights = torch.rand(num_tokens, top_k, device=device, generator=generator) + 0.1
+    weights = weights / weights.sum(dim=1, keepdim=True)
+    return ids.contiguous(), weights.to(torch.float32).contiguous()
+
+
+def reference_moe(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * scales[ids[t, k]] * x[t], in fp32, cast to x.dtype."""
+    factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
+    return (x.float() * factor).to(x.dtype)
+
+
+def scale_expert_rows(expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched-layout expert op: expert_x[e] * scales[e] (rows past the count are ignored by combine)."""
+    factor = scales.to(expert_x.dtype).view(-1, 1, 1)
+    if out is None:
+        return expert_x * factor
+    return torch.mul(expert_x, factor, out=out)
+
+
+def reduce_received_rows(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Standard-layout experts + weighted reduce per received row (HT)."""
+    factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
+    out.copy_((x.float() * factor).to(out.dtype))
+    return out

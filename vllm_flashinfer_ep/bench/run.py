@@ -1,0 +1,172 @@
+"""Decode-step all2all cost: per-forward handles vs the persistent pool, eager and graphed.
+
+For each token count T, one "step" runs L MoE layers of transport (dispatch + combine,
+optionally a trivial expert op) through the package's own round code
+(runtime/rounds.py, what the vLLM prepare/finalize calls), in modes interleaved in
+one process:
+  fresh  - a fresh FlashInfer handle per layer per step, eager (today's design)
+  pooled - the persistent handle pool, eager
+  graph  - the persistent handle pool, the whole step captured in one CUDA graph
+  raw    - FlashInfer alone: one persistent handle, each layer copies its routing into
+           static buffers, update + dispatch + combine, captured (no package code)
+  raw_bind - as raw, but `update` binds each layer's own topk_ids tensor (weights
+           still copied, they are bound at handle creation)
+All modes must produce the same outputs before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MODES = ("fresh", "pooled", "graph", "raw", "raw_bind")
+
+
+@dataclass
+class Row:
+    num_tokens: int
+    median_ms: dict[str, float] = field(default_factory=dict)
+    min_ms: dict[str, float] = field(default_factory=dict)
+    max_ms: dict[str, float] = field(default_factory=dict)
+    pool_bytes_per_size: float = 0.0
+
+    @property
+    def fresh_over_graph(self) -> float:
+        return self.median_ms["fresh"] / self.median_ms["graph"]
+
+    @property
+    def graph_over_raw(self) -> float:
+        return self.median_ms["graph"] / self.median_ms["raw"]
+
+    @property
+    def graph_over_raw_bind(self) -> float:
+        return self.median_ms["graph"] / self.median_ms["raw_bind"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=48, help="MoE layers per decode step")
+    parser.add_argument("--experts", dest="num_experts", type=int, default=128, help="global experts")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size (an NCCL-EP LL size)")
+    parser.add_argument(
+        "--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 128, 256],
+        help="comma-separated tokens per rank per step",
+    )
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per mode and size (>= 50)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--expert-compute", action="store_true",
+        help="apply a per-expert scale to the dispatched rows (default: transport only)",
+    )
+    parser.add_argument("--json", dest="json_path", help="write results as JSON here")
+    parser.add_argument("--plot", dest="plot_path", help="write a PNG plot here")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
+
+    if args.hidden not in SUPPORTED_HIDDEN_SIZES:
+        raise SystemExit(f"bench: --hidden must be one of {list(SUPPORTED_HIDDEN_SIZES)} (NCCL-EP LL sizes)")
+    if not 1 <= args.top_k <= min(MAX_TOPK_LL, args.num_experts):
+        raise SystemExit(f"bench: --top-k must be in [1, {min(MAX_TOPK_LL, args.num_experts)}]")
+    if args.steps < 50:
+        raise SystemExit("bench: --steps must be >= 50 (medians over fewer steps are noise)")
+    if args.layers < 1 or any(t < 1 for t in args.tokens):
+        raise SystemExit("bench: --layers and --tokens must be positive")
+
+
+def gpu_refusal() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            "bench: needs a CUDA GPU (sm_90+) with NCCL-EP; none is visible here. Run it on a "
+            "GPU host, e.g. `vllm-flashinfer-ep bench` (world 1) or "
+            "`torchrun --nproc-per-node N -m vllm_flashinfer_ep.bench.run` (world N)."
+        )
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    validate_arguments(args)
+    refusal = gpu_refusal()
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    from vllm_flashinfer_ep.bench.harness import Harness
+
+    harness = Harness(args)
+    try:
+        rows = harness.run()
+    finally:
+        harness.close()
+    if harness.rank == 0:
+        print(format_table(rows, args, harness.world_size))
+        if args.json_path:
+            write_json(rows, args, harness.world_size, args.json_path)
+        if args.plot_path:
+            from vllm_flashinfer_ep.bench.plot import plot
+
+            plot(rows, args, harness.world_size, args.plot_path)
+    return 0
+
+
+def format_table(rows: list[Row], args: Any, world_size: int) -> str:
+    head = (
+        f"decode step: {args.layers} layers, {args.num_experts} experts, top_k {args.top_k}, "
+        f"hidden {args.hidden}, EP world {world_size}, {'expert scale' if args.expert_compute else 'transport only'}; "
+        f"median (min-max) ms per step over {args.steps} steps"
+    )
+    cols = ["T"] + list(MODES) + ["fresh/graph", "graph/raw", "graph/raw_bind", "pool MB/size"]
+    lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        cells = [str(r.num_tokens)]
+        for m in MODES:
+            cells.append(f"{r.median_ms[m]:.3f} ({r.min_ms[m]:.3f}-{r.max_ms[m]:.3f})")
+        cells += [
+            f"{r.fresh_over_graph:.2f}x",
+            f"{r.graph_over_raw:.3f}",
+            f"{r.graph_over_raw_bind:.3f}",
+            f"{r.pool_bytes_per_size / 1e6:.1f}",
+        ]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def write_json(rows: list[Row], args: Any, world_size: int, path: str) -> None:
+    payload = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "world_size": world_size,
+        "rows": [
+            {
+                **asdict(r),
+                "fresh_over_graph": r.fresh_over_graph,
+                "graph_over_raw": r.graph_over_raw,
+                "graph_over_raw_bind": r.graph_over_raw_bind,
+            }
+            for r in rows
+        ],
+    }
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=2)
+
+
+def summarize(samples: list[float]) -> tuple[float, float, float]:
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def cli() -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_flashinfer_ep.bench.run", description=__doc__)
+    add_arguments(parser)
+    return main(parser.parse_args())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(cli())
