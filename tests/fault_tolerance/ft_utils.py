@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import LOW_LATENCY
+from vllm_flashinfer_ep.evals.runner import port_in_use
 from vllm_flashinfer_ep.evals.server import ServerProcess
 
 LOOPBACK = "127.0.0.1"
@@ -267,6 +268,11 @@ class ExternalLBCluster:
         ]
 
     def __enter__(self) -> ExternalLBCluster:
+        busy = [port for port in self.ports if port_in_use(port)]
+        if busy:
+            raise RuntimeError(
+                f"ports {busy} on {LOOPBACK} are taken; set VLLM_FLASHINFER_EP_FT_BASE_PORT"
+            )
         try:
             for server in self.servers:  # all start together: ranks wait for each other
                 server.start()

@@ -285,3 +285,91 @@ def test_find_worker_pids_matches_vllm_worker_titles(tmp_path: Path) -> None:
     finally:
         os.killpg(parent.pid, 9)
         parent.wait(timeout=10)
+
+
+FAKE_RANK_SERVER = textwrap.dedent(
+    """
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    argv = sys.argv[1:]
+    port = int(argv[argv.index("--port") + 1])
+    with open(os.path.join(os.environ["FAKE_OUT"], f"{port}.json"), "w") as fh:
+        json.dump({"argv": argv, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                   "pid": os.getpid(), "pythonpath": os.environ.get("PYTHONPATH")}, fh)
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def _two_free_ports() -> int:
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    pytest.skip("no two consecutive free ports found")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.split(")")[-1].split()[0] != "Z"
+
+
+def test_cluster_starts_every_rank_and_tears_all_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "fake_rank.py"
+    fake.write_text(FAKE_RANK_SERVER)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("FAKE_OUT", str(out))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = _two_free_ports()
+    cluster = ft.ExternalLBCluster(
+        LOW_LATENCY,
+        tmp_path / "logs",
+        site_dir=tmp_path / "site",
+        model="org/moe",
+        base_port=base,
+        vllm_executable=(sys.executable, str(fake)),
+        grace_s=5,
+    )
+    with cluster:
+        assert cluster.ports == [base, base + 1]
+        seen = [json.loads((out / f"{p}.json").read_text()) for p in cluster.ports]
+        for rank, info in enumerate(seen):
+            assert (
+                info["argv"]
+                == ft.build_rank_command(LOW_LATENCY, rank, model="org/moe", base_port=base)[2:]
+            )
+            assert info["cuda"] == str(rank)
+            assert info["pythonpath"].split(os.pathsep)[0] == str(tmp_path / "site")
+        assert all(_pid_alive(info["pid"]) for info in seen)
+        # A second cluster on the same ports is refused before anything starts.
+        with pytest.raises(RuntimeError, match="are taken"):
+            ft.ExternalLBCluster(LOW_LATENCY, tmp_path / "logs2", base_port=base).__enter__()
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(info["pid"]) for info in seen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_pid_alive(info["pid"]) for info in seen)
+    assert (tmp_path / "logs" / "rank0.log").exists() and (tmp_path / "logs" / "rank1.log").exists()

@@ -8,6 +8,7 @@ broke), 3 skipped (a requirement such as GPUs or the NIXL-EP transport is missin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import sys
 from collections.abc import Sequence
@@ -91,6 +92,14 @@ def run_gsm8k_command(args: argparse.Namespace) -> int:
         env_prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
         print(f"{env_prefix} {shlex.join(build_serve_command(config, args.port))}")
         return 0
+
+    missing = [m for m in ("lm_eval", "aiohttp", "tenacity") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"error: {', '.join(missing)} not installed; pip install 'lm-eval[api]==0.4.13'",
+            file=sys.stderr,
+        )
+        return Status.ERROR.exit_code
 
     options = RunOptions(
         port=args.port,

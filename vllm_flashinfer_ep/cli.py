@@ -1,0 +1,37 @@
+"""`vllm-flashinfer-ep` command line: doctor, bench, eval."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_flashinfer_ep import __version__, doctor
+    from vllm_flashinfer_ep.bench import run as bench
+    from vllm_flashinfer_ep.evals import cli as evals
+
+    parser = argparse.ArgumentParser(
+        prog="vllm-flashinfer-ep",
+        description="FlashInfer NCCL-EP all2all backends for vLLM: diagnostics, benchmark, evals.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    doctor.add_parser(sub)
+    bench_parser = sub.add_parser(
+        "bench", help="decode-step all2all benchmark (needs a GPU)", description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=bench.main)
+    evals.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`vllm-flashinfer-ep doctor`: can this host serve with the flashinfer_ep backends?
+
+Prints package versions, the NCCL-EP stack (libnccl_ep, loaded libnccl, nvcc for the
+runtime JIT), GPUs and their compute capability, and for `--model` (a local dir or a
+Hugging Face id, config only) the low-latency hidden-size decision and the top_k
+check. Exits 1 listing what to fix when anything would stop a server. Runs on a
+machine without GPUs (and says that it cannot serve there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_flashinfer_ep import __version__, is_supported_vllm
+from vllm_flashinfer_ep.runtime import env_checks
+from vllm_flashinfer_ep.runtime.env_checks import Check
+from vllm_flashinfer_ep.runtime.limits import (
+    MAX_TOPK_HT,
+    MAX_TOPK_LL,
+    SUPPORTED_HIDDEN_SIZES,
+    round_up_ll_hidden_size,
+)
+
+TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def package_checks() -> list[Check]:
+    vllm = _version("vllm")
+    fi = _version("flashinfer-python")
+    checks = [
+        Check(
+            "vllm",
+            is_supported_vllm(vllm),
+            vllm or "not installed",
+            "pip install vllm==0.33.0 (the only vLLM this plugin patches)",
+        ),
+        Check(
+            "flashinfer-python",
+            fi == "0.7.2.post1",
+            fi or "not installed",
+            "pip install flashinfer-python==0.7.2.post1",
+        ),
+        Check("nccl-extensions", _version("nccl-extensions") is not None,
+              _version("nccl-extensions") or "not installed", "pip install 'nccl-extensions>=0.1.0'"),
+    ]
+    from vllm_flashinfer_ep.runtime.transport import handle_supports_update
+
+    checks.append(
+        Check(
+            "FlashInfer Handle.update",
+            handle_supports_update(),
+            "present (CUDA graphs possible with flashinfer_ep_low_latency)"
+            if handle_supports_update()
+            else "missing",
+            "install flashinfer-python==0.7.2.post1 (older releases cannot update handles)",
+        )
+    )
+    return checks
+
+
+def load_model_config(model: str) -> dict[str, Any]:
+    path = Path(model)
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.exists():
+            raise FileNotFoundError(f"{cfg} does not exist")
+        return json.loads(cfg.read_text())
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+
+
+def model_checks(model: str) -> list[Check]:
+    try:
+        cfg = load_model_config(model)
+    except Exception as exc:  # noqa: BLE001 - report why the config is unreadable
+        return [Check("model config", False, f"{model}: {exc}", "pass a local model dir or a reachable HF id")]
+    text = cfg.get("text_config", cfg)
+    checks = []
+    hidden = text.get("hidden_size")
+    if isinstance(hidden, int):
+        try:
+            rounded = round_up_ll_hidden_size(hidden)
+            detail = (
+                f"{hidden} (a native NCCL-EP LL size)"
+                if rounded == hidden
+                else f"{hidden} -> rounded up to {rounded} for flashinfer_ep_low_latency "
+                f"(LL sizes: {list(SUPPORTED_HIDDEN_SIZES)})"
+            )
+            checks.append(Check("LL hidden size", True, detail))
+        except ValueError as exc:
+            checks.append(Check("LL hidden size", False, str(exc), "use flashinfer_ep_high_throughput"))
+    top_k = next((text[a] for a in TOPK_ATTRS if isinstance(text.get(a), int)), None)
+    if top_k is None:
+        checks.append(Check("top_k", False, "no experts-per-token field: not an MoE config?", "pass an MoE model"))
+    else:
+        checks.append(
+            Check(
+                "top_k",
+                top_k <= MAX_TOPK_LL,
+                f"{top_k} (limits: low latency {MAX_TOPK_LL}, high throughput {MAX_TOPK_HT})",
+                "flashinfer_ep_high_throughput only" if top_k <= MAX_TOPK_HT else "pick another --all2all-backend",
+            )
+        )
+    dtype = text.get("torch_dtype") or cfg.get("torch_dtype") or text.get("dtype")
+    quant = cfg.get("quantization_config") or text.get("quantization_config")
+    checks.append(
+        Check(
+            "BF16 checkpoint",
+            not quant,
+            f"dtype {dtype}, quantization {quant.get('quant_method') if isinstance(quant, dict) else quant}",
+            "NCCL-EP dispatch is BF16-only: serve a BF16 checkpoint",
+        )
+    )
+    return checks
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"vllm-flashinfer-ep {__version__}")
+    sections = [
+        ("packages", package_checks()),
+        ("GPU stack", [env_checks.check_torch_cuda(), env_checks.check_gpus(),
+                       env_checks.check_nccl_ep_loads(), env_checks.check_nccl_version(),
+                       env_checks.check_nvcc()]),
+    ]
+    if args.model:
+        sections.append((f"model {args.model}", model_checks(args.model)))
+    failed = []
+    for title, checks in sections:
+        print(f"\n{title}:")
+        for check in checks:
+            print("  " + check.line())
+            if not check.ok:
+                failed.append(check)
+    if failed:
+        print(f"\n{len(failed)} problem(s); fix them before `vllm serve ... --all2all-backend flashinfer_ep_*`:")
+        for check in failed:
+            print(f"  - {check.name}: {check.fix}")
+        return 1
+    print("\nall checks passed")
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("doctor", help="check this host and a model for the flashinfer_ep backends",
+                                   description=__doc__)
+    parser.add_argument("--model", help="local model dir or Hugging Face id (reads config.json only)")
+    parser.set_defaults(func=run)
