@@ -66,6 +66,9 @@ def test_gsm8k_accuracy(config_path: Path, tmp_path: Path, monkeypatch: pytest.M
     if reason is not None:
         pytest.skip(reason)
     data_dir = _gsm8k_data_dir()
+    # GPUs are here: the server must not inherit a CPU platform override (set for
+    # parser-only tests on GPU-less hosts); vLLM treats VLLM_TARGET_DEVICE=cpu as final.
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
     if not ALLOW_DOWNLOADS:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the server must use the cached model
     log = tmp_path / "server.log"

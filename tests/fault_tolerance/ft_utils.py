@@ -219,6 +219,10 @@ def build_rank_env(
     if devices is not None and rank >= len(devices):
         raise ValueError(f"rank {rank} has no GPU in CUDA_VISIBLE_DEVICES={visible!r}")
     env["CUDA_VISIBLE_DEVICES"] = devices[rank] if devices is not None else str(rank)
+    # GPU ranks: drop a CPU platform override inherited from parser-only test setups
+    # (vLLM treats VLLM_TARGET_DEVICE=cpu as final).
+    if env.get("VLLM_TARGET_DEVICE") == "cpu":
+        del env["VLLM_TARGET_DEVICE"]
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the injection point lives in the V2 runner
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

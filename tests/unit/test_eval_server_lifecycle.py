@@ -380,3 +380,18 @@ def test_ctrl_c_of_the_cli_stops_server(tmp_path: Path, fake_server: Path, gsm8k
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["status"] == "error" and out["reason"] == "interrupted"
     assert "--port" in out["serve_command"]
+
+
+def test_vllm_executable_prefers_path_then_interpreter_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_flashinfer_ep.evals.runner import default_vllm_executable
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    beside = Path(sys.executable).parent / "vllm"
+    assert default_vllm_executable() == ((str(beside),) if beside.is_file() else ("vllm",))
+    (empty / "vllm").write_text("#!/bin/sh\n")
+    (empty / "vllm").chmod(0o755)
+    assert default_vllm_executable() == ("vllm",)

@@ -185,9 +185,10 @@ def test_rank_command_parses_as_external_lb_ft_rank(backend: str, rank: int) -> 
 
 
 def test_rank_env(tmp_path: Path) -> None:
-    base = {"PYTHONPATH": "/old", "CUDA_VISIBLE_DEVICES": "4,5"}
+    base = {"PYTHONPATH": "/old", "CUDA_VISIBLE_DEVICES": "4,5", "VLLM_TARGET_DEVICE": "cpu"}
     env = ft.build_rank_env(1, base, site_dir=tmp_path)
     assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert "VLLM_TARGET_DEVICE" not in env  # ranks run on GPUs
     assert env["PYTHONPATH"] == f"{tmp_path}{os.pathsep}/old"
     assert env[envs.FT_TIMEOUT_MS] == str(ft.TRANSPORT_TIMEOUT_MS)
     assert ft.TRANSPORT_TIMEOUT_MS / 1000 < ft.FAULT_DETECTION_DEADLINE_S
@@ -360,7 +361,7 @@ def test_cluster_starts_every_rank_and_tears_all_down(
         for rank, info in enumerate(seen):
             assert (
                 info["argv"]
-                == ft.build_rank_command(LOW_LATENCY, rank, model="org/moe", base_port=base)[2:]
+                == ft.build_rank_command(LOW_LATENCY, rank, model="org/moe", base_port=base)[1:]
             )
             assert info["cuda"] == str(rank)
             assert info["pythonpath"].split(os.pathsep)[0] == str(tmp_path / "site")

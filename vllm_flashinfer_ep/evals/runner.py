@@ -8,6 +8,7 @@ always has both a free GPU set and a record afterwards.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import socket
 import sys
@@ -15,7 +16,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -41,8 +42,16 @@ class RunOptions:
     server_log: Path | None = None
     grace_s: float = DEFAULT_GRACE_S
     check_gpus: bool = True
-    vllm_executable: Sequence[str] = ("vllm",)
+    vllm_executable: Sequence[str] = field(default_factory=lambda: default_vllm_executable())
     progress: TextIO = sys.stderr
+
+
+def default_vllm_executable() -> tuple[str, ...]:
+    """`vllm` from PATH, else the one beside this interpreter (an un-activated venv)."""
+    if shutil.which("vllm"):
+        return ("vllm",)
+    beside = Path(sys.executable).parent / "vllm"
+    return (str(beside),) if beside.is_file() else ("vllm",)
 
 
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:

@@ -1,0 +1,192 @@
+"""Engine-config time behaviour with real vLLM 0.33.0 objects (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import vllm_flashinfer_ep
+from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL
+from vllm_flashinfer_ep.vllm import cudagraph_policy
+
+from tiny_models import write_model
+
+vllm_flashinfer_ep.register()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+def engine_config(model: str, backend: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend=backend,
+    )
+    args.update(kwargs)
+    return EngineArgs(**args).create_engine_config()
+
+
+def test_low_latency_engine_config(tiny_moe, caplog):
+    cudagraph_policy.LAST_DECISION = None
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, LOW_LATENCY)
+    par = cfg.parallel_config
+    assert par.all2all_backend == LOW_LATENCY and par.use_all2all
+    assert par.use_batched_dp_moe  # patched property
+    # --max-num-batched-tokens unset -> vLLM's batched-DP default = LL per-rank capacity
+    assert cfg.scheduler_config.max_num_batched_tokens == 256
+    d = cudagraph_policy.LAST_DECISION
+    assert d is not None and d.backend == LOW_LATENCY
+    assert d.mode_after == d.mode_before == cfg.compilation_config.cudagraph_mode.name
+    assert "updated inside each captured forward" in d.reason
+    assert "cudagraph_mode" in caplog.text and LOW_LATENCY in caplog.text
+
+
+def test_high_throughput_engine_config(tiny_moe):
+    cudagraph_policy.LAST_DECISION = None
+    cfg = engine_config(tiny_moe, HIGH_THROUGHPUT)
+    assert not cfg.parallel_config.use_batched_dp_moe
+    assert cfg.compilation_config.cudagraph_mode.name == "NONE"
+    d = cudagraph_policy.LAST_DECISION
+    assert d.backend == HIGH_THROUGHPUT and d.mode_after == "NONE"
+    assert "received-token count on the host" in d.reason
+
+
+# --------------------------------------------------------------- policy table
+def _compilation(mode: str):
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    cc = CompilationConfig()
+    cc.cudagraph_mode = CUDAGraphMode[mode]
+    return cc
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE", "FULL"])
+def test_policy_keeps_ll_mode_and_turns_off_ht(mode, caplog):
+    cc = _compilation(mode)
+    d = cudagraph_policy.apply(cc, LOW_LATENCY, data_parallel_size=2)
+    assert not d.changed and cc.cudagraph_mode.name == mode
+    cc = _compilation(mode)
+    with caplog.at_level(logging.WARNING):
+        d = cudagraph_policy.apply(cc, HIGH_THROUGHPUT, data_parallel_size=2)
+    assert d.changed and cc.cudagraph_mode.name == "NONE"
+    assert "CUDA graphs turned off" in caplog.text
+
+
+def test_policy_ll_without_pool_turns_graphs_off(monkeypatch):
+    monkeypatch.setenv(envs.HANDLE_POOL, "0")
+    cc = _compilation("FULL_AND_PIECEWISE")
+    d = cudagraph_policy.apply(cc, LOW_LATENCY, data_parallel_size=2)
+    assert cc.cudagraph_mode.name == "NONE" and envs.HANDLE_POOL in d.reason
+
+
+def test_policy_ll_without_handle_update_turns_graphs_off(monkeypatch):
+    monkeypatch.setattr(cudagraph_policy, "handle_supports_update", lambda: False)
+    cc = _compilation("PIECEWISE")
+    d = cudagraph_policy.apply(cc, LOW_LATENCY, data_parallel_size=2)
+    assert cc.cudagraph_mode.name == "NONE" and "Handle.update" in d.reason
+
+
+def test_policy_ignores_dp1_and_other_backends():
+    cc = _compilation("FULL")
+    assert cudagraph_policy.apply(cc, HIGH_THROUGHPUT, data_parallel_size=1) is None
+    assert cudagraph_policy.apply(cc, "deepep_low_latency", data_parallel_size=2) is None
+    assert cc.cudagraph_mode.name == "FULL"
+
+
+def test_policy_applies_outside_vllm_compile(monkeypatch):
+    """The patched set_splitting_ops_for_v1 gates before vLLM's early return."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    cc = _compilation("PIECEWISE")
+    cc.mode = CompilationMode.NONE
+    CompilationConfig.set_splitting_ops_for_v1(cc, HIGH_THROUGHPUT, 2)
+    assert cc.cudagraph_mode.name == "NONE"
+
+
+# ---------------------------------------------------------------- bad inputs
+BAD = [
+    (dict(enable_dbo=True), LOW_LATENCY, "Remove --enable-dbo"),
+    (dict(dtype="float16"), LOW_LATENCY, "--dtype bfloat16"),
+    (dict(quantization="fp8"), HIGH_THROUGHPUT, "BF16 only"),
+    (
+        dict(enable_fault_tolerance=True, data_parallel_external_lb=True, data_parallel_rank=0),
+        HIGH_THROUGHPUT,
+        "--all2all-backend flashinfer_ep_low_latency or remove --enable-fault-tolerance",
+    ),
+]
+
+
+@pytest.mark.parametrize("kwargs,backend,message", BAD)
+def test_bad_input_is_one_clear_error(tiny_moe, kwargs, backend, message):
+    with pytest.raises(FlashInferEPConfigError) as info:
+        engine_config(tiny_moe, backend, **kwargs)
+    assert type(info.value) is FlashInferEPConfigError
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "backend,top_k,ok",
+    [
+        (LOW_LATENCY, MAX_TOPK_LL, True),
+        (LOW_LATENCY, MAX_TOPK_LL + 1, False),
+        (HIGH_THROUGHPUT, MAX_TOPK_HT, True),
+        (HIGH_THROUGHPUT, MAX_TOPK_HT + 1, False),
+    ],
+)
+def test_top_k_limit_per_backend(tmp_path, backend, top_k, ok):
+    model = write_model(tmp_path / "m", num_experts=64, num_experts_per_tok=top_k)
+    if ok:
+        engine_config(model, backend)
+        return
+    with pytest.raises(FlashInferEPConfigError, match=f"routes each token to {top_k} experts"):
+        engine_config(model, backend)
+
+
+def test_hidden_too_large_for_ll(tmp_path):
+    model = write_model(
+        tmp_path / "wide", hidden_size=8192 + 128, num_attention_heads=4, head_dim=32
+    )
+    with pytest.raises(FlashInferEPConfigError, match="flashinfer_ep_high_throughput"):
+        engine_config(model, LOW_LATENCY)
+
+
+def test_missing_nccl_ep_names_the_package(tiny_moe, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n.startswith("nccl") else real(n, *a)
+    )
+    with pytest.raises(FlashInferEPConfigError, match="nccl-extensions>=0.1.0"):
+        engine_config(tiny_moe, LOW_LATENCY)
+
+
+def test_old_torch_cuda_is_refused(tiny_moe, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(FlashInferEPConfigError, match="CUDA >= 13"):
+        engine_config(tiny_moe, LOW_LATENCY)
+
+
+def test_noop_backend_warns(tiny_moe, caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = engine_config(tiny_moe, LOW_LATENCY, data_parallel_size=1)
+    assert not cfg.parallel_config.use_all2all
+    assert "does nothing here" in caplog.text
+
+
+def test_other_backends_untouched(tiny_moe):
+    cfg = engine_config(tiny_moe, "allgather_reducescatter", dtype="float16")
+    assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"

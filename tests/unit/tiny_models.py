@@ -1,0 +1,37 @@
+"""Locally generated tiny Hugging Face configs (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+QWEN3_MOE: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 1000,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "mlp_only_layers": [],
+}
+
+
+def write_model(root: Path, **overrides: Any) -> str:
+    cfg = dict(QWEN3_MOE, **overrides)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return str(root)
