@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from tiny_models import write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep import envs
@@ -13,8 +14,6 @@ from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL
 from vllm_flashinfer_ep.vllm import cudagraph_policy
-
-from tiny_models import write_model
 
 vllm_flashinfer_ep.register()
 

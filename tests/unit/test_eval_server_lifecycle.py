@@ -327,8 +327,11 @@ def test_exception_inside_context_still_stops_server(tmp_path: Path, fake_server
     assert holder[0].proc is not None and holder[0].proc.poll() == -signal.SIGTERM
 
 
-def test_ctrl_c_of_the_cli_stops_server(tmp_path: Path, fake_server: Path, gsm8k_dir: Path) -> None:
-    """SIGINT to a real `python -m vllm_flashinfer_ep.evals` run: server gone, exit 130."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_of_the_cli_stops_server(
+    tmp_path: Path, fake_server: Path, gsm8k_dir: Path, sig: signal.Signals
+) -> None:
+    """SIGINT/SIGTERM to a real `python -m vllm_flashinfer_ep.evals` run: server gone, 130."""
     port = _free_port()
     pids = tmp_path / "pids.txt"
     exe = tmp_path / "bin"
@@ -373,7 +376,7 @@ def test_ctrl_c_of_the_cli_stops_server(tmp_path: Path, fake_server: Path, gsm8k
         assert proc.poll() is None, "".join(err_lines)
         time.sleep(0.2)
     server_pid = int(pids.read_text().split()[0])
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     assert proc.wait(timeout=30) == 130
     reader.join(timeout=5)
     assert not _alive(server_pid)

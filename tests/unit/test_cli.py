@@ -1,0 +1,62 @@
+"""The console script: doctor and bench on a machine without GPUs."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import write_model
+
+from vllm_flashinfer_ep import cli, doctor
+from vllm_flashinfer_ep.bench import run as bench
+
+
+def test_doctor_reports_and_fails_without_gpu(tmp_path, capsys):
+    model = write_model(tmp_path / "m")
+    rc = cli.main(["doctor", "--model", model])
+    out = capsys.readouterr().out
+    assert "vllm: 0.33.0" in out and "flashinfer-python: 0.7.2.post1" in out
+    assert "128 -> rounded up to 2048" in out and "top_k: 2" in out
+    if "[FAIL]" in out:
+        assert rc == 1 and "problem(s)" in out
+    else:
+        assert rc == 0
+
+
+def test_doctor_model_checks(tmp_path):
+    wide = doctor.model_checks(write_model(tmp_path / "w", hidden_size=9000))
+    assert not next(c for c in wide if c.name == "LL hidden size").ok
+    many = doctor.model_checks(write_model(tmp_path / "k", num_experts_per_tok=20))
+    topk = next(c for c in many if c.name == "top_k")
+    assert not topk.ok and "high_throughput only" in topk.fix
+    quant = doctor.model_checks(write_model(tmp_path / "q", quantization_config={"quant_method": "fp8"}))
+    assert not next(c for c in quant if c.name == "BF16 checkpoint").ok
+    assert not doctor.model_checks(str(tmp_path / "missing"))[0].ok
+
+
+def test_bench_refuses_without_gpu(capsys):
+    assert cli.main(["bench", "--tokens", "1,8"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_arguments():
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "--layers", "4", "--tokens", "1,2,4", "--hidden", "4096", "--top-k", "8"])
+    assert args.layers == 4 and args.tokens == [1, 2, 4] and args.hidden == 4096
+    bench.validate_arguments(args)
+    for bad in (["--hidden", "3072"], ["--steps", "10"], ["--top-k", "17"]):
+        with pytest.raises(SystemExit):
+            bench.validate_arguments(parser.parse_args(["bench", *bad]))
+
+
+def test_bench_table_and_json(tmp_path):
+    import json
+
+    row = bench.Row(8, median_ms={m: 1.0 for m in bench.MODES}, min_ms={m: 0.9 for m in bench.MODES},
+                    max_ms={m: 1.1 for m in bench.MODES}, pool_bytes_per_size=11e6)
+    row.median_ms["fresh"] = 3.0
+    args = cli.build_parser().parse_args(["bench"])
+    table = bench.format_table([row], args, 1)
+    assert "3.00x" in table and "11.0" in table
+    path = tmp_path / "b.json"
+    bench.write_json([row], args, 1, str(path))
+    data = json.loads(path.read_text())
+    assert data["rows"][0]["fresh_over_graph"] == 3.0 and data["world_size"] == 1

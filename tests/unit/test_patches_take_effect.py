@@ -1,0 +1,189 @@
+"""Each vLLM touch point: the patch is applied and changes vLLM's behaviour."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vllm_flashinfer_ep
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.limits import SUPPORTED_HIDDEN_SIZES
+
+vllm_flashinfer_ep.register()
+
+
+def moe_parallel_config(backend: str, dp: int = 2, ep: bool = True):
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    fields = FusedMoEParallelConfig.__dataclass_fields__
+    values = {name: 1 for name in fields}
+    values.update(
+        dict(use_ep=ep, all2all_backend=backend, enable_eplb=False, dp_size=dp, ep_size=dp,
+             ep_rank=0, dp_rank=0, tp_rank=0, pcp_rank=0, sp_size=1)
+    )
+    values = {k: v for k, v in values.items() if k in fields and fields[k].init}
+    return FusedMoEParallelConfig(**values)
+
+
+def test_batched_activation_format_for_ll_only():
+    assert moe_parallel_config(LOW_LATENCY).use_batched_activation_format is True
+    assert moe_parallel_config(HIGH_THROUGHPUT).use_batched_activation_format is False
+    assert moe_parallel_config(LOW_LATENCY, dp=1).use_batched_activation_format is False
+    assert moe_parallel_config("deepep_low_latency").use_batched_activation_format is True
+
+
+@pytest.mark.parametrize("hidden,want", [(128, 2048), (2048, 2048), (3072, 4096), (7000, 7168)])
+def test_hidden_size_round_up_logged(hidden, want, caplog):
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+
+    with caplog.at_level(logging.INFO):
+        got = all2all_utils.maybe_roundup_layer_hidden_size(hidden, torch.bfloat16, moe_parallel_config(LOW_LATENCY))
+    assert got == want and got in SUPPORTED_HIDDEN_SIZES
+    if hidden != want:
+        assert f"rounding MoE hidden size {hidden} up to {want}" in caplog.text
+
+
+def test_hidden_size_untouched_for_ht_and_the_function_local_import():
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+
+    assert all2all_utils.maybe_roundup_layer_hidden_size(3000, torch.bfloat16, moe_parallel_config(HIGH_THROUGHPUT)) == 3000
+    # fused_moe_method_base imports it function-locally from the module: the module attribute is ours
+    assert getattr(all2all_utils.maybe_roundup_layer_hidden_size, "__flashinfer_ep_patch__", False)
+
+
+def test_ft_backend_set_has_ll_only():
+    import vllm.v1.worker.sentinel.gpu_worker_sentinel as sentinel
+
+    assert LOW_LATENCY in sentinel.FT_BACKEND_SET
+    assert HIGH_THROUGHPUT not in sentinel.FT_BACKEND_SET
+    assert {"deepep_low_latency", "nixl_ep"} <= sentinel.FT_BACKEND_SET
+
+
+def test_sequence_parallel_moe_for_both_backends():
+    from vllm.config import ParallelConfig
+
+    for backend in (LOW_LATENCY, HIGH_THROUGHPUT):
+        par = ParallelConfig(all2all_backend=backend, data_parallel_size=2, tensor_parallel_size=2,
+                             enable_expert_parallel=True)
+        assert par.use_sequence_parallel_moe and par.use_all2all
+
+
+def test_prepare_finalize_rebound_in_importers():
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.oracle import fp8, unquantized
+
+    wrapper = all2all_utils.maybe_make_prepare_finalize
+    assert getattr(wrapper, "__flashinfer_ep_patch__", False)
+    assert unquantized.maybe_make_prepare_finalize is wrapper
+    assert fp8.maybe_make_prepare_finalize is wrapper
+
+
+class _Manager:
+    world_size = 2
+
+    def __init__(self):
+        self.calls = []
+
+    def get_handle(self, kwargs):
+        self.calls.append(kwargs)
+        return SimpleNamespace(world_size=2, capacity=kwargs["max_num_tokens_per_rank"])
+
+
+def _moe(backend: str):
+    return SimpleNamespace(
+        moe_parallel_config=moe_parallel_config(backend), num_experts=16,
+        max_num_tokens=256, hidden_dim=2048, experts_per_token=4,
+    )
+
+
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_prepare_finalize_selection_builds_ours(backend):
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEActivationFormat
+
+    from vllm_flashinfer_ep.vllm.prepare_finalize import (
+        FlashInferEPHighThroughputPrepareAndFinalize,
+        FlashInferEPLowLatencyPrepareAndFinalize,
+    )
+
+    mgr = _Manager()
+    pf = all2all_utils.maybe_make_prepare_finalize(_moe(backend), None, all2all_manager=mgr)
+    want = FlashInferEPLowLatencyPrepareAndFinalize if backend == LOW_LATENCY else FlashInferEPHighThroughputPrepareAndFinalize
+    assert type(pf) is want
+    assert mgr.calls == [dict(num_experts=16, max_num_tokens_per_rank=256, hidden_size=2048, top_k=4)]
+    fmt = FusedMoEActivationFormat.BatchedExperts if backend == LOW_LATENCY else FusedMoEActivationFormat.Standard
+    assert pf.activation_format == fmt
+    assert pf.topk_indices_dtype() == torch.int64 and pf.num_dispatchers() == 2 and pf.output_is_reduced()
+    if backend == LOW_LATENCY:
+        assert pf.max_num_tokens_per_rank() == 256
+
+
+def test_prepare_finalize_selection_refuses_quantized_and_monolithic():
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+
+    quant = SimpleNamespace(quant_dtype=torch.float8_e4m3fn)
+    with pytest.raises(FlashInferEPConfigError, match="BF16 only"):
+        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), quant, all2all_manager=_Manager())
+    with pytest.raises(FlashInferEPConfigError, match="--moe-backend triton"):
+        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, None, False, True, _Manager())
+
+
+# ----------------------------------------------------------- CudaCommunicator
+class _FakeGroup:
+    pass
+
+
+def _run_comm_init(monkeypatch, backend: str, unique_name: str, use_all2all: bool):
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    from vllm_flashinfer_ep.vllm import managers
+    from vllm_flashinfer_ep.vllm.patches.worker import cuda_communicator as patch
+
+    seen = {}
+
+    def fake_original(self, cpu_group, device=None, device_group=None, unique_name="",
+                      global_ranks=None, global_world_size=None, tcp_store_group=None, use_all2all=False):
+        seen["use_all2all"] = use_all2all
+        self.cpu_group = cpu_group
+        self.is_ep_communicator = unique_name.split(":")[0] == "ep"
+        self.use_all2all = self.is_ep_communicator and use_all2all
+        self.all2all_manager = None
+
+    class FakeManager:
+        def __init__(self, cpu_group, tcp_store_group=None):
+            self.cpu_group = cpu_group
+
+    wrapper = CudaCommunicator.__init__
+    monkeypatch.setattr(patch, "_backend_of_current_config", lambda: backend)
+    if backend in managers.MANAGERS:
+        monkeypatch.setitem(managers.MANAGERS, backend, FakeManager)
+    comm = object.__new__(CudaCommunicator)
+    # call the wrapper with the original swapped for a stand-in (closure cell)
+    cell = next(c for c in wrapper.__closure__ if getattr(c.cell_contents, "__name__", "") == "__init__")
+    real = cell.cell_contents
+    cell.cell_contents = fake_original
+    try:
+        wrapper(comm, _FakeGroup(), unique_name=unique_name, use_all2all=use_all2all)
+    finally:
+        cell.cell_contents = real
+    return comm, seen, FakeManager
+
+
+def test_communicator_installs_our_manager_on_ep_group(monkeypatch):
+    comm, seen, fake_mgr = _run_comm_init(monkeypatch, LOW_LATENCY, "ep:0", True)
+    assert seen["use_all2all"] is False  # vLLM's if/elif never sees our name
+    assert comm.use_all2all is True and isinstance(comm.all2all_manager, fake_mgr)
+
+
+def test_communicator_leaves_non_ep_groups_alone(monkeypatch):
+    comm, seen, _ = _run_comm_init(monkeypatch, HIGH_THROUGHPUT, "tp:0", True)
+    assert comm.all2all_manager is None and comm.use_all2all is False
+
+
+def test_communicator_other_backends_pass_through(monkeypatch):
+    comm, seen, _ = _run_comm_init(monkeypatch, "allgather_reducescatter", "ep:0", True)
+    assert seen["use_all2all"] is True
