@@ -1,0 +1,694 @@
+"""A CPU fake of the `flashinfer.moe_ep` names the runtime uses (nccl_ep split path).
+
+Install it with `vllm_flashinfer_ep.runtime.transport.use_transport_module(fake_moe_ep)`
+(and remove it afterwards); `tests/fakes/runtime.py` has fixtures that do both.
+
+What it does: a REAL world-size-1 all2all in torch, on whatever device the tensors are
+on (CPU in unit tests):
+- LL (EXPERT_MAJOR): `expert_tensors` [E_local, max_tokens_per_rank * world, H], the
+  rows of each expert in token order (then slot order), padding rows poisoned with
+  NaN; `expert_counts` int32 [E_local]. Combine: out[t] = sum_k w[t, k] *
+  expert_out[e(t, k), row(t, k)], with `w` read from the weights tensor BOUND at
+  handle creation (HandleAlgoKnobTopKWeights), written into `out` in place if given.
+- HT (FLAT): received rows front-packed in token order, `recv_topk_idx` local expert
+  ids (-1 = expert on another rank), `recv_topk_weights` from the bound weights; the
+  received count is written into the HandleAlgoKnobNumReceivedTokens target at
+  create and at every update. Combine sums each received (pre-reduced) row back into
+  its source token.
+
+What it enforces, with FlashInfer's exception types and message style
+(flashinfer/moe_ep/backends/split/comm/nccl_ep/{fleet,handle}.py):
+- `Handle.update`: same top_k (ValueError), exactly the creation token count
+  (ValueError), contiguous ids (ValueError); the first update of a handle cannot be
+  the captured one (RuntimeError).
+- `dispatch`: activation rows must equal the handle's token count, and may not exceed
+  max_tokens_per_rank (MoEEpConfigError, a ValueError).
+- `create_handle` under capture raises (NCCL-EP: handles are created outside capture).
+- use of a destroyed handle or fleet raises RuntimeError; combine needs a dispatch.
+- LL hidden sizes as `validate_ll_hidden_size`; FT only with LOW_LATENCY.
+- FT calls (`query_active_mask`, `query_fault`, `set_active_mask`,
+  `clear_faults(readmit=True)`) raise under capture, like `reject_graph_capture`.
+
+Capture state is read at call time from `vllm_flashinfer_ep.runtime.capture.is_capturing`
+(the module attribute), so a test that patches it (see `runtime.CaptureSwitch`) drives
+the fake and the runtime together.
+
+Every collective is appended to `FakeFleet.log` as a `Call(op, handle, tokens)`;
+`handles_created` / `handles_alive` count native handles.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from vllm_flashinfer_ep.runtime import capture
+
+# flashinfer/moe_ep/core/validation/common.py `_NCCL_EP_LL_HIDDEN_SIZES` (copied, not
+# imported, to keep the fake light; tests/unit/test_kernel_matrix.py checks they agree).
+NCCL_EP_LL_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+# flashinfer/moe_ep/backends/split/comm/nccl_ep/fleet.py `_HT_MAX_SUPPORTED_TOKENS_PER_RANK`.
+HT_MAX_SUPPORTED_TOKENS_PER_RANK = 8192
+# flashinfer/moe_ep/core/comm/fault_tolerance.py
+ACTIVE = 1
+MASKED = 0
+
+
+# --------------------------------------------------------------------------- errors
+class MoEEpConfigError(ValueError):
+    """Raised when an EP config field is out-of-range for the chosen backend."""
+
+
+class MoEEpFaultToleranceUnsupportedError(RuntimeError):
+    """Raised when an FT API is called on a Fleet that can't serve it."""
+
+
+# ------------------------------------------------------------------- config types
+class EpAlgorithm(enum.Enum):
+    LOW_LATENCY = 0
+    HIGH_THROUGHPUT = 1
+
+
+class EpLayout(enum.Enum):
+    EXPERT_MAJOR = 1
+    RANK_MAJOR = 2
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    world_size: int
+    rank: int
+    stream: int = 0
+    auto_bootstrap: bool = True
+    device: int | None = field(default=None, kw_only=True)
+    nccl_comm: int | None = None
+    process_group: Any = field(default=None, compare=False, hash=False)
+    tcp_store: Any = None
+
+    def __post_init__(self) -> None:
+        if self.world_size <= 0:
+            raise ValueError(f"world_size must be positive, got {self.world_size}")
+        if not (0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank} not in [0, {self.world_size})")
+        if self.device is not None and self.device < 0:
+            raise ValueError(f"device must be non-negative, got {self.device}")
+
+
+@dataclass(frozen=True)
+class FleetParams:
+    num_experts: int
+    max_tokens_per_rank: int
+    token_hidden_size: int
+    dtype_bytes: int = 2
+    algorithm: EpAlgorithm = EpAlgorithm.LOW_LATENCY
+    layout: EpLayout = EpLayout.EXPERT_MAJOR
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "max_tokens_per_rank", "token_hidden_size", "dtype_bytes"):
+            v = getattr(self, name)
+            if v <= 0:
+                raise ValueError(f"FleetParams.{name} must be positive, got {v}")
+        if self.layout is EpLayout.RANK_MAJOR and self.algorithm is not EpAlgorithm.LOW_LATENCY:
+            raise ValueError(
+                "FleetParams.layout=RANK_MAJOR is only valid with algorithm=LOW_LATENCY "
+                "(HT uses the FLAT layout)."
+            )
+
+
+@dataclass(frozen=True)
+class HandleParams:
+    topk_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DispatchInputParams:
+    x: Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    expert_tensors: torch.Tensor
+    num_tokens: int
+    recv_topk_idx: torch.Tensor | None = None
+    recv_topk_weights: torch.Tensor | None = None
+    expert_counts: torch.Tensor | None = None
+    recv_total_counter: torch.Tensor | None = None
+    expert_scales: torch.Tensor | None = None
+
+    def get_num_tokens(self) -> int:
+        return self.num_tokens
+
+
+@dataclass(frozen=True)
+class CombineInputParams:
+    x: Sequence[torch.Tensor]
+    out: torch.Tensor | None = None
+    out_is_stable: bool = False
+
+
+@dataclass(frozen=True)
+class CombineOutput:
+    x: torch.Tensor
+
+
+# -------------------------------------------------------------------------- knobs
+class AlgoKnob:
+    """Base marker for both Fleet and Handle knobs."""
+
+
+@dataclass(frozen=True)
+class FleetAlgoKnobAllocator(AlgoKnob):
+    torch_caching: bool = False
+    alloc_fn: int = 0
+    free_fn: int = 0
+    context: int = 0
+
+    def __post_init__(self) -> None:
+        if self.torch_caching and (self.alloc_fn or self.free_fn):
+            raise ValueError(
+                "FleetAlgoKnobAllocator: set either torch_caching=True OR explicit "
+                "alloc_fn/free_fn addresses, not both."
+            )
+
+
+@dataclass(frozen=True)
+class FleetAlgoKnobRdmaBufferSize(AlgoKnob):
+    bytes_: int
+
+
+@dataclass(frozen=True)
+class FleetAlgoKnobFaultTolerance(AlgoKnob):
+    enabled: bool = True
+    timeout_ms: int = 0
+    reconcile_timeout_s: float = 30.0
+    coordinator_takeover_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_ms < 0:
+            raise ValueError(
+                "FleetAlgoKnobFaultTolerance.timeout_ms must be >= 0 "
+                f"(0 = transport default), got {self.timeout_ms}"
+            )
+
+
+@dataclass(frozen=True)
+class FleetAlgoKnobNumChannelsPerRank(AlgoKnob):
+    n: int
+
+
+@dataclass(frozen=True)
+class FleetAlgoKnobNumQpsPerRank(AlgoKnob):
+    n: int
+
+
+@dataclass(frozen=True)
+class HandleAlgoKnobTopKWeights(AlgoKnob):
+    weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HandleAlgoKnobNumReceivedTokens(AlgoKnob):
+    target: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HandleAlgoKnobUserStream(AlgoKnob):
+    stream: int
+
+
+def _index_knobs(knobs: Sequence[AlgoKnob]) -> dict[type, AlgoKnob]:
+    out: dict[type, AlgoKnob] = {}
+    for k in knobs:
+        if not isinstance(k, AlgoKnob):
+            raise TypeError(f"expected AlgoKnob, got {type(k).__name__}")
+        out[type(k)] = k
+    return out
+
+
+# ----------------------------------------------------------------------- call log
+class Call(NamedTuple):
+    """One collective (or FT) call as the fleet saw it."""
+
+    op: str  # create_handle | update | dispatch | combine | destroy | <ft op>
+    handle: int | None  # fleet-local handle id (None for fleet-level calls)
+    tokens: int | None  # routing rows the call was made with
+
+
+def _capturing() -> bool:
+    # Looked up at call time so a monkeypatched `capture.is_capturing` is honoured.
+    return bool(capture.is_capturing())
+
+
+def _reject_graph_capture(op: str) -> None:
+    if _capturing():
+        raise RuntimeError(
+            f"Fleet.{op}() must not be called during CUDA-graph capture: capturing it "
+            "would freeze fault state. Call it from the host between graph replays."
+        )
+
+
+# -------------------------------------------------------------------------- fleet
+class FakeFleet:
+    """World-size-1 NCCL-EP fleet in torch, with a call log and FT test hooks."""
+
+    def __init__(
+        self, bootstrap: BootstrapConfig, params: FleetParams, algo_knobs: Sequence[AlgoKnob] = ()
+    ) -> None:
+        if params.algorithm is EpAlgorithm.LOW_LATENCY and (
+            params.token_hidden_size not in NCCL_EP_LL_HIDDEN_SIZES
+        ):
+            supported = ", ".join(str(h) for h in NCCL_EP_LL_HIDDEN_SIZES)
+            raise MoEEpConfigError(
+                "nccl_ep low-latency does not support token_hidden_size="
+                f"{params.token_hidden_size}. Its kernels are instantiated only for: "
+                f"{supported}"
+            )
+        if params.num_experts % bootstrap.world_size != 0:
+            raise MoEEpConfigError(
+                f"num_experts={params.num_experts} is not divisible by "
+                f"world_size={bootstrap.world_size}"
+            )
+        if (
+            params.algorithm is EpAlgorithm.HIGH_THROUGHPUT
+            and params.max_tokens_per_rank > HT_MAX_SUPPORTED_TOKENS_PER_RANK
+        ):
+            params = FleetParams(
+                num_experts=params.num_experts,
+                max_tokens_per_rank=HT_MAX_SUPPORTED_TOKENS_PER_RANK,
+                token_hidden_size=params.token_hidden_size,
+                dtype_bytes=params.dtype_bytes,
+                algorithm=params.algorithm,
+                layout=params.layout,
+            )
+        self.knobs = _index_knobs(algo_knobs)
+        ft = self.knobs.get(FleetAlgoKnobFaultTolerance)
+        self._ft = ft if (ft is not None and ft.enabled) else None  # type: ignore[attr-defined]
+        if self._ft is not None and params.algorithm is not EpAlgorithm.LOW_LATENCY:
+            raise MoEEpConfigError(
+                "FleetAlgoKnobFaultTolerance is supported only with "
+                "EpAlgorithm.LOW_LATENCY on nccl_ep."
+            )
+        self._params = params
+        self._bootstrap = bootstrap
+        self._destroyed = False
+        self._any_handle_created = False
+        self._ids = itertools.count()
+        self._hot: dict[str, torch.Tensor] = {}
+        self.log: list[Call] = []
+        self.ft_log: list[str] = []
+        self.handles: list[Handle] = []
+        self.handles_created = 0
+        # FT state: a fleet-owned mask buffer (1 = active), returned as-is like
+        # NcclEpFleet.query_active_mask, and the pinned host "async error" flag.
+        self._mask = torch.full((bootstrap.world_size,), ACTIVE, dtype=torch.int32)
+        self._async_error = False
+
+    # ------------------------------------------------------------ properties
+    @property
+    def params(self) -> FleetParams:
+        return self._params
+
+    @property
+    def bootstrap(self) -> BootstrapConfig:
+        return self._bootstrap
+
+    @property
+    def stream(self) -> int:
+        return self._bootstrap.stream
+
+    @property
+    def num_local_experts(self) -> int:
+        return self._params.num_experts // self._bootstrap.world_size
+
+    @property
+    def handles_alive(self) -> int:
+        return sum(1 for h in self.handles if not h.destroyed)
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def calls(self, op: str | None = None) -> list[Call]:
+        return [c for c in self.log if op is None or c.op == op]
+
+    # ------------------------------------------------------------ handles
+    def create_handle(self, params: HandleParams, algo_knobs: Sequence[AlgoKnob] = ()) -> Handle:
+        self._check_alive()
+        if _capturing():
+            raise RuntimeError(
+                "create_handle: NCCL-EP handle creation allocates and must run outside "
+                "CUDA-graph capture (nccl_ep.h: all Handles must be created before the "
+                "beginning of the CUDA graph capture)."
+            )
+        self._any_handle_created = True
+        handle = Handle(self, next(self._ids), params, algo_knobs)
+        self.handles.append(handle)
+        self.handles_created += 1
+        return handle
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self.log.append(Call("fleet_destroy", None, None))
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("Fleet used after destroy()")
+
+    def _buffer(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        buf = self._hot.get(key)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            self._hot[key] = buf
+        return buf
+
+    # ------------------------------------------------------- fault tolerance
+    @property
+    def supports_fault_tolerance(self) -> bool:
+        return self._ft is not None
+
+    @property
+    def fault_tolerance_knob(self) -> FleetAlgoKnobFaultTolerance | None:
+        return self._ft
+
+    def _require_ft(self, op: str) -> None:
+        if self._ft is None:
+            raise MoEEpFaultToleranceUnsupportedError(
+                f"Fleet.{op}() needs FleetAlgoKnobFaultTolerance at Fleet construction"
+            )
+
+    def query_active_mask(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._require_ft("query_active_mask")
+        _reject_graph_capture("query_active_mask")
+        self.ft_log.append("query_active_mask")
+        return self._mask if out is None else out.copy_(self._mask)
+
+    def query_fault(self) -> bool:
+        self._require_ft("query_fault")
+        _reject_graph_capture("query_fault")
+        self.ft_log.append("query_fault")
+        return self._async_error
+
+    def set_active_mask(self, mask: Sequence[int] | torch.Tensor) -> None:
+        self._require_ft("set_active_mask")
+        _reject_graph_capture("set_active_mask")
+        values = [int(v) for v in (mask.tolist() if isinstance(mask, torch.Tensor) else mask)]
+        if len(values) != self._bootstrap.world_size:
+            raise ValueError(
+                f"mask has {len(values)} entries, expected {self._bootstrap.world_size}"
+            )
+        if values[self._bootstrap.rank] != ACTIVE:
+            raise ValueError(
+                f"rank {self._bootstrap.rank} cannot mask itself (mask[rank] must be 1)"
+            )
+        self.ft_log.append("set_active_mask")
+        self._mask.copy_(torch.tensor([ACTIVE if v == ACTIVE else MASKED for v in values]))
+
+    def clear_faults(self, *, readmit: bool = False) -> None:
+        self._require_ft("clear_faults")
+        if readmit:
+            _reject_graph_capture("clear_faults")
+            if not self._any_handle_created:
+                raise RuntimeError(
+                    "clear_faults(readmit=True) requires at least one handle to have been "
+                    "created on this Fleet."
+                )
+            self._mask.fill_(ACTIVE)
+        self.ft_log.append(f"clear_faults(readmit={readmit})")
+        self._async_error = False
+
+    # Test hooks (what NCCL-EP's kernels would do when a peer times out).
+    def mask_rank(self, rank: int) -> None:
+        """A peer timed out: NCCL-EP masks it in the device mask (in place)."""
+        if rank == self._bootstrap.rank:
+            raise ValueError("a rank never masks itself")
+        self._mask[rank] = MASKED
+
+    def raise_fault_flag(self) -> None:
+        """NCCL-EP set its pinned host async-error flag."""
+        self._async_error = True
+
+
+# ------------------------------------------------------------------------- handle
+class Handle:
+    """Fake NcclEpHandle: fixed token count and top_k, weights bound at creation."""
+
+    def __init__(
+        self, fleet: FakeFleet, handle_id: int, params: HandleParams, algo_knobs: Sequence[AlgoKnob]
+    ) -> None:
+        self._fleet = fleet
+        self.id = handle_id
+        self.knobs = _index_knobs(algo_knobs)
+        self.destroyed = False
+        self._is_ht = fleet.params.algorithm is EpAlgorithm.HIGH_THROUGHPUT
+        ids = params.topk_ids
+        self._num_tokens = int(ids.shape[0])
+        self._top_k = int(ids.shape[1])
+        tw = self.knobs.get(HandleAlgoKnobTopKWeights)
+        # Bound, not copied: NCCL-EP reads this memory at every dispatch/combine.
+        self.bound_weights: torch.Tensor | None = tw.weights if tw is not None else None  # type: ignore[attr-defined]
+        self._recv_target: torch.Tensor | None = None
+        knob = self.knobs.get(HandleAlgoKnobNumReceivedTokens)
+        if knob is not None and self._is_ht:
+            target = knob.target  # type: ignore[attr-defined]
+            if target.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    "HandleAlgoKnobNumReceivedTokens.target must be int32 or int64, "
+                    f"got {target.dtype}"
+                )
+            if target.numel() < 1:
+                raise ValueError(
+                    "HandleAlgoKnobNumReceivedTokens.target must have >= 1 element, "
+                    f"got shape {tuple(target.shape)}"
+                )
+            self._recv_target = target
+        # create_handle = InitHandle + UpdateHandle; like NcclEpHandle, creation does not
+        # count as the "eager update" that allows a later captured one.
+        self._ran_outside_capture = False
+        self._dispatched = False
+        self._bind(ids)
+        fleet.log.append(Call("create_handle", self.id, self._num_tokens))
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def top_k(self) -> int:
+        return self._top_k
+
+    # ----------------------------------------------------------------- update
+    def update(self, params: HandleParams) -> None:
+        self._check_alive("update")
+        ids = params.topk_ids
+        if ids.shape[1] != self._top_k:
+            raise ValueError(
+                "Handle.update cannot change top_k: handle was created with "
+                f"top_k={self._top_k}, got {ids.shape[1]}. Create a new handle instead."
+            )
+        if ids.shape[0] != self._num_tokens:
+            raise ValueError(
+                "Handle.update cannot change the token count: handle was created with "
+                f"{self._num_tokens} tokens, got {ids.shape[0]}. The topk_weights bound at "
+                "creation (HandleAlgoKnobTopKWeights) still describe the original rows, so "
+                "a different count would desynchronize combine. Create a new handle instead."
+            )
+        if ids.device != self.bound_ids.device:
+            raise ValueError(
+                f"Handle.update: topk_ids moved device, {self.bound_ids.device} -> {ids.device}."
+            )
+        if not ids.is_contiguous():
+            raise ValueError("Handle.update: topk_ids must be contiguous.")
+        if _capturing():
+            if not self._ran_outside_capture:
+                raise RuntimeError(
+                    "Handle.update: the first update on this handle cannot be the captured "
+                    "one -- nothing inside a capture can order it after InitHandle. Run one "
+                    "update outside the capture first (the standard warmup does this), having "
+                    "synchronized before capture began (torch.cuda.graph does this for you)."
+                )
+        else:
+            self._ran_outside_capture = True
+        self._bind(ids)
+        self._dispatched = False
+        self._fleet.log.append(Call("update", self.id, self._num_tokens))
+
+    def _bind(self, ids: torch.Tensor) -> None:
+        # The tensor the caller passed (tests check its identity) and the routing the
+        # native metadata step computed from it at this point in stream order.
+        self.bound_ids = ids
+        self._routing = ids.to(torch.int64).clone()
+        if self._recv_target is not None:
+            self._recv_target.fill_(self._received_tokens().numel())
+
+    # --------------------------------------------------------------- dispatch
+    def dispatch(self, params: DispatchInputParams) -> DispatchOutput:
+        self._check_alive("dispatch")
+        x = params.x[0]
+        if x.shape[0] != self._num_tokens:
+            raise MoEEpConfigError(
+                f"dispatch received {x.shape[0]} activation rows but the handle's routing "
+                f"has {self._num_tokens}. Pass the same token count as the topk_ids this "
+                "handle was created with or last updated to."
+            )
+        max_per_rank = self._fleet.params.max_tokens_per_rank
+        if x.shape[0] > max_per_rank:
+            algo = "HT" if self._is_ht else "LL"
+            raise MoEEpConfigError(
+                f"nccl_ep {algo} dispatch received {x.shape[0]} tokens on this rank, "
+                f"exceeding max_tokens_per_rank ({max_per_rank})."
+            )
+        if self._fleet.bootstrap.world_size != 1:
+            raise NotImplementedError("the fake transport moves tokens at world size 1 only")
+        out = self._dispatch_ht(x) if self._is_ht else self._dispatch_ll(x)
+        self._dispatched = True
+        self._fleet.log.append(Call("dispatch", self.id, self._num_tokens))
+        return out
+
+    def _local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local expert id per slot or -1, slot is routed to this rank)."""
+        e_local = self._fleet.num_local_experts
+        first = self._fleet.bootstrap.rank * e_local
+        ids = self._routing
+        here = (ids >= first) & (ids < first + e_local)
+        return torch.where(here, ids - first, torch.full_like(ids, -1)), here
+
+    def _received_tokens(self) -> torch.Tensor:
+        _, here = self._local()
+        return here.any(dim=1).nonzero().flatten()
+
+    def _dispatch_ll(self, x: torch.Tensor) -> DispatchOutput:
+        e_local = self._fleet.num_local_experts
+        rows = self._fleet.params.max_tokens_per_rank * self._fleet.bootstrap.world_size
+        out = self._fleet._buffer("ll_recv_buf", (e_local, rows, x.shape[1]), x.dtype, x.device)
+        counts = self._fleet._buffer("ll_recv_count", (e_local,), torch.int32, x.device)
+        out.fill_(float("nan"))  # padding is garbage in NCCL-EP; make reading it visible
+        local, here = self._local()
+        slot_row = torch.full_like(local, -1)
+        for e in range(e_local):
+            # Rows of expert e in (token, slot) order.
+            tok, slot = ((local == e) & here).nonzero(as_tuple=True)
+            n = int(tok.numel())
+            out[e, :n] = x[tok]
+            slot_row[tok, slot] = torch.arange(n, device=slot_row.device)
+            counts[e] = n
+        self._slot_row = slot_row
+        self._slot_expert = local
+        return DispatchOutput(expert_tensors=out, num_tokens=rows, expert_counts=counts)
+
+    def _dispatch_ht(self, x: torch.Tensor) -> DispatchOutput:
+        weights = self._require_weights("HT forward dispatch sends per-token routing weights")
+        world = self._fleet.bootstrap.world_size
+        max_per_rank = self._fleet.params.max_tokens_per_rank
+        num_recv = max_per_rank * world
+        h = x.shape[1]
+        out_t = self._fleet._buffer("ht_recv_x", (num_recv, h), x.dtype, x.device)
+        out_w = self._fleet._buffer("ht_recv_w", (num_recv, self._top_k), torch.float32, x.device)
+        out_idx = self._fleet._buffer("ht_recv_idx", (num_recv, self._top_k), torch.int64, x.device)
+        out_t.fill_(float("nan"))
+        out_w.fill_(float("nan"))
+        out_idx.fill_(-(2**40))
+        local, _ = self._local()
+        tokens = self._received_tokens()
+        n = int(tokens.numel())
+        out_t[:n] = x[tokens]
+        out_idx[:n] = local[tokens]
+        out_w[:n] = weights.to(torch.float32)[tokens]
+        self._recv_tokens = tokens
+        return DispatchOutput(
+            expert_tensors=out_t.view(world, max_per_rank, h),
+            num_tokens=num_recv,
+            recv_topk_idx=out_idx,
+            recv_topk_weights=out_w,
+            recv_total_counter=self._recv_target,
+        )
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, params: CombineInputParams) -> CombineOutput:
+        self._check_alive("combine")
+        if not self._dispatched:
+            raise RuntimeError("Handle.combine called before dispatch on this routing")
+        x = params.x[0]
+        hidden = self._fleet.params.token_hidden_size
+        out = params.out
+        if out is None:
+            out = torch.empty(self._num_tokens, hidden, dtype=x.dtype, device=x.device)
+        if tuple(out.shape) != (self._num_tokens, hidden):
+            raise ValueError(
+                f"combine out has shape {tuple(out.shape)}, expected {(self._num_tokens, hidden)}"
+            )
+        acc = torch.zeros(self._num_tokens, hidden, dtype=torch.float32, device=x.device)
+        if self._is_ht:
+            x2d = x.reshape(-1, hidden)
+            n = int(self._recv_tokens.numel())
+            acc.index_add_(0, self._recv_tokens, x2d[:n].float())
+        else:
+            weights = self._require_weights("NCCL EP LL needs per-token weights to reweight on combine")
+            e_local = self._fleet.num_local_experts
+            rows = self._fleet.params.max_tokens_per_rank * self._fleet.bootstrap.world_size
+            if tuple(x.shape) != (e_local, rows, hidden):
+                raise ValueError(
+                    f"LL combine input has shape {tuple(x.shape)}, expected {(e_local, rows, hidden)}"
+                )
+            # Read the bound weights NOW (like the native combine), not at creation.
+            w = weights.to(torch.float32)
+            tok, slot = (self._slot_row >= 0).nonzero(as_tuple=True)
+            vals = x[self._slot_expert[tok, slot], self._slot_row[tok, slot]].float()
+            acc.index_add_(0, tok, vals * w[tok, slot].unsqueeze(1))
+        out.copy_(acc.to(out.dtype))
+        self._fleet.log.append(Call("combine", self.id, self._num_tokens))
+        return CombineOutput(x=out)
+
+    def complete(self) -> None:
+        """No-op, like NcclEpHandle.complete in non-staged mode."""
+
+    def destroy(self) -> None:
+        if self.destroyed:
+            return
+        self.destroyed = True
+        self._fleet.log.append(Call("destroy", self.id, self._num_tokens))
+
+    # ---------------------------------------------------------------- helpers
+    def _check_alive(self, op: str) -> None:
+        if self.destroyed:
+            raise RuntimeError(f"Handle.{op}() called on a destroyed handle (id {self.id})")
+        self._fleet._check_alive()
+
+    def _require_weights(self, why: str) -> torch.Tensor:
+        if self.bound_weights is None:
+            raise ValueError(
+                f"NcclEpHandle requires HandleAlgoKnobTopKWeights set at handle creation ({why})."
+            )
+        return self.bound_weights
+
+
+# ---------------------------------------------------------------------- factories
+_FLEET_REGISTRY = {"nccl_ep": FakeFleet}
+
+
+def create_fleet(
+    bootstrap: BootstrapConfig,
+    params: FleetParams,
+    algo_knobs: Sequence[AlgoKnob] = (),
+    backend: str | object = "nccl_ep",
+) -> FakeFleet:
+    name = getattr(backend, "backend_name", backend)
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string or have a .backend_name str attr; got {backend!r}")
+    if name not in _FLEET_REGISTRY:
+        raise KeyError(f"unknown backend {name!r}; available: {sorted(_FLEET_REGISTRY)}")
+    return _FLEET_REGISTRY[name](bootstrap, params, algo_knobs)
+
+
+def supports_fault_tolerance(backend: str) -> bool:
+    return backend == "nccl_ep"
+
+
+def available_backends() -> list[str]:
+    return sorted(_FLEET_REGISTRY)
