@@ -1,0 +1,377 @@
+"""The prepare/finalize classes inside vLLM 0.33.0's real modular kernel, on CPU.
+
+`mk.FusedMoEKernel` (0.33.0's name for the modular kernel) runs prepare -> experts ->
+finalize over the fake NCCL-EP transport and is compared with a plain torch MoE
+(SiLU-gated MLP per expert, BF16).
+
+Experts on this host. vLLM 0.33.0 cannot run any of its experts on a CPU-only host
+with this wheel as they are:
+- `NaiveBatchedExperts` (the torch batched reference, experts/fused_batched_moe.py)
+  calls `torch.ops._C.silu_and_mul` through `apply_moe_activation` (vllm._C is not
+  importable here) and `_is_capturing_or_compiling()`, which asks
+  `torch.accelerator.current_stream()` and raises "Found no NVIDIA driver".
+- The Standard-format CPU experts (`CPUUnquantizedExperts`, experts/cpu_moe.py) need
+  vllm._C's `cpu_fused_moe`; `TritonExperts` needs Triton on a GPU; and the
+  weight-and-reduce that our HT finalize picks for delegating experts,
+  `TopKWeightAndReduceContiguous`, calls `ops.moe_sum` (torch.ops._moe_C).
+So LL runs vLLM's own `NaiveBatchedExperts` loop with two shims (a torch SiLU-and-mul,
+and the capture probe answered by the test), and HT runs a minimal torch
+Standard-format `FusedMoEExpertsModular` written here, with `ops.moe_sum` replaced by
+its torch equivalent where the Contiguous reduce is exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+import vllm._custom_ops as vllm_ops
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+)
+from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceDelegate,
+    TopKWeightAndReduceNoOP,
+)
+
+from tests.fakes.runtime import build_fake_runtime, installed_fake
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT as HT_BACKEND
+from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
+from vllm_flashinfer_ep.bench.reference import random_routing
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.vllm.prepare_finalize import (
+    FlashInferEPHighThroughputPrepareAndFinalize,
+    FlashInferEPLowLatencyPrepareAndFinalize,
+)
+
+HIDDEN = 2048  # smallest NCCL-EP LL hidden size
+INTER = 64  # intermediate size per partition (w1 is [E, 2 * INTER, HIDDEN])
+NUM_EXPERTS = 8
+CAPACITY = 16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fake(monkeypatch):
+    # No driver: answer NaiveBatchedExperts' capture probe (it would raise).
+    monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: False)
+    with installed_fake() as module:
+        yield module
+
+
+def _moe_config(top_k: int, backend: str) -> FusedMoEConfig:
+    parallel = dataclasses.replace(
+        FusedMoEParallelConfig.make_no_parallel(), use_ep=True, all2all_backend=backend
+    )
+    return FusedMoEConfig(
+        num_experts=NUM_EXPERTS,
+        experts_per_token=top_k,
+        hidden_dim=HIDDEN,
+        intermediate_size=INTER,
+        num_local_experts=NUM_EXPERTS,
+        num_logical_experts=NUM_EXPERTS,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=parallel,
+        in_dtype=torch.bfloat16,
+        max_num_tokens=CAPACITY,
+    )
+
+
+def _silu_and_mul(output: torch.Tensor, input: torch.Tensor) -> None:
+    d = input.shape[-1] // 2
+    output.copy_(F.silu(input[..., :d]) * input[..., d:])
+
+
+class TorchActNaiveBatchedExperts(fused_batched_moe.NaiveBatchedExperts):
+    """vLLM's NaiveBatchedExperts with a torch SiLU-and-mul (vllm._C is absent here)."""
+
+    def activation(self, activation, output, input, **kwargs) -> None:
+        assert activation == MoEActivation.SILU
+        _silu_and_mul(output, input)
+
+
+class NoOpReduceBatchedExperts(TorchActNaiveBatchedExperts):
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP()
+
+
+class TorchStandardExperts(mk.FusedMoEExpertsModular):
+    """Minimal Standard-format experts: rows [M, K] with per-row global topk ids.
+
+    `reduce_here=False`: writes unweighted per-(row, k) outputs [M, topk, K] and leaves
+    weighting to the P/F (TopKWeightAndReduceDelegate), like TritonExperts.
+    `reduce_here=True`: weighs and reduces itself into [M, K] (TopKWeightAndReduceNoOP),
+    like the CPU experts.
+    """
+
+    reduce_here = False
+
+    @staticmethod
+    def activation_format() -> mk.FusedMoEActivationFormat:
+        return mk.FusedMoEActivationFormat.Standard
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    @staticmethod
+    def _supports_no_act_and_mul() -> bool:
+        return False
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key, activation_key) -> bool:
+        return (weight_key, activation_key) == (None, None)
+
+    @staticmethod
+    def _supports_activation(activation: MoEActivation) -> bool:
+        return activation == MoEActivation.SILU
+
+    @staticmethod
+    def _supports_parallel_config(moe_parallel_config) -> bool:
+        return True
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta, activation):
+        out = (M, K) if self.reduce_here else (M, topk, K)
+        return (0,), (0,), out
+
+    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
+        return TopKWeightAndReduceNoOP() if self.reduce_here else TopKWeightAndReduceDelegate()
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ) -> None:
+        assert activation == MoEActivation.SILU
+        local_ids = expert_map[topk_ids] if expert_map is not None else topk_ids
+        per_slot = torch.zeros(*topk_ids.shape, hidden_states.shape[1], dtype=torch.float32)
+        for e in range(w1.shape[0]):
+            rows, slots = (local_ids == e).nonzero(as_tuple=True)
+            if rows.numel():
+                per_slot[rows, slots] = _expert_mlp(hidden_states[rows], w1[e], w2[e])
+        if self.reduce_here:
+            if not apply_router_weight_on_input:
+                per_slot = per_slot * topk_weights.float().unsqueeze(-1)
+            output.copy_(per_slot.sum(dim=1).to(output.dtype))
+        else:
+            output.copy_(per_slot.to(output.dtype))
+
+
+class ReducingStandardExperts(TorchStandardExperts):
+    reduce_here = True
+
+
+def _expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP of one expert in fp32 (vLLM layout: gate = first half of w1)."""
+    h = x.float() @ w1.float().t()
+    d = h.shape[-1] // 2
+    return (F.silu(h[:, :d]) * h[:, d:]) @ w2.float().t()
+
+
+def reference_moe(x, w1, w2, ids, weights, apply_router_weight_on_input):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            w = float(weights[t, k])
+            if apply_router_weight_on_input:
+                xin = (x[t : t + 1].float() * w).to(x.dtype)
+                out[t] += _expert_mlp(xin, w1[e], w2[e])[0]
+            else:
+                out[t] += w * _expert_mlp(x[t : t + 1], w1[e], w2[e])[0]
+    return out
+
+
+def _problem(num_tokens: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    w1 = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5).to(torch.bfloat16)
+    ids, weights = random_routing(num_tokens, NUM_EXPERTS, top_k, CPU, gen)
+    return x, w1, w2, ids, weights
+
+
+def _assert_bf16_close(out, expected):
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2 * scale)
+
+
+def _ll_kernel(rt, top_k, experts_cls=TorchActNaiveBatchedExperts, uniform=True):
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, uniform_fn=lambda: uniform)
+    # Built the way vLLM's oracle builds batched experts (oracle/unquantized.py).
+    experts = experts_cls(
+        _moe_config(top_k, LL_BACKEND),
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
+    )
+    return mk.FusedMoEKernel(pf, experts)
+
+
+def _apply(kernel, x, w1, w2, ids, weights, on_input):
+    return kernel.apply(
+        hidden_states=x,
+        w1=w1,
+        w2=w2,
+        topk_weights=weights,
+        topk_ids=ids,
+        activation=MoEActivation.SILU,
+        global_num_experts=NUM_EXPERTS,
+        expert_map=None,
+        apply_router_weight_on_input=on_input,
+    )
+
+
+CASES = [
+    pytest.param(1, False, id="top1"),
+    pytest.param(1, True, id="top1-weight-on-input"),
+    pytest.param(2, False, id="top2"),
+    pytest.param(4, False, id="top4"),
+]
+
+
+# ------------------------------------------------------------------------- LL
+@pytest.mark.parametrize(("top_k", "on_input"), CASES)
+@pytest.mark.parametrize("num_tokens", [1, 13])
+@pytest.mark.parametrize("uniform", [True, False], ids=["pooled", "fresh"])
+def test_ll_modular_kernel_matches_torch_moe(top_k, on_input, num_tokens, uniform):
+    rt, fleet = build_fake_runtime(
+        LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 13]
+    )
+    kernel = _ll_kernel(rt, top_k, uniform=uniform)
+    x, w1, w2, ids, weights = _problem(num_tokens, top_k, seed=num_tokens * 7 + top_k)
+    out = _apply(kernel, x, w1, w2, ids, weights, on_input)
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, on_input))
+    assert [c.op for c in fleet.log[-2:]] == ["dispatch", "combine"] or fleet.log[-1].op == "destroy"
+    assert rt.pool._current is None  # round ended
+    assert fleet.handles_alive == 2
+
+
+def test_ll_combine_ignores_padding_rows_the_experts_compute(monkeypatch):
+    # Under graphs NaiveBatchedExperts computes every row of the batched buffer,
+    # including the padding past each expert's count (garbage; NaN in the fake).
+    monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: True)
+    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[5])
+    kernel = _ll_kernel(rt, 2)
+    x, w1, w2, ids, weights = _problem(5, 2, seed=11)
+    out = _apply(kernel, x, w1, w2, ids, weights, False)
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
+
+
+def test_ll_declared_properties_fit_vllm_s_batched_experts():
+    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[4])
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
+    assert pf.activation_format == mk.FusedMoEActivationFormat.BatchedExperts
+    assert pf.topk_indices_dtype() == torch.int64
+    assert pf.max_num_tokens_per_rank() == CAPACITY
+    assert pf.num_dispatchers() == 1
+    assert pf.output_is_reduced() is True
+    assert pf.supports_async() is False
+    kernel = _ll_kernel(rt, 2)
+    experts = kernel.fused_experts
+    assert experts.activation_format() == pf.activation_format
+    assert isinstance(experts.finalize_weight_and_reduce_impl(), TopKWeightAndReduceDelegate)
+    # The experts' batched output (from max_num_tokens x num_dispatchers) has exactly
+    # the shape of the buffer the LL dispatch hands them.
+    x, _, _, ids, weights = _problem(4, 2, seed=12)
+    a1q, scale, meta, topk_ids, topk_w = pf.prepare(
+        x, weights, ids, NUM_EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG
+    )
+    rt.pool.end()
+    assert scale is None and topk_ids is None and topk_w is None
+    assert meta.expert_num_tokens.dtype == torch.int32
+    shapes = experts.workspace_shapes(4, 2 * INTER, HIDDEN, 2, NUM_EXPERTS, NUM_EXPERTS, meta, MoEActivation.SILU)
+    assert shapes[2] == tuple(a1q.shape) == (NUM_EXPERTS, CAPACITY * pf.num_dispatchers(), HIDDEN)
+
+
+def test_ll_num_dispatchers_is_the_ep_world():
+    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, world_size=2, rank=1)
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
+    assert pf.num_dispatchers() == 2 and pf.max_num_tokens_per_rank() == CAPACITY
+
+
+def test_ll_refuses_experts_that_weigh_themselves():
+    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2)
+    kernel = _ll_kernel(rt, 2, experts_cls=NoOpReduceBatchedExperts)
+    x, w1, w2, ids, weights = _problem(4, 2, seed=13)
+    with pytest.raises(FlashInferEPConfigError, match="applies routing weights in its combine"):
+        _apply(kernel, x, w1, w2, ids, weights, False)
+    # The round was ended: the fresh handle is gone and no combine was issued.
+    assert rt.pool._current is None and fleet.handles_alive == 0
+    assert fleet.calls("combine") == []
+
+
+# ------------------------------------------------------------------------- HT
+@pytest.fixture
+def torch_moe_sum(monkeypatch):
+    def moe_sum(input, output, topk_ids=None, expert_map=None):
+        output.copy_(input.sum(dim=1))
+
+    monkeypatch.setattr(vllm_ops, "moe_sum", moe_sum)
+
+
+def _ht_kernel(rt, experts_cls):
+    pf = FlashInferEPHighThroughputPrepareAndFinalize(rt)
+    experts = experts_cls(_moe_config(rt.pool.top_k, HT_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG)
+    return mk.FusedMoEKernel(pf, experts)
+
+
+@pytest.mark.usefixtures("torch_moe_sum")
+@pytest.mark.parametrize("experts_cls", [TorchStandardExperts, ReducingStandardExperts])
+@pytest.mark.parametrize(("top_k", "on_input"), CASES)
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_ht_modular_kernel_matches_torch_moe(experts_cls, top_k, on_input, num_tokens):
+    rt, fleet = build_fake_runtime(
+        HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 13]
+    )
+    kernel = _ht_kernel(rt, experts_cls)
+    x, w1, w2, ids, weights = _problem(num_tokens, top_k, seed=num_tokens * 5 + top_k)
+    out = _apply(kernel, x, w1, w2, ids, weights, on_input)
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, on_input))
+    assert [c.op for c in fleet.log[-2:]] == ["dispatch", "combine"]
+    assert rt.pool._current is None
+
+
+def test_ht_declared_properties():
+    rt, _ = build_fake_runtime(HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY, world_size=2)
+    pf = FlashInferEPHighThroughputPrepareAndFinalize(rt)
+    assert pf.activation_format == mk.FusedMoEActivationFormat.Standard
+    assert pf.topk_indices_dtype() == torch.int64
+    assert pf.max_num_tokens_per_rank() is None
+    assert pf.num_dispatchers() == 2
+    assert pf.output_is_reduced() is True
+    assert pf.supports_async() is False
+
+
+def test_formats_must_match_the_experts():
+    rt, _ = build_fake_runtime(HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY)
+    batched = TorchActNaiveBatchedExperts(
+        _moe_config(2, HT_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG, max_num_tokens=CAPACITY, num_dispatchers=1
+    )
+    with pytest.raises(AssertionError):
+        mk.FusedMoEKernel(FlashInferEPHighThroughputPrepareAndFinalize(rt), batched)
