@@ -39,18 +39,24 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
 #   msgspec:           vllm.pooling_params / vllm.v1.request
 #   cachetools:        vllm.utils.cache (vllm.multimodal.cache)
 #   pybase64:          vllm.multimodal.media.audio
-#   openai, sniffio, oss-harmony (openai_harmony):
+#   openai, sniffio, httpx2, httpcore2, truststore, oss-harmony (openai_harmony):
 #                      vllm.config.reasoning -> vllm.reasoning -> entrypoints.mcp
+#                      (openai 3.x imports httpx2 at module level; httpcore2
+#                      and truststore are httpx2's hard requirements)
 #   fastapi, starlette, partial-json-parser:
 #                      vllm.parser -> vllm.entrypoints..., vllm.tool_parsers
 #   xgrammar, apache-tvm-ffi, llguidance:
 #                      vllm.v1.request -> vllm.v1.structured_output
+#   typing-extensions: the device has it, version unknown; pydantic-core 2.50
+#                      does `from typing_extensions import Sentinel` (>= 4.14).
+#                      Staged (it shadows the image's copy; backward compatible).
 deps=(pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
       typing-inspection==0.4.5 cbor2==6.3.0 pyzmq==27.3.0 msgspec==0.23.0
       cachetools==8.0.2 pybase64==1.5.1 openai==3.57.0 sniffio==1.3.1
+      httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
       oss-harmony==0.0.11 fastapi==0.136.3 starlette==1.10.0
       partial-json-parser==0.2.1.1.post7 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
-      llguidance==1.7.6)
+      llguidance==1.7.6 typing_extensions==4.16.0)
 "$py" -m pip download -q --no-deps "${plat[@]}" -d "$cache" "${deps[@]}"
 
 work=$(mktemp -d)

@@ -629,7 +629,9 @@ class Handle:
             n = int(self._recv_tokens.numel())
             acc.index_add_(0, self._recv_tokens, x2d[:n].float())
         else:
-            weights = self._require_weights("NCCL EP LL needs per-token weights to reweight on combine")
+            weights = self._require_weights(
+                "NCCL EP LL needs per-token weights to reweight on combine"
+            )
             e_local = self._fleet.num_local_experts
             rows = self._fleet.params.max_tokens_per_rank * self._fleet.bootstrap.world_size
             if tuple(x.shape) != (e_local, rows, hidden):
@@ -680,7 +682,9 @@ def create_fleet(
 ) -> FakeFleet:
     name = getattr(backend, "backend_name", backend)
     if not isinstance(name, str):
-        raise TypeError(f"backend must be a string or have a .backend_name str attr; got {backend!r}")
+        raise TypeError(
+            f"backend must be a string or have a .backend_name str attr; got {backend!r}"
+        )
     if name not in _FLEET_REGISTRY:
         raise KeyError(f"unknown backend {name!r}; available: {sorted(_FLEET_REGISTRY)}")
     return _FLEET_REGISTRY[name](bootstrap, params, algo_knobs)

@@ -1,5 +1,6 @@
 """Build the package runtime on the fake transport, and simulate CUDA-graph capture.
 
+- `hide_cuda(monkeypatch)`: the runtime's CUDA-stream paths off, also on GPU hosts.
 - `installed_fake()`: installs `fake_moe_ep` as the transport module and always
   removes it again (use it from a fixture).
 - `build_fake_runtime(...)`: the real `FleetCache` + `build_runtime` path on the fake.
@@ -27,6 +28,16 @@ from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 
 _ORIGINAL_IS_CAPTURING = capture.is_capturing
+
+
+def hide_cuda(monkeypatch) -> None:
+    """Make a GPU host look like the CPU host these tests model.
+
+    The pool orders handle work against CUDA streams whenever
+    `torch.cuda.is_available()`, whatever its device; with CPU tensors on a GPU host
+    that would ask `torch.cuda.default_stream(cpu)`.
+    """
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @contextmanager

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from tests.fakes import fake_moe_ep
-from tests.fakes.runtime import build_fake_runtime, install_capture_switch, installed_fake
+from tests.fakes.runtime import (
+    build_fake_runtime,
+    hide_cuda,
+    install_capture_switch,
+    installed_fake,
+)
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime import fault_tolerance
@@ -18,7 +23,8 @@ WORLD = 4
 
 
 @pytest.fixture(autouse=True)
-def fake():
+def fake(monkeypatch):
+    hide_cuda(monkeypatch)
     with installed_fake() as module:
         yield module
 
@@ -154,7 +160,9 @@ def test_adapter_refuses_every_call_under_capture(monkeypatch, call):
     # Only the adapter's view of capture: the refusal must be the adapter's own, not
     # FlashInfer's (whose clear_faults(readmit=False) does not check capture at all).
     monkeypatch.setattr(fault_tolerance, "is_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="fault tolerance: .* cannot run under CUDA-graph capture"):
+    with pytest.raises(
+        RuntimeError, match="fault tolerance: .* cannot run under CUDA-graph capture"
+    ):
         getattr(adapter, call)()
     assert fleet.ft_log == []  # FlashInfer was not touched
     assert fleet.query_fault()  # the flag was not cleared

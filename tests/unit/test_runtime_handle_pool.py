@@ -7,7 +7,12 @@ import torch
 
 from tests.fakes import fake_moe_ep
 from tests.fakes.fake_moe_ep import Call
-from tests.fakes.runtime import build_fake_runtime, install_capture_switch, installed_fake
+from tests.fakes.runtime import (
+    build_fake_runtime,
+    hide_cuda,
+    install_capture_switch,
+    installed_fake,
+)
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe, scale_expert_rows
 from vllm_flashinfer_ep.errors import (
     DispatchCapacityError,
@@ -26,7 +31,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def fake():
+def fake(monkeypatch):
+    hide_cuda(monkeypatch)
     with installed_fake() as module:
         yield module
     assert transport._override is None
@@ -57,7 +63,9 @@ def _assert_close_to_reference(out, x, ids, weights, scales):
 
 # ----------------------------------------------------------------------- warm
 def test_warm_creates_one_handle_per_size_with_one_eager_update():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[16, 4, 8, 8, 0, 64])
+    rt, fleet = build_fake_runtime(
+        LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[16, 4, 8, 8, 0, 64]
+    )
     pool = rt.pool
     assert pool.sizes == [4, 8, 16]  # 0 and 64 (> capacity 32) are not pooled
     assert fleet.handles_created == 3 and fleet.handles_alive == 3
@@ -80,8 +88,12 @@ def test_warm_creates_one_handle_per_size_with_one_eager_update():
 def test_warm_call_order_is_the_same_on_every_rank():
     # The same sizes in different orders (as two ranks might list them): the collective
     # sequence must be identical, ascending. {40, 9, 3} iterates unsorted as a set.
-    rt_a, fleet_a = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[40, 9, 3, 24, 9])
-    rt_b, fleet_b = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[3, 24, 40, 9])
+    rt_a, fleet_a = build_fake_runtime(
+        LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[40, 9, 3, 24, 9]
+    )
+    rt_b, fleet_b = build_fake_runtime(
+        LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[3, 24, 40, 9]
+    )
     assert fleet_a.log == fleet_b.log
     assert [c.tokens for c in fleet_a.calls("create_handle")] == [3, 9, 24, 40]
     assert rt_a.pool.sizes == rt_b.pool.sizes == [3, 9, 24, 40]
@@ -192,7 +204,9 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
         _assert_close_to_reference(out, x, ids, weights, scales)
         # Un-warmed size: refused before any collective.
         x8, ids8, w8, _ = _layer(8, seed=5)
-        with pytest.raises(HandlePoolError, match=r"no warmed flashinfer_ep handle for 8 tokens") as exc:
+        with pytest.raises(
+            HandlePoolError, match=r"no warmed flashinfer_ep handle for 8 tokens"
+        ) as exc:
             rt.pool.begin(ids8, w8)
         assert "cannot be created inside CUDA-graph capture" in str(exc.value)
         assert "[4]" in str(exc.value)
@@ -201,7 +215,7 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
             rt.pool.begin(ids, weights, uniform=False)
     assert rt.pool.counters.created_during_capture == 2
     assert fleet.handles_created == 1
-    assert fleet.log[len(log_before):] == [
+    assert fleet.log[len(log_before) :] == [
         Call("update", 0, 4),
         Call("dispatch", 0, 4),
         Call("combine", 0, 4),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fakes.runtime import build_fake_runtime, installed_fake
+from tests.fakes.runtime import build_fake_runtime, hide_cuda, installed_fake
 from vllm_flashinfer_ep.bench.reference import (
     random_routing,
     reduce_received_rows,
@@ -27,7 +27,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def fake():
+def fake(monkeypatch):
+    hide_cuda(monkeypatch)
     with installed_fake() as module:
         yield module
 
@@ -76,7 +77,10 @@ def test_ll_round_matches_reference(top_k, num_tokens, uniform):
     # vLLM's batched layout: [local experts, capacity * world, hidden] + int32 counts.
     assert tuple(d.expert_x.shape) == (NUM_EXPERTS, CAPACITY, HIDDEN)
     assert d.expert_num_tokens.dtype == torch.int32
-    assert d.expert_num_tokens.tolist() == torch.bincount(ids.flatten(), minlength=NUM_EXPERTS).tolist()
+    assert (
+        d.expert_num_tokens.tolist()
+        == torch.bincount(ids.flatten(), minlength=NUM_EXPERTS).tolist()
+    )
     assert fleet.handles_alive == 3  # fresh handles of non-uniform rounds are gone
 
 
@@ -193,7 +197,9 @@ def test_globalize_remote_slots_rank_0_of_2():
     # Other-rank slots -> first expert of the next rank (vLLM's expert_map: -1), weight 0.
     assert ids.tolist() == [[0, 4], [4, 3], [2, 1], [4, 4]]
     assert ids.dtype == torch.int64
-    torch.testing.assert_close(weights, torch.tensor([[0.6, 0.0], [0.0, 0.7], [0.5, 0.5], [0.0, 0.0]]))
+    torch.testing.assert_close(
+        weights, torch.tensor([[0.6, 0.0], [0.0, 0.7], [0.5, 0.5], [0.0, 0.0]])
+    )
     assert remote.tolist() == [[False, True], [True, False], [False, False], [True, True]]
     assert ids.data_ptr() == rt.ht_ids.data_ptr() and weights.data_ptr() == rt.ht_weights.data_ptr()
     assert torch.equal(recv_w[0], torch.tensor([0.6, 0.4]))  # input untouched

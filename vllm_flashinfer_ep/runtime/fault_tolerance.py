@@ -40,22 +40,22 @@ class FaultToleranceAdapter:
             "--enable-fault-tolerance and --all2all-backend flashinfer_ep_low_latency"
         )
 
-    def _raw_mask(self) -> torch.Tensor:
+    def _raw_mask(self, op: str) -> torch.Tensor:
         """FlashInfer's mask (1 = active), copied out of its fleet-owned buffer."""
-        _reject_capture("query_active_mask")
+        _reject_capture(op)
         return self._primary().query_active_mask().to(torch.int32).clone()
 
     def snapshot_baseline(self) -> None:
         """Remember the current mask as 'no new fault' (after startup or recovery)."""
-        self._baseline = self._raw_mask()
+        self._baseline = self._raw_mask("snapshot_baseline")
 
     def query_active_mask(self) -> torch.Tensor:
         """int32 [ep_world] on the GPU, vLLM polarity: 0 = live, 1 = masked."""
-        return 1 - self._raw_mask()
+        return 1 - self._raw_mask("query_active_mask")
 
     def query_fault(self) -> torch.Tensor:
         """Scalar bool on the GPU: a fault appeared since the last baseline."""
-        mask = self._raw_mask()
+        mask = self._raw_mask("query_fault")
         if self._baseline is None:
             self._baseline = mask.clone()
         fault = torch.ne(mask, self._baseline).any()

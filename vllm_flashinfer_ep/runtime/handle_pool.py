@@ -253,7 +253,7 @@ class HandlePool:
             handle.destroy()
 
     def _stream(self) -> torch.cuda.Stream | None:
-        if self._handle_stream is None and torch.cuda.is_available():
+        if self._handle_stream is None and self.device.type == "cuda" and torch.cuda.is_available():
             # Handles run on the fleet's stream outside capture: stream 0 (see fleet.py).
             self._handle_stream = torch.cuda.default_stream(self.device)
         return self._handle_stream
@@ -265,7 +265,7 @@ class HandlePool:
         on torch's current one (vLLM's capture warmups run on a side stream), so the
         two are joined explicitly. Under capture FlashInfer uses the capturing stream.
         """
-        if is_capturing() or not torch.cuda.is_available():
+        if is_capturing() or self.device.type != "cuda" or not torch.cuda.is_available():
             return op()
         handle_stream = self._stream()
         current = torch.cuda.current_stream(self.device)
