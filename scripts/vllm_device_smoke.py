@@ -57,7 +57,9 @@ def missing_symbol(exc: BaseException) -> str:
         obj = getattr(exc, "obj", None)
         attr = getattr(exc, "name", None)
         if attr:
-            owner = getattr(obj, "__name__", None) or getattr(obj, "name", None) or type(obj).__name__
+            owner = (
+                getattr(obj, "__name__", None) or getattr(obj, "name", None) or type(obj).__name__
+            )
             return f"attribute {attr!r} of {owner!r} ({exc})"
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -69,19 +71,35 @@ def parse() -> argparse.Namespace:
     p.add_argument("-e", "--experts", type=int, default=8)
     p.add_argument("-k", "--topk", type=int, default=2)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=1024,
-                   help="per-expert intermediate size N (w1 is [E, 2N, hidden])")
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default=None,
-                   help="activation/weight dtype (default bfloat16; float16 with "
-                   "--cpu-interpret, whose bf16 tl.dot is wrong in triton 3.6)")
+    p.add_argument(
+        "--intermediate",
+        type=int,
+        default=1024,
+        help="per-expert intermediate size N (w1 is [E, 2N, hidden])",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16"],
+        default=None,
+        help="activation/weight dtype (default bfloat16; float16 with "
+        "--cpu-interpret, whose bf16 tl.dot is wrong in triton 3.6)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--atol", type=float, default=2e-2,
-                   help="absolute tolerance, as a fraction of max|reference|")
+    p.add_argument(
+        "--atol",
+        type=float,
+        default=2e-2,
+        help="absolute tolerance, as a fraction of max|reference|",
+    )
     p.add_argument("--rtol", type=float, default=5e-2)
-    p.add_argument("--max-rel-l2", type=float, default=2e-2,
-                   help="bound on ||out - ref|| / ||ref||")
-    p.add_argument("--cpu-interpret", action="store_true",
-                   help="off-device harness check: CPU + TRITON_INTERPRET=1")
+    p.add_argument(
+        "--max-rel-l2", type=float, default=2e-2, help="bound on ||out - ref|| / ||ref||"
+    )
+    p.add_argument(
+        "--cpu-interpret",
+        action="store_true",
+        help="off-device harness check: CPU + TRITON_INTERPRET=1",
+    )
     args = p.parse_args()
     if args.dtype is None:
         args.dtype = "float16" if args.cpu_interpret else "bfloat16"
@@ -101,9 +119,13 @@ def stage_env(args):
 
     spec = importlib.util.find_spec("vllm")
     where = os.path.dirname(spec.origin) if spec and spec.origin else None
-    say("env", "ok", f"python {sys.version.split()[0]}, torch {torch.__version__}, "
+    say(
+        "env",
+        "ok",
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, "
         f"triton {triton.__version__}, cuda_available={cuda} ({name}), "
-        f"vllm from {where}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+        f"vllm from {where}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
+    )
     if where is None:
         fail("env", "vllm is not importable: source scripts/device_vllm_env.sh first")
         return None
@@ -188,8 +210,12 @@ def stage_import(args):
         if key == "platforms" and args.cpu_interpret:
             emulate_cuda_platform()
     plat = mods["platforms"].current_platform
-    say("import", "ok", f"{len(names)} modules in {time.time() - t0:.1f}s; "
-        f"current_platform={type(plat).__name__} is_cuda={plat.is_cuda()}")
+    say(
+        "import",
+        "ok",
+        f"{len(names)} modules in {time.time() - t0:.1f}s; "
+        f"current_platform={type(plat).__name__} is_cuda={plat.is_cuda()}",
+    )
     if not plat.is_cuda():
         fail("import", "vLLM did not select the CUDA platform")
         return None
@@ -234,8 +260,11 @@ def compare(stage, got, ref, args) -> None:
     import torch
 
     if got is None or tuple(got.shape) != tuple(ref.shape):
-        fail(stage, f"bad output shape {None if got is None else tuple(got.shape)}, "
-             f"want {tuple(ref.shape)}")
+        fail(
+            stage,
+            f"bad output shape {None if got is None else tuple(got.shape)}, "
+            f"want {tuple(ref.shape)}",
+        )
         return
     g = got.float()
     err = (g - ref).abs()
@@ -244,9 +273,11 @@ def compare(stage, got, ref, args) -> None:
     bad = int((err > tol).sum())
     finite = bool(torch.isfinite(g).all())
     rel = float(err.norm() / ref.norm().clamp_min(1e-12))
-    msg = (f"max_abs_err={float(err.max()):.4g} rel_l2={rel:.3g} "
-           f"(max {args.max_rel_l2}) out_of_tol={bad}/{ref.numel()} "
-           f"(atol={atol:.3g}, rtol={args.rtol}) dtype={got.dtype}")
+    msg = (
+        f"max_abs_err={float(err.max()):.4g} rel_l2={rel:.3g} "
+        f"(max {args.max_rel_l2}) out_of_tol={bad}/{ref.numel()} "
+        f"(atol={atol:.3g}, rtol={args.rtol}) dtype={got.dtype}"
+    )
     if finite and bad == 0 and rel <= args.max_rel_l2:
         say(stage, "PASS", msg)
     else:
@@ -278,8 +309,12 @@ def run_kernel(stage, mods, args, device, p, ref, make):
 
     try:
         kernel = make()
-        say(stage, "ok", f"built {type(kernel.prepare_finalize).__name__} + "
-            f"{type(kernel.fused_experts).__name__}")
+        say(
+            stage,
+            "ok",
+            f"built {type(kernel.prepare_finalize).__name__} + "
+            f"{type(kernel.fused_experts).__name__}",
+        )
         act = mods["activation"].MoEActivation.SILU
         t0 = time.time()
         with torch.inference_mode():
@@ -296,7 +331,11 @@ def run_kernel(stage, mods, args, device, p, ref, make):
             )
         if device.type == "cuda":
             torch.cuda.synchronize()
-        say(stage, "ok", f"forward ran in {time.time() - t0:.2f}s (first call: includes Triton compile)")
+        say(
+            stage,
+            "ok",
+            f"forward ran in {time.time() - t0:.2f}s (first call: includes Triton compile)",
+        )
     except BaseException as exc:  # noqa: BLE001
         fail(stage, f"{type(exc).__name__}: {exc}", exc)
         return
@@ -307,14 +346,22 @@ def run_fused_experts(mods, args, p, ref) -> None:
     import torch
 
     if args.cpu_interpret:
-        say("fused_experts", "skip",
-            "torch.ops.vllm.fused_experts is registered for the CUDA dispatch key only")
+        say(
+            "fused_experts",
+            "skip",
+            "torch.ops.vllm.fused_experts is registered for the CUDA dispatch key only",
+        )
         return
     try:
         with torch.inference_mode():
             out = mods["fused_moe"].fused_experts(
-                p["x"], p["w1"], p["w2"], p["topk_weights"], p["topk_ids"],
-                global_num_experts=args.experts)
+                p["x"],
+                p["w1"],
+                p["w2"],
+                p["topk_weights"],
+                p["topk_ids"],
+                global_num_experts=args.experts,
+            )
         torch.cuda.synchronize()
     except BaseException as exc:  # noqa: BLE001
         fail("fused_experts", f"{type(exc).__name__}: {exc}", exc)
@@ -350,9 +397,13 @@ def main() -> int:
 
     p = make_problem(args, device)
     ref = reference(p)
-    say("reference", "ok", f"torch MoE M={args.tokens} E={args.experts} top_k={args.topk} "
+    say(
+        "reference",
+        "ok",
+        f"torch MoE M={args.tokens} E={args.experts} top_k={args.topk} "
         f"hidden={args.hidden} N={args.intermediate} {args.dtype} in, fp32 reference, "
-        f"|ref|_max={float(ref.abs().max()):.3g}")
+        f"|ref|_max={float(ref.abs().max()):.3g}",
+    )
 
     mk = mods["mk"]
     quant = mods["moe_config"].FUSED_MOE_UNQUANTIZED_CONFIG
@@ -361,11 +412,11 @@ def main() -> int:
     def batched():
         cfg = moe_config(mods, args, device, max_tokens)
         pf = mods["batched_pf"].BatchedPrepareAndFinalize(
-            max_num_tokens=max_tokens, num_local_experts=args.experts,
-            num_dispatchers=1, rank=0)
+            max_num_tokens=max_tokens, num_local_experts=args.experts, num_dispatchers=1, rank=0
+        )
         ex = mods["batched_experts"].BatchedTritonExperts(
-            moe_config=cfg, quant_config=quant, max_num_tokens=max_tokens,
-            num_dispatchers=1)
+            moe_config=cfg, quant_config=quant, max_num_tokens=max_tokens, num_dispatchers=1
+        )
         return mk.FusedMoEKernel(pf, ex)
 
     def standard():
@@ -379,8 +430,11 @@ def main() -> int:
         run_kernel("standard", mods, args, device, p, ref, standard)
         run_fused_experts(mods, args, p, ref)
 
-    say("summary", "FAIL" if FAILED else "PASS",
-        "vLLM 0.33.0 MoE path on torch " + torch.__version__)
+    say(
+        "summary",
+        "FAIL" if FAILED else "PASS",
+        "vLLM 0.33.0 MoE path on torch " + torch.__version__,
+    )
     return 1 if FAILED else 0
 
 

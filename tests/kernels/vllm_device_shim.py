@@ -205,8 +205,7 @@ def _moe_align_block_size(
     unspecified). Blocks past the total get -1 and are never read."""
     if maybe_expert_map is not None or scatter_idx is not None:
         raise NotImplementedError(
-            "vllm_device_shim: moe_align_block_size fallback covers the "
-            "no-expert-map path only"
+            "vllm_device_shim: moe_align_block_size fallback covers the no-expert-map path only"
         )
     flat = topk_ids.reshape(-1).to(torch.int64)
     numel = flat.numel()
@@ -313,7 +312,7 @@ def _bridge_flash_attn() -> None:
     for n in _FA_NAMES:
         if hasattr(iface, n):
             setattr(mod, n, getattr(iface, n))
-    setattr(parent, "vllm_flash_attn", mod)
+    parent.vllm_flash_attn = mod
     _note("vllm.vllm_flash_attn (package __init__ bypassed: no FA .so staged)")
 
 
