@@ -316,6 +316,25 @@ def _bridge_flash_attn() -> None:
     _note("vllm.vllm_flash_attn (package __init__ bypassed: no FA .so staged)")
 
 
+def _bridge_stream_is_capturing() -> None:
+    """torch 2.11's ``torch.Stream`` has no ``is_capturing()`` (2.14 has).
+
+    vLLM 0.33.0 calls ``torch.accelerator.current_stream().is_capturing()`` in
+    exactly one place, ``experts/fused_batched_moe.py::_is_capturing_or_compiling``
+    (l.41-46). Replace that helper with the same question asked through
+    ``torch.cuda.is_current_stream_capturing()``, which 2.11 has.
+    """
+    if hasattr(torch.Stream, "is_capturing"):
+        return
+    mod = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.fused_batched_moe")
+
+    def _is_capturing_or_compiling() -> bool:
+        return torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+
+    mod._is_capturing_or_compiling = _is_capturing_or_compiling
+    _note("vllm fused_batched_moe._is_capturing_or_compiling (torch.Stream.is_capturing missing)")
+
+
 def apply(*, ops: bool = True, torch_compat: bool = True) -> list[str]:
     """Patch what is missing; return (and keep in PATCHED) what was patched.
 
@@ -329,6 +348,8 @@ def apply(*, ops: bool = True, torch_compat: bool = True) -> list[str]:
         for ns, schema, fn in _OPS:
             _register(ns, schema, fn)
         _bridge_flash_attn()
+    if torch_compat:
+        _bridge_stream_is_capturing()
     _APPLIED = True
     os.environ.setdefault("VLLM_DEVICE_SHIM", "1")
     return list(PATCHED)
