@@ -109,9 +109,8 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
     pool = rt.pool
     assert pool.sizes == TOKEN_COUNTS
     rnd = LowLatencyRound(rt)
-    per_handle_mb = pool.memory_bytes / len(pool.sizes) / 1e6
-    print(f"POOL_MEMORY hidden={hidden} sizes={len(pool.sizes)} per_handle_MB={per_handle_mb:.2f}")
-    _record({"hidden": hidden, "pool_sizes": pool.sizes, "pool_bytes": pool.memory_bytes})
+    print(f"POOL_MEMORY hidden={hidden} per_handle_bytes={pool.per_handle_bytes} first={pool.first_handle_bytes}")
+    _record({"hidden": hidden, "handle_bytes": pool.handle_bytes, "per_handle_bytes": pool.per_handle_bytes})
     for num_tokens in TOKEN_COUNTS:
         layers = [_inputs(num_tokens, hidden, seed=1000 * i + num_tokens) for i in range(NUM_LAYERS)]
         outs = [torch.empty_like(layer[0]) for layer in layers]
@@ -222,3 +221,17 @@ def _record(entry: dict) -> None:
     if path:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry) + "\n")
+
+
+def test_bench_expert_kernel_touches_valid_rows_only():
+    from vllm_flashinfer_ep.bench.expert_kernel import scale_valid_rows_
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(6, 40, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    counts = torch.tensor([0, 1, 17, 40, 5, 39], dtype=torch.int32, device="cuda")
+    scales = torch.rand(6, device="cuda", generator=gen) + 0.5
+    want = x.clone()
+    for e, n in enumerate(counts.tolist()):
+        want[e, :n] = (want[e, :n].float() * scales[e]).to(torch.bfloat16)
+    scale_valid_rows_(x, counts, scales)
+    torch.testing.assert_close(x, want, atol=0, rtol=0)

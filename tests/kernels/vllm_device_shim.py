@@ -178,14 +178,14 @@ def _masked_moe_activation(
             f"fallback (only {sorted(_ACTS)})"
         )
     # Rows at or past each count are left untouched (vLLM zero-fills `out`).
+    # No host read of the counts: this must also run under CUDA-graph capture.
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     o3 = out if out.dim() == 3 else out.unsqueeze(0)
-    counts = valid_token_counts.tolist()
-    gated = _gated(act)
-    for e, n in enumerate(counts):
-        n = min(int(n), x3.shape[1])
-        if n > 0:
-            gated(o3[e, :n], x3[e, :n])
+    d = x3.shape[-1] // 2
+    full = (act(x3[..., :d].float()) * x3[..., d:].float()).to(o3.dtype)
+    rows = torch.arange(x3.shape[1], device=x3.device).view(1, -1, 1)
+    valid = rows < valid_token_counts.view(-1, 1, 1).to(rows.dtype)
+    o3.copy_(torch.where(valid, full, o3))
 
 
 def _moe_align_block_size(

@@ -55,7 +55,7 @@ def test_bench_table_and_json(tmp_path):
     row.median_ms["fresh"] = 3.0
     args = cli.build_parser().parse_args(["bench"])
     table = bench.format_table([row], args, 1)
-    assert "3.00x" in table and "11.0" in table
+    assert "3.00x" in table and "11.000" in table
     path = tmp_path / "b.json"
     bench.write_json([row], args, 1, str(path))
     data = json.loads(path.read_text())

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe, scale_expert_rows
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.bench.run import MODES, Row, summarize
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import LOW_LATENCY, FleetCache, FleetSpec
@@ -54,15 +54,17 @@ class Harness:
             layers.append((x, ids, w, torch.empty_like(x)))
         return layers
 
-    def _expert(self, expert_x: torch.Tensor, layer: int) -> torch.Tensor:
+    def _expert(self, expert_x: torch.Tensor, counts: torch.Tensor, layer: int) -> torch.Tensor:
         if not self.args.expert_compute:
             return expert_x
-        return scale_expert_rows(expert_x, self.scales[layer])
+        from vllm_flashinfer_ep.bench.expert_kernel import scale_valid_rows_
+
+        return scale_valid_rows_(expert_x, counts, self.scales[layer])
 
     def _package_step(self, rnd: LowLatencyRound, layers) -> None:
         for i, (x, ids, w, out) in enumerate(layers):
             d = rnd.dispatch(x, ids, w)
-            rnd.combine(self._expert(d.expert_x, i), out)
+            rnd.combine(self._expert(d.expert_x, d.expert_num_tokens, i), out)
 
     def _raw_handle(self, num_tokens: int) -> Any:
         handle = self._raw_handles.get(num_tokens)
@@ -94,7 +96,7 @@ class Harness:
                 ids_buf.copy_(ids)
                 handle.update(fi.HandleParams(topk_ids=ids_buf))
             d = handle.dispatch(fi.DispatchInputParams(x=[x]))
-            handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, i)], out=out))
+            handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
 
     def _capture(self, fn) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()
@@ -153,7 +155,8 @@ class Harness:
         row = Row(num_tokens)
         for m in MODES:
             row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
-        row.pool_bytes_per_size = self.pool_rt.pool.memory_bytes / max(1, len(self.pool_rt.pool.sizes))
+        row.pool_bytes_per_size = self.pool_rt.pool.per_handle_bytes
+        row.first_handle_bytes = self.pool_rt.pool.first_handle_bytes
         return row
 
     def _check_equal(self, num_tokens: int, sets, steps) -> None:

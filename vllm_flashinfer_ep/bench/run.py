@@ -1,7 +1,7 @@
 """Decode-step all2all cost: per-forward handles vs the persistent pool, eager and graphed.
 
 For each token count T, one "step" runs L MoE layers of transport (dispatch + combine,
-optionally a trivial expert op) through the package's own round code
+optionally a trivial expert op on the valid rows) through the package's own round code
 (runtime/rounds.py, what the vLLM prepare/finalize calls), in modes interleaved in
 one process:
   fresh  - a fresh FlashInfer handle per layer per step, eager (today's design)
@@ -34,6 +34,7 @@ class Row:
     min_ms: dict[str, float] = field(default_factory=dict)
     max_ms: dict[str, float] = field(default_factory=dict)
     pool_bytes_per_size: float = 0.0
+    first_handle_bytes: float = 0.0
 
     @property
     def fresh_over_graph(self) -> float:
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
         "--expert-compute", action="store_true",
-        help="apply a per-expert scale to the dispatched rows (default: transport only)",
+        help="scale each expert's valid rows in place (a Triton kernel; default: transport only)",
     )
     parser.add_argument("--json", dest="json_path", help="write results as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG plot here")
@@ -123,7 +124,7 @@ def format_table(rows: list[Row], args: Any, world_size: int) -> str:
         f"hidden {args.hidden}, EP world {world_size}, {'expert scale' if args.expert_compute else 'transport only'}; "
         f"median (min-max) ms per step over {args.steps} steps"
     )
-    cols = ["T"] + list(MODES) + ["fresh/graph", "graph/raw", "graph/raw_bind", "pool MB/size"]
+    cols = ["T"] + list(MODES) + ["fresh/graph", "graph/raw", "graph/raw_bind", "pool MB/size", "1st handle MB"]
     lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         cells = [str(r.num_tokens)]
@@ -133,7 +134,8 @@ def format_table(rows: list[Row], args: Any, world_size: int) -> str:
             f"{r.fresh_over_graph:.2f}x",
             f"{r.graph_over_raw:.3f}",
             f"{r.graph_over_raw_bind:.3f}",
-            f"{r.pool_bytes_per_size / 1e6:.1f}",
+            f"{r.pool_bytes_per_size / 1e6:.3f}",
+            f"{r.first_handle_bytes / 1e6:.1f}",
         ]
         lines.append(" | ".join(cells))
     return "\n".join(lines)

@@ -81,6 +81,10 @@ class HandlePool:
             torch.zeros(1, dtype=torch.int32, device=self.device) if self.is_ht else None
         )
         self.counters = PoolCounters()
+        # GPU memory each warm-up creation added (torch allocator or device-wide, whichever
+        # grew more). The first handle of a fleet also triggers NCCL-EP's lazy buffer
+        # allocation, so `per_handle_bytes` excludes it.
+        self.handle_bytes: dict[int, int] = {}
         self.memory_bytes = 0
         self._handles: dict[int, Any] = {}
         self._current: Any = None
@@ -88,6 +92,17 @@ class HandlePool:
         self._handle_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ sizes
+    @property
+    def per_handle_bytes(self) -> float:
+        """Median memory of a pooled handle, excluding the first (fleet buffers)."""
+        values = sorted(list(self.handle_bytes.values())[1:])  # dicts keep creation order
+        return float(values[len(values) // 2]) if values else 0.0
+
+    @property
+    def first_handle_bytes(self) -> int:
+        """Memory added by the pool's first creation (includes NCCL-EP's lazy fleet buffers)."""
+        return next(iter(self.handle_bytes.values()), 0)
+
     @property
     def sizes(self) -> list[int]:
         return sorted(self._handles)
@@ -112,18 +127,18 @@ class HandlePool:
                 too_big,
                 self.capacity,
             )
-        before = _used_bytes(self.device)
         for size in (s for s in wanted if s <= self.capacity):
             if size in self._handles:
                 continue
             self._fill_dummy_routing(size)
+            before = _memory_snapshot(self.device)
             handle = self._create(size)
             self._ordered(lambda h=handle, n=size: h.update(self._params(n)))
+            self.handle_bytes[size] = _memory_delta(self.device, before)
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
-        _synchronize(self.device)
-        self.memory_bytes += max(0, _used_bytes(self.device) - before)
+        self.memory_bytes = sum(self.handle_bytes.values())
         self.counters.sizes = self.sizes
         return self.sizes
 
@@ -277,13 +292,19 @@ class HandlePool:
         return result
 
 
-def _used_bytes(device: torch.device) -> int:
-    """Device memory in use by anyone (NCCL-EP allocates handles outside torch's allocator)."""
+def _memory_snapshot(device: torch.device) -> tuple[int, int]:
+    """(torch-allocated bytes, device-wide used bytes). NCCL-EP allocates through torch's
+    caching allocator (FleetAlgoKnobAllocator) and natively; count both."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        return 0
+        return 0, 0
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    return int(total - free)
+    return int(torch.cuda.memory_allocated(device)), int(total - free)
+
+
+def _memory_delta(device: torch.device, before: tuple[int, int]) -> int:
+    after = _memory_snapshot(device)
+    return max(0, after[0] - before[0], after[1] - before[1])
 
 
 def _synchronize(device: torch.device) -> None:
