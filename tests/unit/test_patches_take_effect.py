@@ -187,3 +187,27 @@ def test_communicator_leaves_non_ep_groups_alone(monkeypatch):
 def test_communicator_other_backends_pass_through(monkeypatch):
     comm, seen, _ = _run_comm_init(monkeypatch, "allgather_reducescatter", "ep:0", True)
     assert seen["use_all2all"] is True
+
+
+def test_manager_runs_worker_checks_before_anything(monkeypatch):
+    """A GPU-side problem stops the worker at manager construction, with every fix listed."""
+    from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
+
+    from vllm_flashinfer_ep.errors import FlashInferEPEnvironmentError
+    from vllm_flashinfer_ep.runtime import env_checks
+    from vllm_flashinfer_ep.runtime.env_checks import Check
+    from vllm_flashinfer_ep.vllm.managers import FlashInferEPLowLatencyManager
+
+    def base_init(self, cpu_group, tcp_store_group=None):
+        self.rank, self.world_size, self.support_fault_tolerance = 0, 2, False
+
+    monkeypatch.setattr(All2AllManagerBase, "__init__", base_init)
+    monkeypatch.setattr(env_checks, "ensure_nvcc_for_jit", lambda log: None)
+    monkeypatch.setattr(
+        env_checks, "runtime_checks",
+        lambda: [Check("libnccl", False, "2.28.9", "load NCCL >= 2.30.7 (LD_PRELOAD)"),
+                 Check("nvcc (NCCL-EP JIT)", False, "no nvcc found", "export NCCL_EP_JIT_NVCC")],
+    )
+    with pytest.raises(FlashInferEPEnvironmentError, match="LD_PRELOAD") as info:
+        FlashInferEPLowLatencyManager(object())
+    assert "NCCL_EP_JIT_NVCC" in str(info.value)
