@@ -7,12 +7,12 @@ spawned with torch.multiprocessing must call it themselves.
 
 from __future__ import annotations
 
-import logging
+from vllm_flashinfer_ep.log import get_logger
 
 __version__ = "0.1.0"
 SUPPORTED_VLLM = "0.33"
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _registered = False
 
 

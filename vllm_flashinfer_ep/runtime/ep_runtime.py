@@ -6,16 +6,16 @@ A manager hands one EPRuntime to every MoE layer of the same shape (vLLM calls
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass

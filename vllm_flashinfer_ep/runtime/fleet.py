@@ -7,7 +7,6 @@ fleets are cached by shape and shared by every layer of that shape.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
@@ -22,7 +22,7 @@ from vllm_flashinfer_ep.runtime.limits import (
 )
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LOW_LATENCY = "low_latency"
 HIGH_THROUGHPUT = "high_throughput"

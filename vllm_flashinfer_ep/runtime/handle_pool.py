@@ -17,7 +17,6 @@ different handles.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -25,12 +24,13 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import is_capturing
 from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 

@@ -10,16 +10,16 @@ the worker, in the manager's constructor, before model load.
 from __future__ import annotations
 
 import importlib.util
-import logging
 from typing import Any
 
 import torch
 
 from vllm_flashinfer_ep import backends
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.limits import MIN_CUDA_MAJOR, SUPPORTED_HIDDEN_SIZES, max_top_k
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Names under which Hugging Face configs carry the number of routed experts per token.
 TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
@@ -42,11 +42,11 @@ def validate(vllm_config: Any) -> None:
         return
     flag = f"--all2all-backend {backend}"
 
-    if par.enable_dbo:
+    if par.use_ubatching:
         raise FlashInferEPConfigError(
-            f"{flag} does not support dual-batch overlap: NCCL-EP's receive buffers are shared "
-            "by all handles of a fleet, so two micro-batches would overwrite each other. "
-            "Remove --enable-dbo."
+            f"{flag} does not support micro-batching (dual-batch overlap): NCCL-EP's receive "
+            "buffers are shared by all handles of a fleet, so two micro-batches would overwrite "
+            "each other. Remove --enable-dbo (and --ubatch-size)."
         )
     if par.enable_fault_tolerance and not backends.supports_fault_tolerance(backend):
         raise FlashInferEPConfigError(

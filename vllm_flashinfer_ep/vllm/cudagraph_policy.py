@@ -7,13 +7,13 @@ VLLM_COMPILE). It only matters when the all2all runs at all (dp > 1).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 KEEP = "keep"  # keep whatever mode vLLM chose
 NONE = "NONE"

@@ -9,7 +9,6 @@ is weak) and destroys everything in `destroy()`.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -17,13 +16,14 @@ import torch
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 
 from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime import env_checks
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def pool_sizes_from_config(vllm_config: Any) -> list[int]:

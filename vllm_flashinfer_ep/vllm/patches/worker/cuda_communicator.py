@@ -14,12 +14,12 @@ on the EP communicator that asked for an all2all set `use_all2all=True` and
 from __future__ import annotations
 
 import inspect
-import logging
 
 from vllm_flashinfer_ep.backends import is_ours
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.vllm.patches._util import is_marked, mark
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TARGET = "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator.__init__"
 

@@ -10,13 +10,12 @@ Why: vLLM knows the DeepEP/NIXL lists only; NCCL-EP LL supports
 
 from __future__ import annotations
 
-import logging
-
 from vllm_flashinfer_ep.backends import LOW_LATENCY
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.limits import round_up_ll_hidden_size
 from vllm_flashinfer_ep.vllm.patches._util import is_marked, mark, rebind_everywhere
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TARGET = "vllm.model_executor.layers.fused_moe.all2all_utils.maybe_roundup_layer_hidden_size"
 _logged: set[tuple[int, int]] = set()
