@@ -7,6 +7,7 @@ the GPU tests drive the same code without vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +52,21 @@ def router_weights(
     return a1 * topk_weights.to(a1.dtype), torch.ones_like(topk_weights)
 
 
+def _begin_and_dispatch(
+    rt: EPRuntime,
+    a1: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    uniform: bool,
+    apply_router_weight_on_input: bool,
+) -> Any:
+    """Checks, routing bound to a handle, dispatch: the first half of every round."""
+    check_activations(a1, rt)
+    a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
+    rt.pool.begin(topk_ids, weights, uniform=uniform)
+    return rt.pool.dispatch(a1)
+
+
 class LowLatencyRound:
     """Expert-major dispatch into the batched-experts layout; weighted combine."""
 
@@ -66,11 +82,9 @@ class LowLatencyRound:
         uniform: bool = True,
         apply_router_weight_on_input: bool = False,
     ) -> LowLatencyDispatch:
-        check_activations(a1, self.runtime)
-        a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
-        pool = self.runtime.pool
-        pool.begin(topk_ids, weights, uniform=uniform)
-        out = pool.dispatch(a1)
+        out = _begin_and_dispatch(
+            self.runtime, a1, topk_ids, topk_weights, uniform, apply_router_weight_on_input
+        )
         return LowLatencyDispatch(out.expert_tensors, out.expert_counts)
 
     def combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
@@ -98,11 +112,8 @@ class HighThroughputRound:
         apply_router_weight_on_input: bool = False,
     ) -> HighThroughputDispatch:
         rt = self.runtime
-        check_activations(a1, rt)
-        a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
+        out = _begin_and_dispatch(rt, a1, topk_ids, topk_weights, uniform, apply_router_weight_on_input)
         pool = rt.pool
-        pool.begin(topk_ids, weights, uniform=uniform)
-        out = pool.dispatch(a1)
         assert pool.num_received is not None
         # Host read of the received-row count: the reason HT cannot be captured.
         received = int(pool.num_received.item())
