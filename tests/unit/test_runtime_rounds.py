@@ -226,3 +226,23 @@ def test_globalized_remote_slots_are_dropped_by_an_expert_map():
     local = expert_map[ids]
     assert ((local >= 0) == (recv_ids >= 0)).all()
     assert (weights[local < 0] == 0).all()
+
+
+
+def test_strided_activations_work_and_strided_output_is_refused():
+    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[6])
+    x, ids, weights, scales = _inputs(6, 2, seed=11)
+    wide = torch.zeros(6, 2 * HIDDEN, dtype=torch.bfloat16)
+    wide[:, ::2] = x
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    out = torch.empty_like(x)
+    rnd = LowLatencyRound(rt)
+    d = rnd.dispatch(strided, ids, weights)
+    rnd.combine(scale_expert_rows(d.expert_x, scales), out)
+    _close(out, reference_moe(x, ids, weights, scales))
+    d = rnd.dispatch(x, ids, weights)
+    bad_out = torch.empty(HIDDEN, 6, dtype=torch.bfloat16).t()
+    with pytest.raises(FlashInferEPConfigError, match="contiguous"):
+        rnd.combine(d.expert_x, bad_out)
+    rt.pool.end()

@@ -62,6 +62,8 @@ def _begin_and_dispatch(
 ) -> Any:
     """Checks, routing bound to a handle, dispatch: the first half of every round."""
     check_activations(a1, rt)
+    if not a1.is_contiguous():  # NCCL-EP reads rows by pointer arithmetic
+        a1 = a1.contiguous()
     a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
     rt.pool.begin(topk_ids, weights, uniform=uniform)
     return rt.pool.dispatch(a1)
@@ -89,6 +91,7 @@ class LowLatencyRound:
 
     def combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         """Weighted combine into `output` (in place when given); ends the round."""
+        _check_output(output)
         pool = self.runtime.pool
         try:
             return pool.combine(expert_out, output)
@@ -129,12 +132,21 @@ class HighThroughputRound:
         return self.runtime.ht_combine_in[:received]
 
     def combine(self, output: torch.Tensor | None) -> torch.Tensor:
+        _check_output(output)
         rt = self.runtime
         assert rt.ht_combine_in is not None
         try:
             return rt.pool.combine(rt.ht_combine_in, output)
         finally:
             rt.pool.end()
+
+
+def _check_output(output: torch.Tensor | None) -> None:
+    if output is not None and not output.is_contiguous():
+        raise FlashInferEPConfigError(
+            "flashinfer_ep combine writes its output in place and needs a contiguous tensor "
+            f"(got strides {output.stride()} for shape {tuple(output.shape)})"
+        )
 
 
 def globalize_received_routing(
