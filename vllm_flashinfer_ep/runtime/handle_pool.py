@@ -23,16 +23,33 @@ from typing import Any, TypeVar
 
 import torch
 
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import is_capturing
 from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
-from vllm_flashinfer_ep.runtime.transport import moe_ep
+from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
 
 logger = get_logger(__name__)
 
 T = TypeVar("T")
+
+
+def unavailable_reason() -> str | None:
+    """Why a persistent pool cannot back CUDA graphs here, or None if it can.
+
+    The one place that decides: the managers warm no pool and the CUDA-graph policy
+    turns graphs off, both from this answer.
+    """
+    if not envs.handle_pool_enabled():
+        return f"the persistent handle pool is disabled ({envs.HANDLE_POOL}=0)"
+    if not handle_supports_update():
+        return (
+            "the installed FlashInfer has no Handle.update(), so handles cannot be "
+            "re-targeted inside a captured forward (install flashinfer-python==0.7.2.post1)"
+        )
+    return None
 
 
 @dataclass

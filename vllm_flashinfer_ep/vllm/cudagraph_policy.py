@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep import backends
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime.transport import handle_supports_update
+from vllm_flashinfer_ep.runtime import handle_pool
 
 logger = get_logger(__name__)
 
@@ -60,22 +60,10 @@ class Decision:
 LAST_DECISION: Decision | None = None
 
 
-def pool_unavailable_reason() -> str | None:
-    """Why the handle pool cannot back CUDA graphs here, or None if it can."""
-    if not envs.handle_pool_enabled():
-        return f"the persistent handle pool is disabled ({envs.HANDLE_POOL}=0)"
-    if not handle_supports_update():
-        return (
-            "the installed FlashInfer has no Handle.update(), so handles cannot be "
-            "re-targeted inside a captured forward (install flashinfer-python==0.7.2.post1)"
-        )
-    return None
-
-
 def decide(backend: str, current_mode: str) -> Decision:
     policy = POLICY[backend]
     if policy.allowed == KEEP:
-        missing = pool_unavailable_reason() if policy.needs_handle_pool else None
+        missing = handle_pool.unavailable_reason() if policy.needs_handle_pool else None
         if missing is None:
             return Decision(backend, current_mode, current_mode, policy.reason)
         return Decision(backend, current_mode, NONE, missing)

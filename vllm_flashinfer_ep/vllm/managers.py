@@ -17,11 +17,10 @@ from vllm.distributed.device_communicators.base_device_communicator import All2A
 
 from vllm_flashinfer_ep import backends, envs
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import env_checks
+from vllm_flashinfer_ep.runtime import env_checks, handle_pool
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.transport import handle_supports_update
 
 logger = get_logger(__name__)
 
@@ -91,7 +90,9 @@ class _FlashInferEPManager(All2AllManagerBase):
     def _pool_sizes(self) -> list[int]:
         if self.algorithm != LOW_LATENCY:
             return []  # HT is never captured; eager rounds use fresh handles
-        if not (envs.handle_pool_enabled() and handle_supports_update()):
+        reason = handle_pool.unavailable_reason()
+        if reason is not None:
+            logger.info("%s: no persistent handle pool: %s", self.backend_name, reason)
             return []
         return pool_sizes_from_config(self._vllm_config)
 
