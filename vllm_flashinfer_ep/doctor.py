@@ -22,10 +22,9 @@ from vllm_flashinfer_ep.runtime.limits import (
     MAX_TOPK_HT,
     MAX_TOPK_LL,
     SUPPORTED_HIDDEN_SIZES,
+    config_top_k,
     round_up_ll_hidden_size,
 )
-
-TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 
 
 def _version(dist: str) -> str | None:
@@ -101,7 +100,7 @@ def model_checks(model: str) -> list[Check]:
             checks.append(Check("LL hidden size", True, detail))
         except ValueError as exc:
             checks.append(Check("LL hidden size", False, str(exc), "use flashinfer_ep_high_throughput"))
-    top_k = next((text[a] for a in TOPK_ATTRS if isinstance(text.get(a), int)), None)
+    top_k = config_top_k(text.get)
     if top_k is None:
         checks.append(Check("top_k", False, "no experts-per-token field: not an MoE config?", "pass an MoE model"))
     else:

@@ -17,7 +17,7 @@ from tests.fakes.matrix import (
     backend_hidden_params,
     skip_reason,
 )
-from tests.fakes.runtime import build_fake_runtime, hide_cuda, installed_fake
+from tests.fakes.runtime import build_fake_runtime
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.bench.reference import (
     random_routing,
@@ -34,11 +34,7 @@ TOP_K = 2
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def fake(monkeypatch):
-    hide_cuda(monkeypatch)
-    with installed_fake() as module:
-        yield module
+pytestmark = pytest.mark.usefixtures("fake")
 
 
 def _round_trip(backend: str, hidden: int, num_tokens: int, seed: int):

@@ -42,7 +42,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceNoOP,
 )
 
-from tests.fakes.runtime import build_fake_runtime, hide_cuda, installed_fake
+from tests.fakes.runtime import build_fake_runtime
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT as HT_BACKEND
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.bench.reference import random_routing
@@ -61,12 +61,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True)
-def fake(monkeypatch):
+def no_capture_probe(monkeypatch, fake):
     # No driver: answer NaiveBatchedExperts' capture probe (it would raise).
     monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: False)
-    hide_cuda(monkeypatch)
-    with installed_fake() as module:
-        yield module
+    return fake
 
 
 def _moe_config(top_k: int, backend: str) -> FusedMoEConfig:

@@ -8,9 +8,7 @@ import torch
 from tests.fakes import fake_moe_ep
 from tests.fakes.runtime import (
     build_fake_runtime,
-    hide_cuda,
     install_capture_switch,
-    installed_fake,
 )
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
@@ -22,11 +20,7 @@ HIDDEN = 2048
 WORLD = 4
 
 
-@pytest.fixture(autouse=True)
-def fake(monkeypatch):
-    hide_cuda(monkeypatch)
-    with installed_fake() as module:
-        yield module
+pytestmark = pytest.mark.usefixtures("fake")
 
 
 def _ft_fleet(rank: int = 0, world: int = WORLD) -> fake_moe_ep.FakeFleet:

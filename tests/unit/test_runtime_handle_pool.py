@@ -9,9 +9,7 @@ from tests.fakes import fake_moe_ep
 from tests.fakes.fake_moe_ep import Call
 from tests.fakes.runtime import (
     build_fake_runtime,
-    hide_cuda,
     install_capture_switch,
-    installed_fake,
 )
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe, scale_expert_rows
 from vllm_flashinfer_ep.errors import (
@@ -30,12 +28,7 @@ NUM_EXPERTS = 8
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def fake(monkeypatch):
-    hide_cuda(monkeypatch)
-    with installed_fake() as module:
-        yield module
-    assert transport._override is None
+pytestmark = pytest.mark.usefixtures("fake")
 
 
 def _layer(num_tokens: int, seed: int, top_k: int = 2, num_experts: int = NUM_EXPERTS):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fakes.runtime import build_fake_runtime, hide_cuda, installed_fake
+from tests.fakes.runtime import build_fake_runtime
 from vllm_flashinfer_ep.bench.reference import (
     random_routing,
     reduce_received_rows,
@@ -26,11 +26,7 @@ CAPACITY = 32
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def fake(monkeypatch):
-    hide_cuda(monkeypatch)
-    with installed_fake() as module:
-        yield module
+pytestmark = pytest.mark.usefixtures("fake")
 
 
 def _inputs(num_tokens: int, top_k: int, seed: int):

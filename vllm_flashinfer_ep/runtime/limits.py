@@ -26,6 +26,23 @@ MAX_TOPK_HT: int = 32
 MAX_TOPK: int = max(MAX_TOPK_LL, MAX_TOPK_HT)
 
 
+# Names under which Hugging Face configs carry the number of routed experts per token.
+TOPK_CONFIG_KEYS: tuple[str, ...] = (
+    "num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k",
+)
+
+
+def config_top_k(get) -> int | None:
+    """top_k of a model config, `get(name)` reading one field (dict.get or getattr)."""
+    for name in TOPK_CONFIG_KEYS:
+        value = get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+            return max(value)
+    return None
+
+
 def max_top_k(algorithm_is_low_latency: bool) -> int:
     return MAX_TOPK_LL if algorithm_is_low_latency else MAX_TOPK_HT
 

@@ -17,22 +17,17 @@ import torch
 from vllm_flashinfer_ep import backends
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime.limits import MIN_CUDA_MAJOR, SUPPORTED_HIDDEN_SIZES, max_top_k
+from vllm_flashinfer_ep.runtime.limits import (
+    MIN_CUDA_MAJOR,
+    SUPPORTED_HIDDEN_SIZES,
+    config_top_k,
+    max_top_k,
+)
 
 logger = get_logger(__name__)
 
-# Names under which Hugging Face configs carry the number of routed experts per token.
-TOPK_ATTRS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
-
-
 def model_top_k(hf_config: Any) -> int | None:
-    for name in TOPK_ATTRS:
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
-            return max(value)
-    return None
+    return config_top_k(lambda name: getattr(hf_config, name, None))
 
 
 def validate(vllm_config: Any) -> None:
