@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,7 +268,3 @@ def require_runtime_environment(checks: list[Check] | None = None) -> None:
         raise FlashInferEPEnvironmentError(
             "the flashinfer_ep all2all backends cannot run on this host:\n" + lines
         )
-
-
-def python_info() -> str:
-    return sys.version.split()[0]

@@ -102,13 +102,17 @@ class HandlePool:
         # grew more). The first handle of a fleet also triggers NCCL-EP's lazy buffer
         # allocation, so `per_handle_bytes` excludes it.
         self.handle_bytes: dict[int, int] = {}
-        self.memory_bytes = 0
         self._handles: dict[int, Any] = {}
         self._current: Any = None
         self._current_is_fresh = False
         self._handle_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ sizes
+    @property
+    def memory_bytes(self) -> int:
+        """All memory the pool's warm-up added (fleet buffers included)."""
+        return sum(self.handle_bytes.values())
+
     @property
     def per_handle_bytes(self) -> float:
         """Median memory of a pooled handle, excluding the first (fleet buffers)."""
@@ -123,9 +127,6 @@ class HandlePool:
     @property
     def sizes(self) -> list[int]:
         return sorted(self._handles)
-
-    def has_size(self, num_tokens: int) -> bool:
-        return num_tokens in self._handles
 
     def warm(self, sizes: Iterable[int]) -> list[int]:
         """Create and warm one handle per size (outside capture, same order on all ranks).
@@ -155,7 +156,6 @@ class HandlePool:
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
-        self.memory_bytes = sum(self.handle_bytes.values())
         self.counters.sizes = self.sizes
         return self.sizes
 
