@@ -5,9 +5,8 @@ captured in one CUDA graph over several layers (the persistent handle pool), aga
 vLLM's own non-EP batched path on the same weights and routing and a torch reference.
 HT: `FlashInferEPHighThroughputPrepareAndFinalize` + vLLM's `TritonExperts`, eager.
 
-Needs vLLM importable and a GPU with NCCL-EP. On the device (torch 2.11, vLLM's Python
-sources only) tests/kernels/vllm_device_shim.py supplies torch fallbacks for vLLM's
-compiled ops; that bridge lives in the harness only, never in the package.
+Needs the real vLLM 0.33.0 runtime (its compiled ops, torch 2.14) and a GPU with NCCL-EP;
+on the device machine that is ../shared/gpu/stage-engine.sh (docs/device_vllm.md).
 """
 
 from __future__ import annotations
@@ -25,12 +24,8 @@ POOL_SIZES = [1, 8, 64]
 
 @pytest.fixture(scope="module")
 def vllm_env(ep_group_world1):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not importable here")
-    if importlib.util.find_spec("vllm._C") is None:
-        import vllm_device_shim  # tests/kernels is on sys.path (rootdir-less test dir)
-
-        print("vllm_device_shim:", vllm_device_shim.apply())
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm._C_stable_libtorch") is None:
+        pytest.skip("needs vLLM 0.33.0 with its compiled ops (vllm._C_stable_libtorch)")
     import vllm_flashinfer_ep
 
     vllm_flashinfer_ep.register()

@@ -18,6 +18,7 @@ from vllm_flashinfer_ep import backends
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.limits import (
+    HT_MAX_TOKENS_PER_RANK,
     MIN_CUDA_MAJOR,
     SUPPORTED_HIDDEN_SIZES,
     config_top_k,
@@ -62,6 +63,8 @@ def validate(vllm_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None:
         _validate_model(model, backend, flag)
+    if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
+        _clamp_ht_tokens(vllm_config, flag)
 
     if not par.use_all2all:
         logger.warning(
@@ -75,6 +78,39 @@ def validate(vllm_config: Any) -> None:
             "all-gather/reduce-scatter path, not NCCL-EP.",
             backend,
         )
+
+
+def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
+    """Keep each step within NCCL-EP's high-throughput limit of tokens per rank.
+
+    The HT fleet cannot take more than HT_MAX_TOKENS_PER_RANK tokens per rank, and vLLM's
+    profile run sends --max-num-batched-tokens tokens through every MoE layer at start-up,
+    so a larger budget would fail there. Chunked prefill keeps any prompt length servable.
+    """
+    sched = vllm_config.scheduler_config
+    if sched is None or sched.max_num_batched_tokens <= HT_MAX_TOKENS_PER_RANK:
+        return
+    asked = sched.max_num_batched_tokens
+    if not sched.enable_chunked_prefill and vllm_config.model_config is not None:
+        if vllm_config.model_config.max_model_len > HT_MAX_TOKENS_PER_RANK:
+            raise FlashInferEPConfigError(
+                f"{flag} takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step, but "
+                f"--max-num-batched-tokens is {asked} with chunked prefill off and "
+                f"--max-model-len {vllm_config.model_config.max_model_len}. Enable chunked "
+                f"prefill or pass --max-model-len <= {HT_MAX_TOKENS_PER_RANK}."
+            )
+    sched.max_num_batched_tokens = HT_MAX_TOKENS_PER_RANK
+    if sched.max_num_scheduled_tokens is not None:
+        sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, HT_MAX_TOKENS_PER_RANK)
+    logger.warning(
+        "%s: NCCL-EP high throughput takes at most %d tokens per rank and step; "
+        "--max-num-batched-tokens lowered from %d to %d (pass a value <= %d to silence this).",
+        flag,
+        HT_MAX_TOKENS_PER_RANK,
+        asked,
+        HT_MAX_TOKENS_PER_RANK,
+        HT_MAX_TOKENS_PER_RANK,
+    )
 
 
 def _validate_model(model: Any, backend: str, flag: str) -> None:

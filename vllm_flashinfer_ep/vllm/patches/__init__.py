@@ -55,6 +55,12 @@ Worker patches (matter in workers: communicator init, model load, FT sentinel)
 10. worker/ft_backend_set.py -- `gpu_worker_sentinel.FT_BACKEND_SET`
    What: add LL.   Why: the sentinel raises for other backends.   How: rebind global.
    Upstream fix: ask the manager's `support_fault_tolerance` instead.   Removal: then.
+11. worker/router_gate_width.py -- `GateLinear.forward`
+   What: the router sees unpadded activations.   Why: vLLM pads activations to the
+         rounded hidden size (9) before the runner applies the gate it holds; the gate's
+         weight has the checkpoint width (shape error at hidden 3072).
+   How:  wrap, slice rows back to the gate's input_size (zeros dropped, same logits).
+   Upstream fix: gate before padding in the MoE runner.   Removal: then, or with 9.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ PATCHES: tuple[PatchEntry, ...] = (
     PatchEntry("worker.fused_moe_parallel_config", "worker"),
     PatchEntry("worker.hidden_size_roundup", "worker"),
     PatchEntry("worker.ft_backend_set", "worker"),
+    PatchEntry("worker.router_gate_width", "worker"),
 )
 
 

@@ -1,0 +1,116 @@
+"""End-to-end decode throughput of the engine at EP world size 1, three configurations side by side.
+
+    python tests/engine/bench_engine.py --shape tiny|qwen3-30b-a3b --out results.json
+
+Configurations (one engine process each, run one after the other in this command):
+  no_ep     : the same engine without expert parallelism (vLLM's default MoE path)
+  ll_graph  : --all2all-backend flashinfer_ep_low_latency, persistent handle pool
+  ll_pooloff: the same with VLLM_FLASHINFER_EP_HANDLE_POOL=0 (per-forward handles; the
+              policy turns CUDA graphs off)
+All three run with cudagraph_mode FULL_DECODE_ONLY and no torch.compile (decode steps replay
+full CUDA graphs where the configuration allows graphs at all). Decode throughput per batch size B: B * output_len / (t(prefill + output_len tokens) -
+t(prefill + 1 token)), the best of two runs each. `tiny` is the 4-layer test model with
+random weights; `qwen3-30b-a3b` is Qwen3-30B-A3B's architecture (48 layers, hidden 2048,
+128 experts, top_k 8) with vLLM's dummy weights, so no checkpoint is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from engine_models import QWEN3_30B_A3B, write_config_only, write_tiny_model  # noqa: E402
+from engine_runner import EngineRunner  # noqa: E402
+
+LL = "flashinfer_ep_low_latency"
+CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# Decode steps replayed as full CUDA graphs, no torch.compile (fast start-up at 48 layers);
+# the same for all three engines. The pool-off engine gets NONE from the package's policy.
+COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": CAPTURE}
+CONFIGS = {
+    "no_ep": ({"backend": None}, {}),
+    "ll_graph": ({"backend": LL}, {}),
+    "ll_pooloff": ({"backend": LL}, {"VLLM_FLASHINFER_EP_HANDLE_POOL": "0"}),
+}
+
+
+def _model(shape: str, work: Path) -> tuple[str, dict]:
+    if shape == "tiny":
+        return write_tiny_model(work / "tiny-h2048", 2048), {"vocab": 4096}
+    path = write_config_only(work / "qwen3-30b-a3b-shape", QWEN3_30B_A3B)
+    return path, {
+        "vocab": QWEN3_30B_A3B["vocab_size"],
+        "load_format": "dummy",
+        "gpu_memory_utilization": 0.85,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default="tiny")
+    ap.add_argument("--batch-sizes", default="1,8,32,128")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    model, extra = _model(args.shape, work)
+    runner = EngineRunner(work)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    results: dict[str, list[dict]] = {}
+    meta: dict[str, dict] = {}
+    for name in args.configs.split(","):
+        base, env = CONFIGS[name]
+        spec = {
+            "model": model,
+            "max_model_len": 512,
+            "compilation_config": COMPILATION,
+            "bench": {"batch_sizes": batches, "output_len": args.output_len, "prompt_len": args.prompt_len},
+            **extra,
+            **base,
+        }
+        res = runner.run(f"bench-{args.shape}-{name}", spec, env=env, timeout=900)
+        results[name] = res["bench"]
+        probe = res["after_load"]
+        meta[name] = {
+            "cudagraph_mode": probe["cudagraph_mode"],
+            "startup_seconds": round(res["startup_seconds"], 1),
+            "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
+        }
+        print(f"{name}: {meta[name]} {results[name]}", flush=True)
+        if args.out:  # after each engine, so a cut-short run keeps what it measured
+            args.out.write_text(
+                json.dumps({"shape": args.shape, "meta": meta, "results": results}, indent=1)
+            )
+    print(table(args.shape, batches, results))
+    return 0
+
+
+def table(shape: str, batches: list[int], results: dict[str, list[dict]]) -> str:
+    names = list(results)
+    head = ["batch"] + [f"{n} tok/s" for n in names]
+    if "ll_graph" in results and "no_ep" in results:
+        head.append("ll_graph / no_ep")
+    if "ll_graph" in results and "ll_pooloff" in results:
+        head.append("ll_graph / ll_pooloff")
+    lines = [f"decode throughput, {shape} (output tokens/s)", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for i, b in enumerate(batches):
+        row = [str(b)] + [f"{results[n][i]['output_tokens_per_s']:.0f}" for n in names]
+        if "ll_graph / no_ep" in head:
+            row.append(f"{results['ll_graph'][i]['output_tokens_per_s'] / results['no_ep'][i]['output_tokens_per_s']:.2f}")
+        if "ll_graph / ll_pooloff" in head:
+            row.append(f"{results['ll_graph'][i]['output_tokens_per_s'] / results['ll_pooloff'][i]['output_tokens_per_s']:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

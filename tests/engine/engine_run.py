@@ -1,0 +1,193 @@
+"""Run one vLLM engine configuration in this process and write what it observed as JSON.
+
+Each engine runs in its own interpreter (`python tests/engine/engine_run.py SPEC OUT`), so a
+crash in one configuration cannot take the others down and every engine starts clean.
+The engine core and the worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so
+`collective_rpc` reads the package's objects directly; `vllm serve` (test_serve_world1.py)
+covers the multi-process layout.
+
+SPEC (JSON): model, backend (null = the same engine without EP), enforce_eager,
+max_num_batched_tokens, load_format, compilation_config, gpu_memory_utilization,
+sequences (teacher-forced prompt logprobs), decode {num_prompts, prompt_len, max_tokens},
+bench {batch_sizes, output_len, prompt_len}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def worker_probe(worker: Any) -> dict[str, Any]:
+    """What the worker built: cudagraph mode, capture sizes, manager, runtimes, P/F, kernels."""
+    from vllm.distributed.parallel_state import get_ep_group
+
+    cfg = worker.vllm_config
+    comp = cfg.compilation_config
+    out: dict[str, Any] = {
+        "cudagraph_mode": comp.cudagraph_mode.name if comp.cudagraph_mode is not None else None,
+        "capture_sizes": sorted(int(s) for s in (comp.cudagraph_capture_sizes or [])),
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "data_parallel_size": cfg.parallel_config.data_parallel_size,
+    }
+    try:
+        comm = get_ep_group().device_communicator
+    except AssertionError:
+        comm = None
+    manager = getattr(comm, "all2all_manager", None)
+    out["manager"] = type(manager).__name__ if manager is not None else None
+    runtimes = list(getattr(manager, "runtimes", []) or [])
+    out["runtimes"] = [
+        {
+            "algorithm": rt.spec.algorithm,
+            "hidden_size": rt.spec.hidden_size,
+            "num_experts": rt.spec.num_experts,
+            "capacity": rt.capacity,
+            "world_size": rt.world_size,
+            "top_k": rt.pool.top_k,
+            "pool_sizes": rt.pool.sizes,
+            "pool_memory_bytes": rt.pool.memory_bytes,
+            "counters": dataclasses.asdict(rt.pool.counters),
+        }
+        for rt in runtimes
+    ]
+    model = worker.model_runner.model
+    if not hasattr(model, "modules") and hasattr(model, "unwrap"):
+        model = model.unwrap()
+    impls = {}
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        impl = getattr(kernel, "impl", None)
+        if impl is not None:
+            impls[id(impl)] = impl
+    out["kernels"] = sorted(
+        {f"{type(k.prepare_finalize).__name__}+{type(k.fused_experts).__name__}" for k in impls.values()}
+    )
+    out["num_kernels"] = len(impls)
+    out["kernel_runtimes"] = len(
+        {id(k.prepare_finalize.runtime) for k in impls.values() if hasattr(k.prepare_finalize, "runtime")}
+    )
+    return out
+
+
+def _counters(llm: Any) -> dict[str, Any]:
+    return llm.collective_rpc(worker_probe)[0]
+
+
+def _build(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=spec.get("max_model_len", 1024),
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
+        enforce_eager=bool(spec.get("enforce_eager", False)),
+        load_format=spec.get("load_format", "auto"),
+        max_num_seqs=spec.get("max_num_seqs", 256),
+    )
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if spec.get("compilation_config"):
+        kwargs["compilation_config"] = spec["compilation_config"]
+    if spec.get("backend"):
+        kwargs.update(enable_expert_parallel=True, all2all_backend=spec["backend"])
+    return LLM(**kwargs)
+
+
+def _prompt_logprobs(llm: Any, sequences: list[list[int]]) -> list[list[float]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False
+    )
+    result = []
+    for seq, out in zip(sequences, outs):
+        row = []
+        for pos in range(1, len(seq)):
+            entry = out.prompt_logprobs[pos]
+            row.append(float(entry[seq[pos]].logprob))
+        result.append(row)
+    return result
+
+
+def _decode(llm: Any, num_prompts: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [
+        TokensPrompt(prompt_token_ids=[2 + (7 * i + 13 * j) % (vocab - 2) for j in range(prompt_len)])
+        for i in range(num_prompts)
+    ]
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "seconds": elapsed,
+    }
+
+
+def _bench(llm: Any, batch_sizes: list[int], output_len: int, prompt_len: int, vocab: int) -> list[dict]:
+    """Decode throughput per batch size: (B * output_len) / (t(1 + output_len) - t(1))."""
+    rows = []
+    _decode(llm, max(batch_sizes), prompt_len, 4, vocab)  # warm every path once
+    for b in batch_sizes:
+        first = min(_decode(llm, b, prompt_len, 1, vocab)["seconds"] for _ in range(2))
+        full = min(_decode(llm, b, prompt_len, 1 + output_len, vocab)["seconds"] for _ in range(2))
+        decode_s = max(full - first, 1e-9)
+        rows.append(
+            {
+                "batch": b,
+                "output_len": output_len,
+                "decode_seconds": decode_s,
+                "output_tokens_per_s": b * output_len / decode_s,
+                "ms_per_step": 1000.0 * decode_s / output_len,
+            }
+        )
+    return rows
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    llm = _build(spec)
+    result: dict[str, Any] = {"spec": {k: v for k, v in spec.items() if k != "sequences"}}
+    result["startup_seconds"] = time.perf_counter() - t0
+    result["after_load"] = _counters(llm)
+    vocab = int(spec.get("vocab", 4096))
+    if spec.get("sequences"):
+        result["prompt_logprobs"] = _prompt_logprobs(llm, spec["sequences"])
+        result["after_prefill"] = _counters(llm)
+    if spec.get("decode"):
+        d = spec["decode"]
+        result["decode"] = _decode(llm, d["num_prompts"], d["prompt_len"], d["max_tokens"], vocab)
+        result["after_decode"] = _counters(llm)
+    if spec.get("bench"):
+        b = spec["bench"]
+        result["bench"] = _bench(llm, b["batch_sizes"], b["output_len"], b["prompt_len"], vocab)
+        result["after_bench"] = _counters(llm)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(open(argv[1]).read())
+    result = run(spec)
+    with open(argv[2], "w") as f:
+        json.dump(result, f)
+    print(f"engine_run: wrote {argv[2]}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown of NCCL/NCCL-EP objects; results are written
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,199 @@
+"""Test-only: run vLLM 0.33.0's expert-parallel all2all path at EP world size 1.
+
+vLLM skips the all2all below two EP ranks, and the GPU test machine has one GPU. This
+harness changes five answers of vLLM's configuration objects, and only for the two
+flashinfer_ep backends with --enable-expert-parallel, so that a dp=1 engine builds the
+same objects a dp=2 engine builds on each rank:
+
+1. `ParallelConfig.use_all2all` -> True (vLLM: dp > 1, or SP, or EP with pcp > 1).
+   Effect: `initialize_model_parallel` asks the EP group for an all2all manager.
+2. `ParallelConfig.use_batched_dp_moe` -> True for low latency (the package: EP and
+   dp > 1). Effect: --max-num-batched-tokens defaults to 256, the LL per-rank capacity
+   a dp=2 engine gets.
+3. `GroupCoordinator.__init__`: the EP group of world size 1 gets its device communicator
+   (vLLM builds none at world size 1). Effect: vLLM's own `CudaCommunicator`, through
+   the package's patch, builds the package's manager over the EP group's CPU group.
+4. `FusedMoEParallelConfig.make` / `.use_all2all_kernels`: EP on at world size 1 (vLLM:
+   dp*pcp*tp > 1) and all2all kernels on (vLLM: dp > 1, pcp > 1 or SP). Effect: every MoE
+   layer asks `maybe_make_prepare_finalize` (the package's patch) for its
+   prepare/finalize, gets the manager's shared runtime and the package's P/F, and the
+   oracle builds BatchedExperts (LL) or Standard experts (HT) around it.
+5. `CompilationConfig.set_splitting_ops_for_v1`, called from `VllmConfig.__post_init__`,
+   sees data_parallel_size=2 (only while building such an engine's config). Effect: the
+   package's CUDA-graph policy decides as for a dp=2 engine (LL keeps the mode, HT gets
+   NONE), logging its reason.
+
+Everything else is the real path: plugin loading through its entry point in every vLLM
+process, config validation, manager construction, fleet bootstrap over the EP group,
+handle pool warm-up from the engine's capture sizes, model load, vLLM's profile run,
+torch.compile, CUDA-graph capture and replay, the package's prepare/finalize inside
+vLLM's FusedMoEKernel, and NCCL-EP dispatch/combine kernels. What world size 1 cannot
+show: data crossing ranks, DP padding agreement across ranks, non-uniform DP steps, and
+fault detection between ranks.
+
+The harness is installed by a test-only `vllm.general_plugins` entry point
+(`plugin_dist.write_plugin_dist`), so vLLM loads it in every process it starts; it
+registers the package first so that its wrappers sit outside the package's.
+Never imported by the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+
+_installed = False
+FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
+
+
+def _ours(backend: str | None) -> bool:
+    from vllm_flashinfer_ep.backends import BACKENDS
+
+    return backend in BACKENDS
+
+
+def _active(parallel_config) -> bool:
+    return bool(parallel_config.enable_expert_parallel) and _ours(parallel_config.all2all_backend)
+
+
+def install() -> None:
+    """vllm.general_plugins entry point of the test-only harness distribution."""
+    global _installed
+    if _installed:
+        return
+    import vllm_flashinfer_ep
+
+    if not vllm_flashinfer_ep.register():
+        raise RuntimeError("vllm_flashinfer_ep.register() refused this vLLM")
+    _patch_parallel_config()
+    _patch_group_coordinator()
+    _patch_fused_moe_parallel_config()
+    _patch_splitting_ops()
+    _maybe_plant_fault()
+    _installed = True
+
+
+def _patch_parallel_config() -> None:
+    from vllm.config.parallel import ParallelConfig
+
+    all2all = ParallelConfig.__dict__["use_all2all"].fget
+    batched = ParallelConfig.__dict__["use_batched_dp_moe"].fget
+
+    def use_all2all(self) -> bool:
+        return True if _active(self) else all2all(self)
+
+    def use_batched_dp_moe(self) -> bool:
+        from vllm_flashinfer_ep.backends import LOW_LATENCY
+
+        if _active(self) and self.all2all_backend == LOW_LATENCY:
+            return True
+        return batched(self)
+
+    ParallelConfig.use_all2all = property(use_all2all)
+    ParallelConfig.use_batched_dp_moe = property(use_batched_dp_moe)
+
+
+def _patch_group_coordinator() -> None:
+    from vllm.distributed import parallel_state
+
+    cls = parallel_state.GroupCoordinator
+    original = cls.__init__
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        args_ = bound.arguments
+        if (
+            self.device_communicator is None
+            and self.world_size == 1
+            and self.unique_name.split(":")[0] == "ep"
+            and args_["use_device_communicator"]
+            and args_["use_all2all"]
+        ):
+            from vllm.platforms import current_platform
+            from vllm.utils.import_utils import resolve_obj_by_qualname
+
+            comm_cls = resolve_obj_by_qualname(current_platform.get_device_communicator_cls())
+            self.device_communicator = comm_cls(
+                cpu_group=self.cpu_group,
+                device=self.device,
+                device_group=self.device_group,
+                unique_name=self.unique_name,
+                use_all2all=True,
+            )
+
+    cls.__init__ = __init__
+
+
+def _patch_fused_moe_parallel_config() -> None:
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    make = FusedMoEParallelConfig.__dict__["make"].__func__
+    kernels = FusedMoEParallelConfig.__dict__["use_all2all_kernels"].fget
+
+    def make_world1(*args, **kwargs):
+        cfg = make(*args, **kwargs)
+        par = kwargs.get("vllm_parallel_config", args[4] if len(args) > 4 else None)
+        if par is not None and _active(par) and not cfg.use_ep:
+            cfg = dataclasses.replace(cfg, use_ep=True, ep_size=1, ep_rank=0, tp_size=1, tp_rank=0)
+        return cfg
+
+    def use_all2all_kernels(self) -> bool:
+        if _ours(self.all2all_backend) and self.use_ep:
+            return True
+        return kernels(self)
+
+    FusedMoEParallelConfig.make = staticmethod(make_world1)
+    FusedMoEParallelConfig.use_all2all_kernels = property(use_all2all_kernels)
+
+
+_building: list = []  # parallel configs of the VllmConfigs whose __post_init__ is running
+
+
+def _patch_splitting_ops() -> None:
+    from vllm.config.compilation import CompilationConfig
+    from vllm.config.vllm import VllmConfig
+
+    original = CompilationConfig.set_splitting_ops_for_v1
+    post_init = VllmConfig.__post_init__
+
+    def __post_init__(self) -> None:
+        _building.append(self.parallel_config)
+        try:
+            post_init(self)
+        finally:
+            _building.pop()
+
+    def set_splitting_ops_for_v1(self, all2all_backend: str, data_parallel_size: int = 1):
+        if _building and _active(_building[-1]):
+            data_parallel_size = max(2, data_parallel_size)
+        return original(self, all2all_backend, data_parallel_size)
+
+    VllmConfig.__post_init__ = __post_init__
+    CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
+
+
+def _maybe_plant_fault() -> None:
+    """A deliberate fault for the tests that prove the tolerance can fail.
+
+    `uniform_weights`: the LL prepare/finalize dispatches with every routing weight set to
+    1/top_k instead of the router's weights.
+    """
+    fault = os.environ.get(FAULT_ENV, "").strip()
+    if not fault:
+        return
+    if fault != "uniform_weights":
+        raise ValueError(f"{FAULT_ENV}: unknown fault {fault!r}")
+    from vllm_flashinfer_ep.vllm import prepare_finalize as pf
+
+    cls = pf.FlashInferEPLowLatencyPrepareAndFinalize
+    original = cls.prepare
+
+    def prepare(self, a1, topk_weights, topk_ids, *args, **kwargs):
+        uniform = topk_weights.new_full(topk_weights.shape, 1.0 / topk_weights.shape[1])
+        return original(self, a1, uniform, topk_ids, *args, **kwargs)
+
+    cls.prepare = prepare

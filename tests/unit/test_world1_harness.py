@@ -1,0 +1,95 @@
+"""The engine tests' world-1 harness, checked at config level on CPU with real vLLM objects.
+
+The harness (tests/engine/world1_harness.py) must make a dp=1 engine config look like one
+rank of a dp=2 EP engine for the flashinfer_ep backends, and change nothing for others.
+It patches vLLM classes for the whole process, so it runs in a subprocess here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import json, sys
+import world1_harness
+world1_harness.install()
+from tiny_models import write_model
+from pathlib import Path
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+from vllm_flashinfer_ep.vllm import cudagraph_policy
+
+model = write_model(Path(sys.argv[1]))
+out = {}
+for name, kwargs in {
+    "ll": dict(enable_expert_parallel=True, all2all_backend="flashinfer_ep_low_latency"),
+    "ht": dict(enable_expert_parallel=True, all2all_backend="flashinfer_ep_high_throughput"),
+    "ll_no_ep": dict(all2all_backend="flashinfer_ep_low_latency"),
+    "default_ep": dict(enable_expert_parallel=True),
+}.items():
+    cudagraph_policy.LAST_DECISION = None
+    cfg = EngineArgs(model=model, skip_tokenizer_init=True, **kwargs).create_engine_config()
+    par = cfg.parallel_config
+    moe = FusedMoEParallelConfig.make(
+        tp_size_=1, pcp_size_=1, dp_size_=1, sp_size_=1, vllm_parallel_config=par
+    )
+    out[name] = dict(
+        use_all2all=par.use_all2all,
+        max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+        use_ep=moe.use_ep,
+        ep_size=moe.ep_size,
+        all2all_kernels=moe.use_all2all_kernels,
+        batched_format=moe.use_batched_activation_format,
+        decided=cudagraph_policy.LAST_DECISION is not None,
+    )
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def harness_result(tmp_path_factory):
+    work = tmp_path_factory.mktemp("harness")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "tests" / "engine"), str(REPO / "tests" / "unit"), str(REPO)]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env["VLLM_CONFIGURE_LOGGING"] = "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(work / "model")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line[len("RESULT"):])
+
+
+def test_low_latency_at_world1_looks_like_one_rank_of_dp2(harness_result):
+    ll = harness_result["ll"]
+    assert ll["use_all2all"] and ll["use_ep"] and ll["all2all_kernels"]
+    assert ll["ep_size"] == 1
+    assert ll["batched_format"]  # oracles pick BatchedExperts, as for dp=2
+    assert ll["max_num_batched_tokens"] == 256  # the batched-DP default LL capacity
+    assert ll["decided"]  # the package's CUDA-graph policy ran as for dp=2
+
+
+def test_high_throughput_at_world1(harness_result):
+    ht = harness_result["ht"]
+    assert ht["use_all2all"] and ht["use_ep"] and ht["all2all_kernels"]
+    assert not ht["batched_format"]
+    assert ht["decided"]
+
+
+def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result):
+    for name in ("ll_no_ep", "default_ep"):
+        r = harness_result[name]
+        assert not r["use_all2all"] and not r["use_ep"] and not r["all2all_kernels"], name
+        assert not r["decided"], name
