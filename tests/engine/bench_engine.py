@@ -37,7 +37,10 @@ CONFIGS = {
     "no_ep": ({"backend": None}, {}),
     "ll_graph": ({"backend": LL}, {}),
     "ll_pooloff": ({"backend": LL}, {"VLLM_FLASHINFER_EP_HANDLE_POOL": "0"}),
+    # Diagnosis only (not in the default set): the pooled LL path without CUDA graphs.
+    "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
 }
+DEFAULT_CONFIGS = "no_ep,ll_graph,ll_pooloff"
 
 
 def _model(shape: str, work: Path) -> tuple[str, dict]:
@@ -57,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,32,128")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS)
+    ap.add_argument(
+        "--profile-batch", type=int, default=0,
+        help="also profile a few decode steps at this batch size (top CUDA kernels in the log)",
+    )
+    ap.add_argument("--no-bench", action="store_true", help="profile only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
@@ -72,12 +80,17 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "max_model_len": 512,
             "compilation_config": COMPILATION,
-            "bench": {"batch_sizes": batches, "output_len": args.output_len, "prompt_len": args.prompt_len},
             **extra,
             **base,
         }
+        if not args.no_bench:
+            spec["bench"] = {
+                "batch_sizes": batches, "output_len": args.output_len, "prompt_len": args.prompt_len
+            }
+        if args.profile_batch:
+            spec["profile"] = {"batch": args.profile_batch, "output_len": 8}
         res = runner.run(f"bench-{args.shape}-{name}", spec, env=env, timeout=900)
-        results[name] = res["bench"]
+        results[name] = res.get("bench", [])
         probe = res["after_load"]
         meta[name] = {
             "cudagraph_mode": probe["cudagraph_mode"],
@@ -89,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(
                 json.dumps({"shape": args.shape, "meta": meta, "results": results}, indent=1)
             )
-    print(table(args.shape, batches, results))
+    if all(results.values()):
+        print(table(args.shape, batches, results))
     return 0
 
 

@@ -15,11 +15,14 @@ bench {batch_sizes, output_len, prompt_len}.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
 import time
 from typing import Any
+
+STACK_DUMP_ENV = "FLASHINFER_EP_TEST_STACK_DUMP_S"
 
 
 def worker_probe(worker: Any) -> dict[str, Any]:
@@ -141,11 +144,13 @@ def _decode(llm: Any, num_prompts: int, prompt_len: int, max_tokens: int, vocab:
 def _bench(llm: Any, batch_sizes: list[int], output_len: int, prompt_len: int, vocab: int) -> list[dict]:
     """Decode throughput per batch size: (B * output_len) / (t(1 + output_len) - t(1))."""
     rows = []
-    _decode(llm, max(batch_sizes), prompt_len, 4, vocab)  # warm every path once
+    warm = _decode(llm, max(batch_sizes), prompt_len, 4, vocab)  # warm every path once
+    print(f"engine_run: bench warm-up {warm['seconds']:.3f}s", flush=True)
     for b in batch_sizes:
         first = min(_decode(llm, b, prompt_len, 1, vocab)["seconds"] for _ in range(2))
         full = min(_decode(llm, b, prompt_len, 1 + output_len, vocab)["seconds"] for _ in range(2))
         decode_s = max(full - first, 1e-9)
+        print(f"engine_run: bench batch={b} first={first:.3f}s full={full:.3f}s", flush=True)
         rows.append(
             {
                 "batch": b,
@@ -158,12 +163,30 @@ def _bench(llm: Any, batch_sizes: list[int], output_len: int, prompt_len: int, v
     return rows
 
 
+def _profile(llm: Any, p: dict[str, Any], vocab: int) -> str:
+    """The CUDA kernels of a few decode steps, by total GPU time (a diagnosis aid)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _decode(llm, p["batch"], p.get("prompt_len", 8), 4, vocab)  # warm this batch size
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = _decode(llm, p["batch"], p.get("prompt_len", 8), p.get("output_len", 8), vocab)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=p.get("rows", 30))
+    print(f"engine_run: profile batch={p['batch']} {out['seconds']:.3f}s\n{table}", flush=True)
+    return table
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = _build(spec)
     result: dict[str, Any] = {"spec": {k: v for k, v in spec.items() if k != "sequences"}}
     result["startup_seconds"] = time.perf_counter() - t0
     result["after_load"] = _counters(llm)
+    print(f"engine_run: ready in {result['startup_seconds']:.1f}s", flush=True)
+    dump_s = float(os.environ.get(STACK_DUMP_ENV, "0") or 0)
+    if dump_s > 0:  # a stalled engine leaves every thread's stack in its log
+        faulthandler.dump_traceback_later(dump_s, repeat=True, file=sys.stderr)
     vocab = int(spec.get("vocab", 4096))
     if spec.get("sequences"):
         result["prompt_logprobs"] = _prompt_logprobs(llm, spec["sequences"])
@@ -172,6 +195,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         d = spec["decode"]
         result["decode"] = _decode(llm, d["num_prompts"], d["prompt_len"], d["max_tokens"], vocab)
         result["after_decode"] = _counters(llm)
+    if spec.get("profile"):
+        result["profile"] = _profile(llm, spec["profile"], vocab)
     if spec.get("bench"):
         b = spec["bench"]
         result["bench"] = _bench(llm, b["batch_sizes"], b["output_len"], b["prompt_len"], vocab)

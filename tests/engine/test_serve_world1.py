@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -56,8 +57,9 @@ def test_vllm_serve_low_latency_answers_a_completion(engines, models, tmp_path):
     if log_dir:
         log_path = os.path.join(log_dir, "engine-serve.log")
     env = engine_env(engines.plugin_root, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    # vLLM's console script through this interpreter: the device's PATH need not hold it.
     cmd = [
-        "vllm", "serve", model,
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
         "--host", "127.0.0.1", "--port", str(port),
         "--enable-expert-parallel",
         "--all2all-backend", "flashinfer_ep_low_latency",
