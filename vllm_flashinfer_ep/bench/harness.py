@@ -9,10 +9,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.bench.run import MODES, Row, summarize
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-from vllm_flashinfer_ep.runtime.fleet import LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
@@ -31,7 +32,7 @@ class Harness:
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         self.fleets = FleetCache(self.rank, self.world_size, dist.group.WORLD)
         capacity = max(args.tokens)
-        spec = FleetSpec(LOW_LATENCY, args.num_experts, capacity, args.hidden)
+        spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
         # Same fleet for every mode: only the handle strategy differs.
         self.fresh_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, args.tokens)

@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import is_capturing
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
 
@@ -77,7 +78,7 @@ class HandlePool:
         *,
         bind_ids: bool = True,
     ) -> None:
-        limit = max_top_k(spec.algorithm == LOW_LATENCY)
+        limit = max_top_k(spec.algorithm == Algorithm.LOW_LATENCY)
         if not 1 <= top_k <= limit:
             raise ValueError(f"top_k must be in [1, {limit}] for {spec.algorithm}, got {top_k}")
         if top_k > spec.num_experts:
@@ -87,7 +88,7 @@ class HandlePool:
         self.top_k = top_k
         self.capacity = spec.effective_max_tokens_per_rank
         self.device = torch.device(device)
-        self.is_ht = spec.algorithm == HIGH_THROUGHPUT
+        self.is_ht = spec.algorithm == Algorithm.HIGH_THROUGHPUT
         self.bind_ids = bind_ids
         self.topk_ids = torch.zeros(self.capacity, top_k, dtype=torch.int64, device=self.device)
         self.topk_weights = torch.zeros(
