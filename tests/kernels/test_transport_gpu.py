@@ -23,6 +23,7 @@ from vllm_flashinfer_ep.bench.reference import (
     scale_expert_rows,
 )
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
@@ -127,14 +128,7 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
             torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
 
         fresh_before = pool.counters.fresh_created
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # warmup on a side stream, as vLLM does
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)  # warmup on a side stream, as vLLM does
         assert pool.counters.fresh_created == fresh_before, "no handle may be created in capture"
         assert pool.counters.created_during_capture == 0
         for o in outs:

@@ -18,6 +18,7 @@ from vllm_flashinfer_ep.bench.reference import (
     reference_moe,
     scale_expert_rows,
 )
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
@@ -79,15 +80,7 @@ def _pool_graph(rank: int, world: int) -> None:
                 rnd.combine(scale_expert_rows(d.expert_x, s[rank * n_local : (rank + 1) * n_local]), out)
 
         fresh = rt.pool.counters.fresh_created
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step, between=dist.barrier)
         for i, (x, ids, w, _s) in enumerate(layers):
             nx, nids, nw, _ = _inputs(rank, num_tokens, seed=999 + i)
             x.copy_(nx), ids.copy_(nids), w.copy_(nw)

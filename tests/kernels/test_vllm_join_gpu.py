@@ -16,6 +16,8 @@ import importlib.util
 import pytest
 import torch
 
+from vllm_flashinfer_ep.runtime.capture import capture_graph
+
 pytestmark = pytest.mark.gpu
 
 NUM_EXPERTS, TOP_K, INTERMEDIATE, LAYERS = 128, 8, 512, 4
@@ -152,14 +154,7 @@ def test_ll_join_eager_and_graph(vllm_env, hidden):
             _close(out, _torch_moe(x, w1, w2, w, ids), f"LL eager vs torch, T={num_tokens}")
 
         fresh = rt.pool.counters.fresh_created
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)
         assert rt.pool.counters.fresh_created == fresh, "a handle was created during capture"
         for i, (x, w, ids) in enumerate(routes):
             nx, nw, nids = _routing(num_tokens, hidden, seed=7777 + i)

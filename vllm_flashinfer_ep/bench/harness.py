@@ -12,6 +12,7 @@ import torch.distributed as dist
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.bench.run import MODES, Row, summarize
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
@@ -99,19 +100,6 @@ class Harness:
             d = handle.dispatch(fi.DispatchInputParams(x=[x]))
             handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
 
-    def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        return graph
-
     # -------------------------------------------------------------- run
     def run(self) -> list[Row]:
         rows = []
@@ -129,9 +117,9 @@ class Harness:
             "pooled": lambda: self._package_step(pooled, sets["pooled"]),
         }
         graphs = {
-            "graph": self._capture(lambda: self._package_step(pooled, sets["graph"])),
-            "raw": self._capture(lambda: self._raw_step(sets["raw"], bind=False)),
-            "raw_bind": self._capture(lambda: self._raw_step(sets["raw_bind"], bind=True)),
+            "graph": capture_graph(lambda: self._package_step(pooled, sets["graph"])),
+            "raw": capture_graph(lambda: self._raw_step(sets["raw"], bind=False)),
+            "raw_bind": capture_graph(lambda: self._raw_step(sets["raw_bind"], bind=True)),
         }
         for name, graph in graphs.items():
             steps[name] = graph.replay
