@@ -9,6 +9,8 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -77,3 +79,21 @@ def parse_serve_args(serve_argv: Sequence[str]) -> argparse.Namespace:
     args.subparser = "serve"
     validate_parsed_serve_args(args)
     return args
+
+
+# Trivial experts for transport tests: expert e maps a row x to x * scales[e].
+def scale_expert_rows(expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched-layout expert op: expert_x[e] * scales[e] (rows past the count are ignored by combine)."""
+    factor = scales.to(expert_x.dtype).view(-1, 1, 1)
+    if out is None:
+        return expert_x * factor
+    return torch.mul(expert_x, factor, out=out)
+
+
+def reduce_received_rows(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Standard-layout experts + weighted reduce per received row (HT)."""
+    factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
+    out.copy_((x.float() * factor).to(out.dtype))
+    return out

@@ -24,7 +24,7 @@ ALGORITHM = {a.backend: a for a in Algorithm}
 
 def skip_reason(backend: str, hidden: int) -> str | None:
     """Why (backend, hidden) cannot run, or None when it can."""
-    if backend == LOW_LATENCY and not limits.is_supported_ll_hidden_size(hidden):
+    if backend == LOW_LATENCY and hidden not in limits.SUPPORTED_HIDDEN_SIZES:
         return limits.unsupported_hidden_size_reason(hidden)
     return None
 

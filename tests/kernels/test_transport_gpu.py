@@ -14,14 +14,10 @@ import pytest
 import torch
 
 from tests.fakes.matrix import backend_hidden_params
+from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime

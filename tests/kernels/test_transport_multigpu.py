@@ -11,13 +11,9 @@ import torch
 import torch.distributed as dist
 from multirank import run_ranks
 
+from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec

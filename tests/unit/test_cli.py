@@ -6,6 +6,7 @@ import pytest
 from tiny_models import write_model
 
 from vllm_flashinfer_ep import cli, doctor
+from vllm_flashinfer_ep.bench import results
 from vllm_flashinfer_ep.bench import run as bench
 
 
@@ -79,13 +80,13 @@ def test_bench_arguments():
 def test_bench_table_and_json(tmp_path):
     import json
 
-    row = bench.Row(8, median_ms={m: 1.0 for m in bench.MODES}, min_ms={m: 0.9 for m in bench.MODES},
-                    max_ms={m: 1.1 for m in bench.MODES}, pool_bytes_per_size=11e6)
+    row = results.Row(8, median_ms={m: 1.0 for m in results.MODES}, min_ms={m: 0.9 for m in results.MODES},
+                    max_ms={m: 1.1 for m in results.MODES}, pool_bytes_per_size=11e6)
     row.median_ms["fresh"] = 3.0
     args = cli.build_parser().parse_args(["bench"])
-    table = bench.format_table([row], args, 1)
+    table = results.format_table([row], args, 1)
     assert "3.00x" in table and "11.000" in table
     path = tmp_path / "b.json"
-    bench.write_json([row], args, 1, str(path))
+    results.write_json([row], args, 1, str(path))
     data = json.loads(path.read_text())
     assert data["rows"][0]["fresh_over_graph"] == 3.0 and data["world_size"] == 1

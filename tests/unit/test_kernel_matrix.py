@@ -18,13 +18,9 @@ from tests.fakes.matrix import (
     skip_reason,
 )
 from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY, Algorithm
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime import fleet, limits
 from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound

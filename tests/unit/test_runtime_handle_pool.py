@@ -11,8 +11,9 @@ from tests.fakes.runtime import (
     build_fake_runtime,
     install_capture_switch,
 )
+from tests.helpers import scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe, scale_expert_rows
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import (
     DispatchCapacityError,
     FlashInferEPConfigError,
@@ -72,7 +73,7 @@ def test_warm_creates_one_handle_per_size_with_one_eager_update():
         Call("update", 2, 16),
     ]
     assert pool.counters.pooled_created == 3 and pool.counters.updates == 3
-    assert pool.counters.sizes == [4, 8, 16]
+    assert pool.sizes == [4, 8, 16]
     # Warming again with a known size is a no-op, a new size adds exactly one handle.
     pool.warm([8, 12])
     assert fleet.handles_created == 4 and pool.sizes == [4, 8, 12, 16]

@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 
 HIDDEN = 2048

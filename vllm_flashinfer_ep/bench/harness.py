@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
-from vllm_flashinfer_ep.bench.run import MODES, Row, summarize
+from vllm_flashinfer_ep.bench.results import MODES, Row, summarize
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec

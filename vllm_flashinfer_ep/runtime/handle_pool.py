@@ -18,7 +18,7 @@ different handles.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -63,7 +63,6 @@ class PoolCounters:
     pooled_rounds: int = 0
     fresh_rounds: int = 0
     created_during_capture: int = 0
-    sizes: list[int] = field(default_factory=list)
 
 
 class HandlePool:
@@ -157,7 +156,6 @@ class HandlePool:
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
-        self.counters.sizes = self.sizes
         return self.sizes
 
     # ----------------------------------------------------------------- rounds
@@ -323,8 +321,3 @@ def _memory_snapshot(device: torch.device) -> tuple[int, int]:
 def _memory_delta(device: torch.device, before: tuple[int, int]) -> int:
     after = _memory_snapshot(device)
     return max(0, after[0] - before[0], after[1] - before[1])
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.synchronize(device)
