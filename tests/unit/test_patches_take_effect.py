@@ -225,3 +225,36 @@ def test_manager_runs_worker_checks_before_anything(monkeypatch):
     with pytest.raises(FlashInferEPEnvironmentError, match="LD_PRELOAD") as info:
         FlashInferEPLowLatencyManager(object())
     assert "NCCL_EP_JIT_NVCC" in str(info.value)
+
+
+def test_router_gate_sees_unpadded_activations():
+    """vLLM pads activations to the rounded LL hidden size before its gate: the patch
+    slices them back to the gate's input_size (a view), narrower inputs pass unchanged."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_flashinfer_ep.vllm.patches import BY_NAME, _helper
+
+    seen = []
+
+    def stand_in(self, x):
+        seen.append(tuple(x.shape))
+        return x
+
+    patch = BY_NAME["router_gate_width"]
+    _helper.undo(patch)
+    real = GateLinear.forward
+    GateLinear.forward = stand_in
+    try:
+        _helper.apply(patch)
+        gate = SimpleNamespace(input_size=3072)
+        padded = torch.zeros(5, 4096)
+        padded[:, :3072] = 1.0
+        out = GateLinear.forward(gate, padded)
+        assert out.data_ptr() == padded.data_ptr() and bool((out == 1.0).all())
+        GateLinear.forward(gate, torch.zeros(5, 3072))
+        GateLinear.forward(SimpleNamespace(), torch.zeros(5, 4096))  # no input_size: untouched
+    finally:
+        _helper.undo(patch)
+        GateLinear.forward = real
+        _helper.apply(patch)
+    assert seen == [(5, 3072), (5, 3072), (5, 4096)]
