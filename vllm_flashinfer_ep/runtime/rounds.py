@@ -63,20 +63,26 @@ class Round:
     def __init__(self, runtime: EPRuntime) -> None:
         self.runtime = runtime
 
-    def _dispatch(
+    def dispatch(
         self,
         a1: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        uniform: bool,
-        apply_router_weight_on_input: bool,
+        *,
+        uniform: bool = True,
+        apply_router_weight_on_input: bool = False,
     ) -> Any:
+        """Bind this layer's routing to a handle and dispatch; the algorithm's view of
+        what arrived (`_received`)."""
         check_activations(a1, self.runtime)
         if not a1.is_contiguous():  # NCCL-EP reads rows by pointer arithmetic
             a1 = a1.contiguous()
         a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
         self.runtime.pool.begin(topk_ids, weights, uniform=uniform)
-        return self.runtime.pool.dispatch(a1)
+        return self._received(self.runtime.pool.dispatch(a1))
+
+    def _received(self, out: Any) -> Any:
+        raise NotImplementedError
 
     def _combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         """Combine into `output` (in place when given); ends the round."""
@@ -91,16 +97,7 @@ class Round:
 class LowLatencyRound(Round):
     """Expert-major dispatch into the batched-experts layout; weighted combine."""
 
-    def dispatch(
-        self,
-        a1: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        *,
-        uniform: bool = True,
-        apply_router_weight_on_input: bool = False,
-    ) -> LowLatencyDispatch:
-        out = self._dispatch(a1, topk_ids, topk_weights, uniform, apply_router_weight_on_input)
+    def _received(self, out: Any) -> LowLatencyDispatch:
         return LowLatencyDispatch(out.expert_tensors, out.expert_counts)
 
     def combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
@@ -125,16 +122,7 @@ class HighThroughputRound(Round):
             rows, runtime.spec.hidden_size, dtype=torch.bfloat16, device=dev
         )
 
-    def dispatch(
-        self,
-        a1: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        *,
-        uniform: bool = True,
-        apply_router_weight_on_input: bool = False,
-    ) -> HighThroughputDispatch:
-        out = self._dispatch(a1, topk_ids, topk_weights, uniform, apply_router_weight_on_input)
+    def _received(self, out: Any) -> HighThroughputDispatch:
         pool = self.runtime.pool
         assert pool.num_received is not None
         # Host read of the received-row count: the reason HT cannot be captured.

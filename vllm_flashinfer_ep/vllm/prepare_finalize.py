@@ -57,14 +57,25 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     def supports_async(self) -> bool:
         return False
 
-    def _dispatch(self, a1, topk_weights, topk_ids, apply_router_weight_on_input):
-        return self._round.dispatch(
+    def prepare(
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config: FusedMoEQuantConfig,
+        defer_input_quant: bool = False,
+    ) -> mk.PrepareResultType:
+        out = self._round.dispatch(
             a1,
             topk_ids,
             topk_weights,
             uniform=self._uniform(),
             apply_router_weight_on_input=apply_router_weight_on_input,
         )
+        return self._prepare_result(out)
 
 
 class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
@@ -85,18 +96,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
 
-    def prepare(
-        self,
-        a1: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        num_experts: int,
-        expert_map: torch.Tensor | None,
-        apply_router_weight_on_input: bool,
-        quant_config: FusedMoEQuantConfig,
-        defer_input_quant: bool = False,
-    ) -> mk.PrepareResultType:
-        out = self._dispatch(a1, topk_weights, topk_ids, apply_router_weight_on_input)
+    def _prepare_result(self, out) -> mk.PrepareResultType:
         meta = mk.ExpertTokensMetadata(
             expert_num_tokens=out.expert_num_tokens, expert_num_tokens_cpu=None
         )
@@ -122,18 +122,7 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
-    def prepare(
-        self,
-        a1: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        num_experts: int,
-        expert_map: torch.Tensor | None,
-        apply_router_weight_on_input: bool,
-        quant_config: FusedMoEQuantConfig,
-        defer_input_quant: bool = False,
-    ) -> mk.PrepareResultType:
-        out = self._dispatch(a1, topk_weights, topk_ids, apply_router_weight_on_input)
+    def _prepare_result(self, out) -> mk.PrepareResultType:
         return out.x, None, None, out.topk_ids, out.topk_weights
 
     def finalize(
