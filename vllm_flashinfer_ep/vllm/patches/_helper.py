@@ -234,8 +234,7 @@ def _swap_code(fn: types.FunctionType, replacement: Callable) -> types.CodeType:
     slot = f"{_TRAMPOLINE}{fn.__name__}"
     fn.__globals__[slot] = replacement
     namespace: dict[str, Any] = {}
-    exec(  # noqa: S102 - a fixed trampoline, no user input
-        f"def {fn.__name__}(*args, **kwargs):\n    return {slot}(*args, **kwargs)\n", namespace
-    )
+    source = f"def {fn.__name__}(*args, **kwargs):\n    return {slot}(*args, **kwargs)\n"
+    exec(compile(source, f"<vllm-flashinfer-ep patch of {fn.__qualname__}>", "exec"), namespace)
     fn.__code__ = namespace[fn.__name__].__code__
     return saved
