@@ -133,6 +133,7 @@ def apply(patch: Patch) -> None:
     if is_applied(patch):
         return
     owner, attr, original = check(patch)
+    saved_code = None
     if patch.kind == PROPERTY:
         replacement: Any = property(patch.make(original.fget))
         setattr(owner, attr, replacement)
@@ -149,10 +150,7 @@ def apply(patch: Patch) -> None:
         if patch.kind == WRAP:
             _describe(replacement, original)
         setattr(owner, attr, replacement)
-    record = _Record(owner, attr, original, replacement)
-    if patch.kind == WRAP and patch.in_place:
-        record.saved_code = saved_code
-    _applied[patch.name] = record
+    _applied[patch.name] = _Record(owner, attr, original, replacement, saved_code)
     if patch.after is not None:
         patch.after()
 
