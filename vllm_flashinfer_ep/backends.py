@@ -1,10 +1,42 @@
-"""The two all2all backend names this package adds to vLLM, and what each supports."""
+"""The NCCL-EP algorithm and the vLLM all2all backend name each one is served under."""
 
 from __future__ import annotations
 
-LOW_LATENCY = "flashinfer_ep_low_latency"
-HIGH_THROUGHPUT = "flashinfer_ep_high_throughput"
-BACKENDS: tuple[str, ...] = (LOW_LATENCY, HIGH_THROUGHPUT)
+from enum import Enum
+
+PREFIX = "flashinfer_ep_"
+
+
+class Algorithm(str, Enum):
+    """NCCL-EP algorithm; `.backend` is its `--all2all-backend` name."""
+
+    LOW_LATENCY = "low_latency"
+    HIGH_THROUGHPUT = "high_throughput"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def backend(self) -> str:
+        return PREFIX + self.value
+
+    @property
+    def supports_fault_tolerance(self) -> bool:
+        """NCCL-EP fault tolerance exists for the low-latency algorithm only."""
+        return self is Algorithm.LOW_LATENCY
+
+    @classmethod
+    def of(cls, backend: str | None) -> Algorithm | None:
+        """The algorithm behind a backend name; None for other backends."""
+        for algorithm in cls:
+            if backend == algorithm.backend:
+                return algorithm
+        return None
+
+
+LOW_LATENCY = Algorithm.LOW_LATENCY.backend
+HIGH_THROUGHPUT = Algorithm.HIGH_THROUGHPUT.backend
+BACKENDS: tuple[str, ...] = tuple(a.backend for a in Algorithm)
 
 HELP = {
     LOW_LATENCY: (
@@ -23,5 +55,5 @@ def is_ours(backend: str | None) -> bool:
 
 
 def supports_fault_tolerance(backend: str | None) -> bool:
-    """NCCL-EP fault tolerance exists for the low-latency algorithm only."""
-    return backend == LOW_LATENCY
+    algorithm = Algorithm.of(backend)
+    return algorithm is not None and algorithm.supports_fault_tolerance

@@ -3,8 +3,10 @@
 Prints package versions, the NCCL-EP stack (libnccl_ep, loaded libnccl, nvcc for the
 runtime JIT), GPUs and their compute capability, and for `--model` (a local dir or a
 Hugging Face id, config only) the low-latency hidden-size decision and the top_k
-check. Exits 1 listing what to fix when anything would stop a server. Runs on a
-machine without GPUs (and says that it cannot serve there).
+check. Exits 1 listing what to fix when anything would stop a server, the missing
+CUDA driver first. Runs on a machine without GPUs (and says that it cannot serve there).
+`--no-gpu` runs what an image build can check; `--link-runtime PREFIX` makes the stable
+NCCL/nvcc paths an image's ENV names.
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ def package_checks() -> list[Check]:
         Check("nccl-extensions", _version("nccl-extensions") is not None,
               _version("nccl-extensions") or "not installed", "pip install 'nccl-extensions>=0.1.0'"),
     ]
+    plugins = {ep.name for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    checks.append(
+        Check(
+            "vLLM plugin entry point",
+            "flashinfer_ep" in plugins,
+            f"vllm.general_plugins: {sorted(plugins)}",
+            "pip install vllm-flashinfer-ep (the entry point makes vLLM load the plugin)",
+        )
+    )
     from vllm_flashinfer_ep.runtime.transport import handle_supports_update
 
     checks.append(
@@ -68,13 +79,21 @@ def package_checks() -> list[Check]:
     return checks
 
 
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or model.count("/") != 1
+
+
 def load_model_config(model: str) -> dict[str, Any]:
-    path = Path(model)
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise FileNotFoundError(f"{model} is a file; pass the model directory (with config.json)")
     if path.is_dir():
         cfg = path / "config.json"
         if not cfg.exists():
             raise FileNotFoundError(f"{cfg} does not exist")
         return json.loads(cfg.read_text())
+    if _looks_like_path(model):
+        raise FileNotFoundError(f"no such directory: {model} (nor a Hugging Face id: org/name)")
     from huggingface_hub import hf_hub_download
 
     return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
@@ -84,7 +103,7 @@ def model_checks(model: str) -> list[Check]:
     try:
         cfg = load_model_config(model)
     except Exception as exc:  # noqa: BLE001 - report why the config is unreadable
-        return [Check("model config", False, f"{model}: {exc}", "pass a local model dir or a reachable HF id")]
+        return [Check("model config", False, str(exc), "pass a local model dir or a reachable HF id")]
     text = cfg.get("text_config", cfg)
     checks = []
     hidden = text.get("hidden_size")
@@ -126,13 +145,16 @@ def model_checks(model: str) -> list[Check]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.link_runtime is not None:
+        for line in env_checks.link_runtime_paths(args.link_runtime):
+            print(line)
+        return 0
     print(f"vllm-flashinfer-ep {__version__}")
-    sections = [
-        ("packages", package_checks()),
-        ("GPU stack", [env_checks.check_torch_cuda(), env_checks.check_gpus(),
-                       env_checks.check_nccl_ep_loads(), env_checks.check_nccl_version(),
-                       env_checks.check_nvcc()]),
-    ]
+    if args.no_gpu:
+        sections = [("packages", package_checks()), ("image (no GPU needed)", env_checks.image_checks())]
+    else:
+        # The driver first: without it every GPU check fails, and it is the thing to fix.
+        sections = [("GPU stack", env_checks.runtime_checks()), ("packages", package_checks())]
     if args.model:
         sections.append((f"model {args.model}", model_checks(args.model)))
     failed = []
@@ -155,4 +177,10 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("doctor", help="check this host and a model for the flashinfer_ep backends",
                                    description=__doc__)
     parser.add_argument("--model", help="local model dir or Hugging Face id (reads config.json only)")
+    parser.add_argument("--no-gpu", action="store_true",
+                        help="only what needs no GPU or driver (image build): packages, loaded NCCL, "
+                        "nvcc, nccl.ep, plugin entry point")
+    parser.add_argument("--link-runtime", type=Path, metavar="PREFIX",
+                        help="link PREFIX/lib/libnccl.so.2 and PREFIX/bin/nvcc to the pip-installed "
+                        "NCCL and CUDA-13 nvcc (image build) and exit")
     parser.set_defaults(func=run)

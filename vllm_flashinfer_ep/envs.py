@@ -54,3 +54,25 @@ def rdma_buffer_bytes() -> int:
 
 def skip_env_checks() -> bool:
     return os.environ.get(SKIP_ENV_CHECKS, "0").strip() == "1"
+
+
+_BOOLEAN = ("0", "1", "true", "false", "yes", "no", "on", "off")
+_TRANSPORTS = ("nccl_ep", "nixl_ep")
+KNOWN = (TRANSPORT, HANDLE_POOL, FT_TIMEOUT_MS, RDMA_BUFFER_BYTES, SKIP_ENV_CHECKS)
+
+
+def validate_env(environ) -> None:
+    """Raise ValueError naming the first VLLM_FLASHINFER_EP_* variable with a bad value
+    (or an unknown name: a typo would silently fall back to the default)."""
+    for name in sorted(k for k in environ if k.startswith("VLLM_FLASHINFER_EP_")):
+        raw = str(environ[name]).strip()
+        if name not in KNOWN:
+            raise ValueError(f"{name} is not a vllm-flashinfer-ep variable; known: {', '.join(KNOWN)}")
+        if name == TRANSPORT and raw not in _TRANSPORTS:
+            raise ValueError(f"{name} must be one of {', '.join(_TRANSPORTS)}, got {raw!r}")
+        if name in (HANDLE_POOL, SKIP_ENV_CHECKS) and raw.lower() not in _BOOLEAN:
+            raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+        if name in (FT_TIMEOUT_MS, RDMA_BUFFER_BYTES):
+            floor = 1 if name == FT_TIMEOUT_MS else 0
+            if not raw.isdigit() or int(raw) < floor:
+                raise ValueError(f"{name} must be an integer >= {floor}, got {raw!r}")

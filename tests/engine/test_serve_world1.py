@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,15 +20,11 @@ import urllib.request
 import pytest
 from engine_runner import engine_env
 
+from tests.helpers import free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 STARTUP_S = 480
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> int:
@@ -51,7 +46,7 @@ def _post(url: str, body: dict) -> dict:
 
 def test_vllm_serve_low_latency_answers_a_completion(engines, models, tmp_path):
     model = models(2048)
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
     log_dir = os.environ.get("FLASHINFER_EP_TEST_ENGINE_LOG_DIR")
     if log_dir:

@@ -14,17 +14,20 @@ temp dir where vLLM's own harness caches them, else the hub (downloads allowed o
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port, model_is_local
 from vllm_flashinfer_ep.evals.config import load_config, load_config_list
-from vllm_flashinfer_ep.evals.gsm8k_task import SPLIT_FILES
-from vllm_flashinfer_ep.evals.requirements import unmet_requirement
-from vllm_flashinfer_ep.evals.result import Status
-from vllm_flashinfer_ep.evals.runner import RunOptions, run_eval
+from vllm_flashinfer_ep.evals.gsm8k import (
+    SPLIT_FILES,
+    RunOptions,
+    Status,
+    run_eval,
+    unmet_requirement,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_LIST = Path(
@@ -53,16 +56,12 @@ def _gsm8k_data_dir() -> Path | None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("config_path", load_config_list(CONFIG_LIST), ids=lambda p: p.stem)
 def test_gsm8k_accuracy(config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(config_path)
-    reason = unmet_requirement(config, allow_download=ALLOW_DOWNLOADS)
+    reason = unmet_requirement(config)
+    if reason is None and not ALLOW_DOWNLOADS and not model_is_local(config.model_name):
+        reason = f"{config.model_name} is not local and downloads are not allowed"
     if reason is not None:
         pytest.skip(reason)
     data_dir = _gsm8k_data_dir()
@@ -75,7 +74,7 @@ def test_gsm8k_accuracy(config_path: Path, tmp_path: Path, monkeypatch: pytest.M
     result = run_eval(
         config,
         RunOptions(
-            port=_free_port(),
+            port=free_port(),
             data_dir=data_dir,
             output=tmp_path / "result.json",
             server_log=log,

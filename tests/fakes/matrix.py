@@ -11,20 +11,20 @@ from collections.abc import Iterable
 
 import pytest
 
-from vllm_flashinfer_ep.backends import BACKENDS, HIGH_THROUGHPUT, LOW_LATENCY
-from vllm_flashinfer_ep.runtime import fleet, limits
+from vllm_flashinfer_ep.backends import BACKENDS, LOW_LATENCY, Algorithm
+from vllm_flashinfer_ep.runtime import limits
 
 # Two sizes NCCL-EP LL rejects (256: tiny test models; 3072: DeepEP-LL has it, NCCL-EP
 # does not) and two it supports.
 MATRIX_HIDDEN_SIZES: tuple[int, ...] = (256, 2048, 3072, 7168)
 
 # vLLM backend name -> runtime algorithm.
-ALGORITHM = {LOW_LATENCY: fleet.LOW_LATENCY, HIGH_THROUGHPUT: fleet.HIGH_THROUGHPUT}
+ALGORITHM = {a.backend: a for a in Algorithm}
 
 
 def skip_reason(backend: str, hidden: int) -> str | None:
     """Why (backend, hidden) cannot run, or None when it can."""
-    if backend == LOW_LATENCY and not limits.is_supported_ll_hidden_size(hidden):
+    if backend == LOW_LATENCY and hidden not in limits.SUPPORTED_HIDDEN_SIZES:
         return limits.unsupported_hidden_size_reason(hidden)
     return None
 

@@ -21,8 +21,7 @@ from typing import Any
 
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import LOW_LATENCY
-from vllm_flashinfer_ep.evals.runner import port_in_use
-from vllm_flashinfer_ep.evals.server import ServerProcess
+from vllm_flashinfer_ep.evals.server import ServerProcess, port_in_use
 
 LOOPBACK = "127.0.0.1"
 MODEL = os.environ.get("VLLM_FLASHINFER_EP_FT_MODEL", "ibm-research/PowerMoE-3b")

@@ -30,7 +30,7 @@ from ft_utils import (
     write_fault_injection_sitecustomize,
 )
 
-from vllm_flashinfer_ep.evals.requirements import model_is_local, visible_gpu_count
+from tests.helpers import model_is_local, visible_gpu_count
 
 ALLOW_DOWNLOADS = os.environ.get("VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS") == "1"
 

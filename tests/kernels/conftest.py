@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
+from tests.helpers import free_port
 from vllm_flashinfer_ep.runtime import env_checks
 
 
@@ -38,12 +38,6 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs >= 2 GPUs"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ep_group_world1():
     """A gloo process group of one rank, as vLLM's EP CPU group would be."""
@@ -51,7 +45,7 @@ def ep_group_world1():
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     torch.cuda.set_device(0)
     yield dist.group.WORLD

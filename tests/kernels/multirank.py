@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errors) -> None:

@@ -16,10 +16,11 @@ import torch.distributed as dist
 from multirank import run_ranks
 
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
-from vllm_flashinfer_ep.runtime.fleet import LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 
 pytestmark = pytest.mark.multigpu
@@ -32,7 +33,7 @@ def _setup(rank: int, world: int):
     os.environ[envs.FT_TIMEOUT_MS] = str(TIMEOUT_MS)
     cache = FleetCache(rank, world, dist.group.WORLD)
     dev = torch.device("cuda", rank)
-    spec = FleetSpec(LOW_LATENCY, 32, 16, 2048, fault_tolerance=True)
+    spec = FleetSpec(Algorithm.LOW_LATENCY, 32, 16, 2048, fault_tolerance=True)
     rt = build_runtime(cache, spec, 4, dev, [])
     ft = FaultToleranceAdapter(cache.fleets(), dev)
     ft.snapshot_baseline()

@@ -14,16 +14,14 @@ import pytest
 import torch
 
 from tests.fakes.matrix import backend_hidden_params
+from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
 from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 
@@ -62,7 +60,7 @@ def _ll_step(rnd: LowLatencyRound, x, ids, weights, scales, out):
 
 
 def _ll_round_trip(group, hidden, num_tokens):
-    rt = _runtime(group, LOW_LATENCY, hidden)
+    rt = _runtime(group, Algorithm.LOW_LATENCY, hidden)
     x, ids, weights, scales = _inputs(num_tokens, hidden, seed=num_tokens + hidden)
     rnd = LowLatencyRound(rt)
     d = rnd.dispatch(x, ids, weights)
@@ -81,7 +79,7 @@ def _ll_round_trip(group, hidden, num_tokens):
 
 
 def _ht_round_trip(group, hidden, num_tokens):
-    rt = _runtime(group, HIGH_THROUGHPUT, hidden)
+    rt = _runtime(group, Algorithm.HIGH_THROUGHPUT, hidden)
     x, ids, weights, scales = _inputs(num_tokens, hidden, seed=7 * num_tokens + hidden)
     rnd = HighThroughputRound(rt)
     d = rnd.dispatch(x, ids, weights)
@@ -105,7 +103,7 @@ def test_round_trip(ep_group_world1, backend, hidden, num_tokens):
 
 @pytest.mark.parametrize("hidden", HIDDEN_SIZES)
 def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
-    rt = _runtime(ep_group_world1, LOW_LATENCY, hidden, sizes=TOKEN_COUNTS)
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=TOKEN_COUNTS)
     pool = rt.pool
     assert pool.sizes == TOKEN_COUNTS
     rnd = LowLatencyRound(rt)
@@ -126,14 +124,7 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
             torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
 
         fresh_before = pool.counters.fresh_created
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # warmup on a side stream, as vLLM does
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)  # warmup on a side stream, as vLLM does
         assert pool.counters.fresh_created == fresh_before, "no handle may be created in capture"
         assert pool.counters.created_during_capture == 0
         for o in outs:
@@ -161,7 +152,7 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
 
 @pytest.mark.parametrize(
     "algorithm,top_k",
-    [(LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],
+    [(Algorithm.LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(Algorithm.HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],
 )
 def test_top_k_limit(ep_group_world1, algorithm, top_k):
     """Re-measures the top_k range behind runtime.limits.MAX_TOPK_LL/HT on this GPU."""
@@ -170,7 +161,7 @@ def test_top_k_limit(ep_group_world1, algorithm, top_k):
     rt = build_runtime(cache, FleetSpec(algorithm, NUM_EXPERTS, 64, hidden), top_k, torch.device("cuda", 0), [])
     x, ids, weights, scales = _inputs(16, hidden, seed=top_k, top_k=top_k)
     out = torch.empty_like(x)
-    if algorithm == LOW_LATENCY:
+    if algorithm == Algorithm.LOW_LATENCY:
         _ll_step(LowLatencyRound(rt), x, ids, weights, scales, out)
     else:
         rnd = HighThroughputRound(rt)
@@ -185,19 +176,19 @@ def test_top_k_limit(ep_group_world1, algorithm, top_k):
 def test_ll_top_k_above_limit_is_refused_before_nccl_ep(ep_group_world1):
     cache = FleetCache(0, 1, ep_group_world1)
     with pytest.raises(ValueError, match="top_k must be in"):
-        build_runtime(cache, FleetSpec(LOW_LATENCY, NUM_EXPERTS, 64, 2048), MAX_TOPK_LL + 1, torch.device("cuda", 0), [])
+        build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, 64, 2048), MAX_TOPK_LL + 1, torch.device("cuda", 0), [])
     cache.destroy()
 
 
 def test_over_dispatch_is_a_clear_error(ep_group_world1):
-    rt = _runtime(ep_group_world1, LOW_LATENCY, 2048)
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, 2048)
     x, ids, weights, _ = _inputs(CAPACITY + 1, 2048, seed=3)
     with pytest.raises(DispatchCapacityError, match="max-num-batched-tokens"):
         LowLatencyRound(rt).dispatch(x, ids, weights)
 
 
 def test_unwarmed_size_under_capture_raises(ep_group_world1):
-    rt = _runtime(ep_group_world1, LOW_LATENCY, 2048, sizes=[8])
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, 2048, sizes=[8])
     x, ids, weights, _ = _inputs(5, 2048, seed=5)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(HandlePoolError, match="cannot be created inside CUDA-graph capture"):

@@ -11,14 +11,12 @@ import torch
 import torch.distributed as dist
 from multirank import run_ranks
 
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from tests.helpers import reduce_received_rows, scale_expert_rows
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 
 pytestmark = pytest.mark.multigpu
@@ -40,8 +38,8 @@ def _inputs(rank: int, num_tokens: int, seed: int):
 def _round_trips(rank: int, world: int) -> None:
     cache = FleetCache(rank, world, dist.group.WORLD)
     dev = torch.device("cuda", rank)
-    ll = build_runtime(cache, FleetSpec(LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, [])
-    ht = build_runtime(cache, FleetSpec(HIGH_THROUGHPUT, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, [])
+    ll = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, [])
+    ht = build_runtime(cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, [])
     for num_tokens in TOKENS:
         x, ids, w, scales = _inputs(rank, num_tokens, seed=num_tokens)
         e0 = rank * (NUM_EXPERTS // world)
@@ -65,7 +63,7 @@ def _round_trips(rank: int, world: int) -> None:
 def _pool_graph(rank: int, world: int) -> None:
     cache = FleetCache(rank, world, dist.group.WORLD)
     dev = torch.device("cuda", rank)
-    rt = build_runtime(cache, FleetSpec(LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, TOKENS)
+    rt = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, TOKENS)
     rnd = LowLatencyRound(rt)
     n_local = NUM_EXPERTS // world
     for num_tokens in TOKENS:  # same padded count on every rank, as vLLM's DP padding gives
@@ -78,15 +76,7 @@ def _pool_graph(rank: int, world: int) -> None:
                 rnd.combine(scale_expert_rows(d.expert_x, s[rank * n_local : (rank + 1) * n_local]), out)
 
         fresh = rt.pool.counters.fresh_created
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step, between=dist.barrier)
         for i, (x, ids, w, _s) in enumerate(layers):
             nx, nids, nw, _ = _inputs(rank, num_tokens, seed=999 + i)
             x.copy_(nx), ids.copy_(nids), w.copy_(nw)

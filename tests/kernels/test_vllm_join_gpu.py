@@ -16,6 +16,8 @@ import importlib.util
 import pytest
 import torch
 
+from vllm_flashinfer_ep.runtime.capture import capture_graph
+
 pytestmark = pytest.mark.gpu
 
 NUM_EXPERTS, TOP_K, INTERMEDIATE, LAYERS = 128, 8, 512, 4
@@ -105,12 +107,13 @@ def _ll_kernel(group, hidden: int, capacity: int, pool_sizes):
     _, mk, _, batched_experts, *_ = _modules()
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 
+    from vllm_flashinfer_ep.backends import Algorithm
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-    from vllm_flashinfer_ep.runtime.fleet import LOW_LATENCY, FleetCache, FleetSpec
+    from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
     from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
     cache = FleetCache(0, 1, group)
-    rt = build_runtime(cache, FleetSpec(LOW_LATENCY, NUM_EXPERTS, capacity, hidden), TOP_K,
+    rt = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, capacity, hidden), TOP_K,
                        torch.device("cuda", 0), pool_sizes)
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     experts = batched_experts(
@@ -151,14 +154,7 @@ def test_ll_join_eager_and_graph(vllm_env, hidden):
             _close(out, _torch_moe(x, w1, w2, w, ids), f"LL eager vs torch, T={num_tokens}")
 
         fresh = rt.pool.counters.fresh_created
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step)
         assert rt.pool.counters.fresh_created == fresh, "a handle was created during capture"
         for i, (x, w, ids) in enumerate(routes):
             nx, nw, nids = _routing(num_tokens, hidden, seed=7777 + i)
@@ -176,15 +172,16 @@ def test_ht_join_eager(vllm_env):
     _, mk, _, _, triton_experts, _ = _modules()
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 
+    from vllm_flashinfer_ep.backends import Algorithm
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-    from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, FleetCache, FleetSpec
+    from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
     from vllm_flashinfer_ep.vllm.prepare_finalize import (
         FlashInferEPHighThroughputPrepareAndFinalize,
     )
 
     hidden = 2048
     cache = FleetCache(0, 1, vllm_env)
-    rt = build_runtime(cache, FleetSpec(HIGH_THROUGHPUT, NUM_EXPERTS, 256, hidden), TOP_K, torch.device("cuda", 0), [])
+    rt = build_runtime(cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, 256, hidden), TOP_K, torch.device("cuda", 0), [])
     pf = FlashInferEPHighThroughputPrepareAndFinalize(rt)
     kernel = mk.FusedMoEKernel(
         pf, triton_experts(moe_config=_moe_config(hidden, 256), quant_config=FUSED_MOE_UNQUANTIZED_CONFIG)

@@ -6,6 +6,7 @@ import pytest
 from tiny_models import write_model
 
 from vllm_flashinfer_ep import cli, doctor
+from vllm_flashinfer_ep.bench import results
 from vllm_flashinfer_ep.bench import run as bench
 
 
@@ -32,6 +33,35 @@ def test_doctor_model_checks(tmp_path):
     assert not doctor.model_checks(str(tmp_path / "missing"))[0].ok
 
 
+def test_doctor_names_a_missing_path_and_a_file(tmp_path):
+    missing = doctor.model_checks(str(tmp_path / "nope"))[0]
+    assert not missing.ok and f"no such directory: {tmp_path / 'nope'}" in missing.detail
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    as_file = doctor.model_checks(str(weights))[0]
+    assert not as_file.ok and "is a file; pass the model directory" in as_file.detail
+
+
+def test_doctor_without_driver_gives_the_driver_first(tmp_path, capsys, monkeypatch):
+    from vllm_flashinfer_ep.runtime import env_checks
+
+    real_cdll = env_checks.ctypes.CDLL
+
+    def no_driver(name, *args, **kwargs):
+        if "libcuda" in str(name):
+            raise OSError(f"{name}: cannot open shared object file")
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(env_checks.ctypes, "CDLL", no_driver)
+    assert cli.main(["doctor", "--model", str(tmp_path / "nope")]) == 1
+    out = capsys.readouterr().out
+    first_check = next(line for line in out.splitlines() if line.startswith("  ["))
+    first_problem = out.split("problem(s)")[1].splitlines()[1]
+    assert "[FAIL] CUDA driver" in first_check
+    assert first_problem.startswith("  - CUDA driver: run on a host with the NVIDIA driver")
+    assert "no such directory" in out
+
+
 def test_bench_refuses_without_gpu(capsys):
     assert cli.main(["bench", "--tokens", "1,8"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
@@ -50,13 +80,13 @@ def test_bench_arguments():
 def test_bench_table_and_json(tmp_path):
     import json
 
-    row = bench.Row(8, median_ms={m: 1.0 for m in bench.MODES}, min_ms={m: 0.9 for m in bench.MODES},
-                    max_ms={m: 1.1 for m in bench.MODES}, pool_bytes_per_size=11e6)
+    row = results.Row(8, median_ms={m: 1.0 for m in results.MODES}, min_ms={m: 0.9 for m in results.MODES},
+                    max_ms={m: 1.1 for m in results.MODES}, pool_bytes_per_size=11e6)
     row.median_ms["fresh"] = 3.0
     args = cli.build_parser().parse_args(["bench"])
-    table = bench.format_table([row], args, 1)
+    table = results.format_table([row], args, 1)
     assert "3.00x" in table and "11.000" in table
     path = tmp_path / "b.json"
-    bench.write_json([row], args, 1, str(path))
+    results.write_json([row], args, 1, str(path))
     data = json.loads(path.read_text())
     assert data["rows"][0]["fresh_over_graph"] == 3.0 and data["world_size"] == 1

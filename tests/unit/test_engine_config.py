@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from tiny_models import write_model
+from tiny_models import engine_config, write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep import envs
@@ -21,20 +21,6 @@ vllm_flashinfer_ep.register()
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe"))
-
-
-def engine_config(model: str, backend: str, **kwargs):
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = dict(
-        model=model,
-        skip_tokenizer_init=True,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        all2all_backend=backend,
-    )
-    args.update(kwargs)
-    return EngineArgs(**args).create_engine_config()
 
 
 def test_low_latency_engine_config(tiny_moe, caplog):

@@ -3,7 +3,7 @@
 A small stdlib HTTP server stands in for `vllm serve`: it answers /health and
 /v1/completions (gsm8k answers looked up from the local test file, right or wrong on
 request), can ignore SIGTERM, fork a child that ignores it too, or die at start. lm-eval
-runs for real (`local-completions` over HTTP, the offline task copy from --data-dir).
+runs for real (its CLI, `local-completions` over HTTP, the offline task from --data-dir).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from vllm_flashinfer_ep.evals.config import load_config
-from vllm_flashinfer_ep.evals.result import Status
-from vllm_flashinfer_ep.evals.runner import RunOptions, run_eval
+from vllm_flashinfer_ep.evals.gsm8k import RunOptions, Status, run_eval
 from vllm_flashinfer_ep.evals.server import ServerProcess
 
 FAKE_SERVER = textwrap.dedent(
@@ -111,14 +111,6 @@ def _write_gsm8k(dir_: Path) -> Path:
     return dir_
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -192,7 +184,7 @@ def _options(fake: Path, port: int, tmp_path: Path, **kw: object) -> RunOptions:
 def test_offline_eval_end_to_end(
     tmp_path: Path, fake_server: Path, gsm8k_dir: Path, monkeypatch: pytest.MonkeyPatch, wrong: bool
 ) -> None:
-    port = _free_port()
+    port = free_port()
     record = tmp_path / "record.json"
     pids = tmp_path / "pids.txt"
     monkeypatch.setenv("FAKE_GSM8K_TEST", str(gsm8k_dir / "test.jsonl"))
@@ -235,7 +227,7 @@ def test_limit_overrides_num_questions(
     monkeypatch.setenv("FAKE_MODEL", "tiny/model")
     config = load_config(_config(tmp_path))
     result = run_eval(
-        config, _options(fake_server, _free_port(), tmp_path, data_dir=gsm8k_dir, limit=1)
+        config, _options(fake_server, free_port(), tmp_path, data_dir=gsm8k_dir, limit=1)
     )
     assert result.num_questions_scored == 1 and result.limit == 1
     assert result.status is Status.PASSED, result.reason
@@ -246,7 +238,7 @@ def test_server_that_dies_at_start_is_an_error_with_exit_code(
 ) -> None:
     monkeypatch.setenv("FAKE_EXIT", "7")
     config = load_config(_config(tmp_path))
-    result = run_eval(config, _options(fake_server, _free_port(), tmp_path))
+    result = run_eval(config, _options(fake_server, free_port(), tmp_path))
     assert result.status is Status.ERROR
     assert "exited with code 7" in result.reason
     assert result.server_exit_code == 7
@@ -261,7 +253,7 @@ def test_health_timeout_is_an_error_and_server_is_stopped(
     monkeypatch.setenv("FAKE_PIDS", str(pids))
     config = load_config(_config(tmp_path, startup_max_wait_seconds=2))
     started = time.monotonic()
-    result = run_eval(config, _options(fake_server, _free_port(), tmp_path))
+    result = run_eval(config, _options(fake_server, free_port(), tmp_path))
     assert time.monotonic() - started < 20
     assert result.status is Status.ERROR and "not healthy" in result.reason
     assert not any(_alive(int(p)) for p in pids.read_text().split())
@@ -293,7 +285,7 @@ def _start_fake(fake: Path, port: int, env: dict[str, str], grace_s: float = 1.0
 
 
 def test_sigterm_ignoring_group_is_killed(tmp_path: Path, fake_server: Path) -> None:
-    server = _start_fake(fake_server, _free_port(), {"FAKE_IGNORE_SIGTERM": "1"})
+    server = _start_fake(fake_server, free_port(), {"FAKE_IGNORE_SIGTERM": "1"})
     pgid = server.pid
     assert pgid is not None
     deadline = time.monotonic() + 10
@@ -313,7 +305,7 @@ def test_sigterm_ignoring_group_is_killed(tmp_path: Path, fake_server: Path) -> 
 
 
 def test_exception_inside_context_still_stops_server(tmp_path: Path, fake_server: Path) -> None:
-    port = _free_port()
+    port = free_port()
     holder: list[ServerProcess] = []
     with pytest.raises(RuntimeError, match="boom"):
         with ServerProcess(
@@ -332,7 +324,7 @@ def test_ctrl_c_of_the_cli_stops_server(
     tmp_path: Path, fake_server: Path, gsm8k_dir: Path, sig: signal.Signals
 ) -> None:
     """SIGINT/SIGTERM to a real `python -m vllm_flashinfer_ep.evals` run: server gone, 130."""
-    port = _free_port()
+    port = free_port()
     pids = tmp_path / "pids.txt"
     exe = tmp_path / "bin"
     exe.mkdir()
@@ -388,7 +380,7 @@ def test_ctrl_c_of_the_cli_stops_server(
 def test_vllm_executable_prefers_path_then_interpreter_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_flashinfer_ep.evals.runner import default_vllm_executable
+    from vllm_flashinfer_ep.evals.gsm8k import default_vllm_executable
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import parse_serve_args
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import LOW_LATENCY
-from vllm_flashinfer_ep.evals.serve_command import parse_serve_args
 
 FT_UTILS = Path(__file__).resolve().parents[1] / "fault_tolerance" / "ft_utils.py"
 

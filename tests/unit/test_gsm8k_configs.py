@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import parse_serve_args
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.evals.config import KNOWN_KEYS, load_config, load_config_list
-from vllm_flashinfer_ep.evals.serve_command import (
-    HARNESS_FLAGS,
-    build_serve_command,
-    build_serve_env,
-    parse_serve_args,
-)
+from vllm_flashinfer_ep.evals.gsm8k import HARNESS_FLAGS
+from vllm_flashinfer_ep.evals.gsm8k import serve_command as build_serve_command
+from vllm_flashinfer_ep.evals.gsm8k import serve_env as build_serve_env
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "gsm8k"
 LIST_FILES = sorted(CONFIG_DIR.glob("*.txt"))

@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_flashinfer_ep.evals.gsm8k_task import (
+from vllm_flashinfer_ep.evals.gsm8k import (
+    OFFLINE_ENV,
     OFFLINE_TASK,
-    offline_mode,
+    lm_eval_command,
+    run_lm_eval,
     stock_task_yaml,
     write_offline_task,
 )
-from vllm_flashinfer_ep.evals.lm_eval_client import run_gsm8k
 
 TRAIN = [("What is 2 plus 2?", 4), ("What is 10 minus 3?", 7)]
 TEST = [("What is 6 times 7?", 42), ("What is 100 divided by 4?", 25), ("What is 9 plus 1?", 10)]
@@ -39,7 +40,9 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, P
         )
     include = root / "tasks"
     assert write_offline_task(data, include, root / "hf-cache") == OFFLINE_TASK
-    with offline_mode():  # lm-eval must find everything locally
+    with pytest.MonkeyPatch.context() as mp:  # lm-eval must find everything locally
+        for key, value in OFFLINE_ENV.items():
+            mp.setenv(key, value)
         yield data, include
 
 
@@ -88,26 +91,15 @@ def test_task_loads_docs_and_fewshot_from_local_files(task_dir: tuple[Path, Path
     assert context.endswith(f"Question: {TEST[0][0]}\nAnswer:")
 
 
-def test_scoring_runs_with_lm_eval_dummy_model(task_dir: tuple[Path, Path]) -> None:
+def test_scoring_runs_with_lm_eval_cli_and_dummy_model(
+    task_dir: tuple[Path, Path], tmp_path: Path
+) -> None:
     _, include = task_dir
-    scores = run_gsm8k(
-        "dummy", {}, num_fewshot=2, limit=3, seed=42, task=OFFLINE_TASK, include_path=include
+    command = lm_eval_command(
+        "dummy", "", task=OFFLINE_TASK, num_fewshot=2, limit=3, seed=42,
+        output_dir=tmp_path / "out", include_path=include,
     )
+    assert command[1:3] == ["-m", "lm_eval"] and "--include_path" in command
+    scores, scored = run_lm_eval(command, tmp_path / "out", OFFLINE_TASK, env=dict(os.environ))
     # The dummy model answers "lol": lm-eval scored all three docs and found nothing right.
-    assert (scores.strict_match, scores.flexible_extract, scores.num_questions) == (0.0, 0.0, 3)
-
-
-def test_offline_mode_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
-    import datasets.config
-    import huggingface_hub.constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    with offline_mode():
-        assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
-        assert huggingface_hub.constants.HF_HUB_OFFLINE is True
-        assert datasets.config.HF_HUB_OFFLINE is True
-    assert "HF_HUB_OFFLINE" not in os.environ
-    assert os.environ["HF_DATASETS_OFFLINE"] == "0"
-    assert huggingface_hub.constants.HF_HUB_OFFLINE is False
+    assert (scores, scored) == ({"strict-match": 0.0, "flexible-extract": 0.0}, 3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tiny_models import write_model
+from tiny_models import engine_config, write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
@@ -24,42 +24,28 @@ def tiny_moe(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe-ht"), max_position_embeddings=32768)
 
 
-def _config(model: str, backend: str, **kwargs):
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = dict(
-        model=model,
-        skip_tokenizer_init=True,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        all2all_backend=backend,
-    )
-    args.update(kwargs)
-    return EngineArgs(**args).create_engine_config()
-
-
 def test_ht_budget_above_the_limit_is_lowered_and_logged(tiny_moe, caplog):
     with caplog.at_level(logging.WARNING):
-        cfg = _config(tiny_moe, HIGH_THROUGHPUT, max_num_batched_tokens=16384)
+        cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, max_num_batched_tokens=16384)
     assert cfg.scheduler_config.max_num_batched_tokens == HT_MAX_TOKENS_PER_RANK
     assert "--max-num-batched-tokens lowered from 16384 to 8192" in caplog.text
 
 
 def test_ht_budget_within_the_limit_is_kept(tiny_moe, caplog):
     with caplog.at_level(logging.WARNING):
-        cfg = _config(tiny_moe, HIGH_THROUGHPUT, max_num_batched_tokens=4096)
+        cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, max_num_batched_tokens=4096)
     assert cfg.scheduler_config.max_num_batched_tokens == 4096
     assert "lowered" not in caplog.text
 
 
 def test_ll_budget_is_not_clamped(tiny_moe):
-    cfg = _config(tiny_moe, LOW_LATENCY, max_num_batched_tokens=16384)
+    cfg = engine_config(tiny_moe, LOW_LATENCY, max_num_batched_tokens=16384)
     assert cfg.scheduler_config.max_num_batched_tokens == 16384
 
 
 def test_ht_without_chunked_prefill_and_long_context_is_refused(tiny_moe):
     with pytest.raises(FlashInferEPConfigError, match="--max-model-len"):
-        _config(
+        engine_config(
             tiny_moe,
             HIGH_THROUGHPUT,
             max_num_batched_tokens=16384,

@@ -18,13 +18,9 @@ from tests.fakes.matrix import (
     skip_reason,
 )
 from tests.fakes.runtime import build_fake_runtime
-from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from tests.helpers import reduce_received_rows, scale_expert_rows
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY, Algorithm
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime import fleet, limits
 from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
@@ -95,7 +91,7 @@ def test_matrix_skips_exactly_the_unsupported_ll_sizes():
 @pytest.mark.parametrize("hidden", [256, 3072])
 def test_unsupported_ll_sizes_are_refused_by_the_runtime_with_the_same_reason(hidden):
     with pytest.raises(FlashInferEPConfigError) as exc:
-        fleet.FleetSpec(fleet.LOW_LATENCY, NUM_EXPERTS, 16, hidden)
+        fleet.FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, 16, hidden)
     assert str(exc.value).startswith(limits.unsupported_hidden_size_reason(hidden))
     # ... and by the transport itself (what a skip protects the GPU tests from).
     boot = fake_moe_ep.BootstrapConfig(world_size=1, rank=0)

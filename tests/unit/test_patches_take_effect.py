@@ -52,7 +52,7 @@ def test_hidden_size_untouched_for_ht_and_the_function_local_import():
 
     assert all2all_utils.maybe_roundup_layer_hidden_size(3000, torch.bfloat16, moe_parallel_config(HIGH_THROUGHPUT)) == 3000
     # fused_moe_method_base imports it function-locally from the module: the module attribute is ours
-    assert getattr(all2all_utils.maybe_roundup_layer_hidden_size, "__flashinfer_ep_patch__", False)
+    assert all2all_utils.maybe_roundup_layer_hidden_size.__module__ == "vllm_flashinfer_ep.vllm.patches.worker"
 
 
 def test_ft_backend_set_has_ll_only():
@@ -72,25 +72,34 @@ def test_sequence_parallel_moe_for_both_backends():
         assert par.use_sequence_parallel_moe and par.use_all2all
 
 
-def test_prepare_finalize_rebound_in_importers():
+def test_prepare_finalize_patched_in_place_for_every_importer():
     from vllm.model_executor.layers.fused_moe import all2all_utils
     from vllm.model_executor.layers.fused_moe.oracle import fp8, unquantized
 
-    wrapper = all2all_utils.maybe_make_prepare_finalize
-    assert getattr(wrapper, "__flashinfer_ep_patch__", False)
-    assert unquantized.maybe_make_prepare_finalize is wrapper
-    assert fp8.maybe_make_prepare_finalize is wrapper
+    from vllm_flashinfer_ep.vllm.patches import BY_NAME, _helper
+
+    function = all2all_utils.maybe_make_prepare_finalize
+    assert unquantized.maybe_make_prepare_finalize is function  # one object, nothing rebound
+    assert fp8.maybe_make_prepare_finalize is function
+    assert _helper.is_applied(BY_NAME["prepare_finalize"])
+    assert unquantized.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, all2all_manager=_manager()).runtime
 
 
-class _Manager:
-    world_size = 2
+def _manager(backend: str = LOW_LATENCY):
+    """A real manager class without its GPU constructor; get_handle records and fakes."""
+    from vllm_flashinfer_ep.vllm.managers import MANAGERS
 
-    def __init__(self):
-        self.calls = []
+    class _Manager(MANAGERS[backend]):
+        def __init__(self):
+            self.calls = []
 
-    def get_handle(self, kwargs):
-        self.calls.append(kwargs)
-        return SimpleNamespace(world_size=2, capacity=kwargs["max_num_tokens_per_rank"])
+        def get_handle(self, kwargs):
+            self.calls.append(kwargs)
+            return SimpleNamespace(
+                world_size=2, capacity=kwargs["max_num_tokens_per_rank"], round=None
+            )
+
+    return _Manager()
 
 
 def _moe(backend: str):
@@ -110,7 +119,7 @@ def test_prepare_finalize_selection_builds_ours(backend):
         FlashInferEPLowLatencyPrepareAndFinalize,
     )
 
-    mgr = _Manager()
+    mgr = _manager(backend)
     pf = all2all_utils.maybe_make_prepare_finalize(_moe(backend), None, all2all_manager=mgr)
     want = FlashInferEPLowLatencyPrepareAndFinalize if backend == LOW_LATENCY else FlashInferEPHighThroughputPrepareAndFinalize
     assert type(pf) is want
@@ -127,9 +136,9 @@ def test_prepare_finalize_selection_refuses_quantized_and_monolithic():
 
     quant = SimpleNamespace(quant_dtype=torch.float8_e4m3fn)
     with pytest.raises(FlashInferEPConfigError, match="BF16 only"):
-        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), quant, all2all_manager=_Manager())
+        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), quant, all2all_manager=_manager())
     with pytest.raises(FlashInferEPConfigError, match="--moe-backend triton"):
-        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, None, False, True, _Manager())
+        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, None, False, True, _manager())
 
 
 # ----------------------------------------------------------- CudaCommunicator
@@ -138,10 +147,11 @@ class _FakeGroup:
 
 
 def _run_comm_init(monkeypatch, backend: str, unique_name: str, use_all2all: bool):
+    """The communicator patch applied over a stand-in for vLLM's __init__ (undo, swap, apply)."""
     from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
     from vllm_flashinfer_ep.vllm import managers
-    from vllm_flashinfer_ep.vllm.patches.worker import cuda_communicator as patch
+    from vllm_flashinfer_ep.vllm.patches import BY_NAME, _helper, worker
 
     seen = {}
 
@@ -157,19 +167,23 @@ def _run_comm_init(monkeypatch, backend: str, unique_name: str, use_all2all: boo
         def __init__(self, cpu_group, tcp_store_group=None):
             self.cpu_group = cpu_group
 
-    wrapper = CudaCommunicator.__init__
-    monkeypatch.setattr(patch, "_backend_of_current_config", lambda: backend)
+    patch = BY_NAME["communicator_manager"]
+    monkeypatch.setattr(worker, "backend_of_current_config", lambda: backend)
     if backend in managers.MANAGERS:
         monkeypatch.setitem(managers.MANAGERS, backend, FakeManager)
-    comm = object.__new__(CudaCommunicator)
-    # call the wrapper with the original swapped for a stand-in (closure cell)
-    cell = next(c for c in wrapper.__closure__ if getattr(c.cell_contents, "__name__", "") == "__init__")
-    real = cell.cell_contents
-    cell.cell_contents = fake_original
+    _helper.undo(patch)
+    real = CudaCommunicator.__init__
+    CudaCommunicator.__init__ = fake_original
     try:
-        wrapper(comm, _FakeGroup(), unique_name=unique_name, use_all2all=use_all2all)
+        _helper.apply(patch)
+        assert _helper.original(patch) is fake_original
+        comm = object.__new__(CudaCommunicator)
+        CudaCommunicator.__init__(comm, _FakeGroup(), unique_name=unique_name, use_all2all=use_all2all)
     finally:
-        cell.cell_contents = real
+        _helper.undo(patch)
+        CudaCommunicator.__init__ = real
+        _helper.apply(patch)
+    assert _helper.original(patch) is real
     return comm, seen, FakeManager
 
 
@@ -211,3 +225,36 @@ def test_manager_runs_worker_checks_before_anything(monkeypatch):
     with pytest.raises(FlashInferEPEnvironmentError, match="LD_PRELOAD") as info:
         FlashInferEPLowLatencyManager(object())
     assert "NCCL_EP_JIT_NVCC" in str(info.value)
+
+
+def test_router_gate_sees_unpadded_activations():
+    """vLLM pads activations to the rounded LL hidden size before its gate: the patch
+    slices them back to the gate's input_size (a view), narrower inputs pass unchanged."""
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    from vllm_flashinfer_ep.vllm.patches import BY_NAME, _helper
+
+    seen = []
+
+    def stand_in(self, x):
+        seen.append(tuple(x.shape))
+        return x
+
+    patch = BY_NAME["router_gate_width"]
+    _helper.undo(patch)
+    real = GateLinear.forward
+    GateLinear.forward = stand_in
+    try:
+        _helper.apply(patch)
+        gate = SimpleNamespace(input_size=3072)
+        padded = torch.zeros(5, 4096)
+        padded[:, :3072] = 1.0
+        out = GateLinear.forward(gate, padded)
+        assert out.data_ptr() == padded.data_ptr() and bool((out == 1.0).all())
+        GateLinear.forward(gate, torch.zeros(5, 3072))
+        GateLinear.forward(SimpleNamespace(), torch.zeros(5, 4096))  # no input_size: untouched
+    finally:
+        _helper.undo(patch)
+        GateLinear.forward = real
+        _helper.apply(patch)
+    assert seen == [(5, 3072), (5, 3072), (5, 4096)]

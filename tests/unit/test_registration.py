@@ -69,17 +69,15 @@ def test_vllm_plugins_filter(plugins, accepted):
 
 def test_register_twice_is_harmless():
     assert vllm_flashinfer_ep.register() is True
-    before = {e.module: e.load() for e in patches.PATCHES}
     import vllm.engine.arg_utils as arg_utils
 
     get_kwargs = arg_utils.get_kwargs
     assert vllm_flashinfer_ep.register() is True
     assert arg_utils.get_kwargs is get_kwargs  # not wrapped twice
-    for entry in patches.PATCHES:
-        entry.load().apply()  # direct re-apply is idempotent too
+    patches.apply_all()  # direct re-apply is idempotent too
     assert arg_utils.get_kwargs is get_kwargs
     assert all(patches.status().values()), patches.status()
-    assert before.keys() == {e.module for e in patches.PATCHES}
+    assert len(patches.PATCHES) == len(patches.BY_NAME) == 12
 
 
 def test_unsupported_vllm_version_registers_nothing(monkeypatch, caplog):

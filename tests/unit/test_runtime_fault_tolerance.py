@@ -11,10 +11,11 @@ from tests.fakes.runtime import (
     install_capture_switch,
 )
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime import fault_tolerance
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec, create_fleet
+from vllm_flashinfer_ep.runtime.fleet import FleetSpec, create_fleet
 
 HIDDEN = 2048
 WORLD = 4
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("fake")
 
 
 def _ft_fleet(rank: int = 0, world: int = WORLD) -> fake_moe_ep.FakeFleet:
-    spec = FleetSpec(LOW_LATENCY, 8, 16, HIDDEN, fault_tolerance=True)
+    spec = FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN, fault_tolerance=True)
     boot = fake_moe_ep.BootstrapConfig(world_size=world, rank=rank)
     return create_fleet(spec, boot)
 
@@ -42,15 +43,15 @@ def test_fleet_gets_the_fault_tolerance_knob(monkeypatch):
     monkeypatch.setenv(envs.FT_TIMEOUT_MS, "1234")
     assert _ft_fleet().fault_tolerance_knob.timeout_ms == 1234
     plain = create_fleet(
-        FleetSpec(LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
+        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
     )
     assert not plain.supports_fault_tolerance
     with pytest.raises(FlashInferEPConfigError, match="low-latency"):
-        FleetSpec(HIGH_THROUGHPUT, 8, 16, HIDDEN, fault_tolerance=True)
+        FleetSpec(Algorithm.HIGH_THROUGHPUT, 8, 16, HIDDEN, fault_tolerance=True)
 
 
 def test_built_runtime_fleet_has_fault_tolerance():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, fault_tolerance=True, sizes=[4])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, fault_tolerance=True, sizes=[4])
     adapter = FaultToleranceAdapter([fleet], "cpu")
     assert adapter.enabled
     assert adapter.query_active_mask().tolist() == [0]
@@ -121,7 +122,7 @@ def test_clean_buffers_clears_the_flag_and_rebaselines():
 def test_clean_buffers_clears_every_fault_tolerant_fleet():
     a, b = _ft_fleet(), _ft_fleet()
     plain = create_fleet(
-        FleetSpec(LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
+        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
     )
     adapter = FaultToleranceAdapter([plain, a, b], "cpu")
     assert adapter.enabled
@@ -133,7 +134,7 @@ def test_clean_buffers_clears_every_fault_tolerant_fleet():
 
 def test_without_a_fault_tolerant_fleet():
     plain = create_fleet(
-        FleetSpec(LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
+        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
     )
     adapter = FaultToleranceAdapter([plain], "cpu")
     assert not adapter.enabled

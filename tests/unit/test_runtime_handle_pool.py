@@ -11,14 +11,16 @@ from tests.fakes.runtime import (
     build_fake_runtime,
     install_capture_switch,
 )
-from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe, scale_expert_rows
+from tests.helpers import scale_expert_rows
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import (
     DispatchCapacityError,
     FlashInferEPConfigError,
     HandlePoolError,
 )
 from vllm_flashinfer_ep.runtime import transport
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
@@ -57,7 +59,7 @@ def _assert_close_to_reference(out, x, ids, weights, scales):
 # ----------------------------------------------------------------------- warm
 def test_warm_creates_one_handle_per_size_with_one_eager_update():
     rt, fleet = build_fake_runtime(
-        LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[16, 4, 8, 8, 0, 64]
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[16, 4, 8, 8, 0, 64]
     )
     pool = rt.pool
     assert pool.sizes == [4, 8, 16]  # 0 and 64 (> capacity 32) are not pooled
@@ -71,7 +73,7 @@ def test_warm_creates_one_handle_per_size_with_one_eager_update():
         Call("update", 2, 16),
     ]
     assert pool.counters.pooled_created == 3 and pool.counters.updates == 3
-    assert pool.counters.sizes == [4, 8, 16]
+    assert pool.sizes == [4, 8, 16]
     # Warming again with a known size is a no-op, a new size adds exactly one handle.
     pool.warm([8, 12])
     assert fleet.handles_created == 4 and pool.sizes == [4, 8, 12, 16]
@@ -82,10 +84,10 @@ def test_warm_call_order_is_the_same_on_every_rank():
     # The same sizes in different orders (as two ranks might list them): the collective
     # sequence must be identical, ascending. {40, 9, 3} iterates unsorted as a set.
     rt_a, fleet_a = build_fake_runtime(
-        LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[40, 9, 3, 24, 9]
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[40, 9, 3, 24, 9]
     )
     rt_b, fleet_b = build_fake_runtime(
-        LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[3, 24, 40, 9]
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[3, 24, 40, 9]
     )
     assert fleet_a.log == fleet_b.log
     assert [c.tokens for c in fleet_a.calls("create_handle")] == [3, 9, 24, 40]
@@ -94,7 +96,7 @@ def test_warm_call_order_is_the_same_on_every_rank():
 
 def test_warm_under_capture_raises(monkeypatch):
     switch = install_capture_switch(monkeypatch)
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN)
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN)
     with switch.capturing(), pytest.raises(HandlePoolError, match="outside CUDA-graph capture"):
         rt.pool.warm([4])
     assert fleet.handles_created == 0 and fleet.log == []
@@ -103,7 +105,7 @@ def test_warm_under_capture_raises(monkeypatch):
 # ------------------------------------------------------------- reuse by layers
 def test_one_native_handle_per_size_however_many_layers():
     sizes = [4, 9, 16]
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=sizes)
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=sizes)
     for step, num_tokens in enumerate([9, 4, 16]):
         for layer in range(8):
             x, ids, weights, scales = _layer(num_tokens, seed=100 * step + layer)
@@ -123,7 +125,7 @@ def test_one_native_handle_per_size_however_many_layers():
 
 
 def test_weights_buffer_is_bound_and_layer_weights_are_copied():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=[8])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[8])
     pool = rt.pool
     (handle,) = fleet.handles
     bound = handle.bound_weights
@@ -146,7 +148,7 @@ def test_weights_buffer_is_bound_and_layer_weights_are_copied():
 
 
 def test_int64_contiguous_ids_are_bound_per_call_others_are_copied():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=[8])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[8])
     pool = rt.pool
     (handle,) = fleet.handles
 
@@ -170,7 +172,7 @@ def test_int64_contiguous_ids_are_bound_per_call_others_are_copied():
 
 
 def test_bind_ids_off_always_copies():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN)
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN)
     pool = HandlePool(fleet, rt.spec, 2, CPU, bind_ids=False)
     pool.warm([8])
     handle = fleet.handles[-1]
@@ -188,7 +190,7 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
         "vllm_flashinfer_ep.runtime.handle_pool",
         "vllm_flashinfer_ep.runtime.fault_tolerance",
     } <= set(switch.patched_modules)
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=[4])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[4])
     log_before = list(fleet.log)
     with switch.capturing():
         # Warmed size: a captured update is fine because warm() ran one eagerly.
@@ -217,7 +219,7 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
 
 # ----------------------------------------------------------- non-uniform rounds
 def test_non_uniform_round_uses_a_fresh_handle_destroyed_at_end():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=[8])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[8])
     n_before = len(fleet.log)
     x, ids, weights, scales = _layer(8, seed=6)
     rnd = LowLatencyRound(rt)
@@ -241,7 +243,7 @@ def test_non_uniform_round_uses_a_fresh_handle_destroyed_at_end():
 
 
 def test_unwarmed_size_runs_eagerly_on_a_fresh_handle():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=[8])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[8])
     x, ids, weights, scales = _layer(5, seed=7)
     out = _ll_round(rt, x, ids, weights, scales)
     _assert_close_to_reference(out, x, ids, weights, scales)
@@ -250,7 +252,7 @@ def test_unwarmed_size_runs_eagerly_on_a_fresh_handle():
 
 
 def test_fresh_handle_is_destroyed_by_end_without_combine():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN)
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN)
     x, ids, weights, _ = _layer(6, seed=8)
     rt.pool.begin(ids, weights, uniform=False)
     assert fleet.handles_alive == 1
@@ -261,7 +263,7 @@ def test_fresh_handle_is_destroyed_by_end_without_combine():
 
 
 # ------------------------------------------------------------------ limits
-@pytest.mark.parametrize("algorithm", [LOW_LATENCY, HIGH_THROUGHPUT])
+@pytest.mark.parametrize("algorithm", [Algorithm.LOW_LATENCY, Algorithm.HIGH_THROUGHPUT])
 def test_over_capacity_names_max_num_batched_tokens(algorithm):
     rt, fleet = build_fake_runtime(algorithm, hidden=HIDDEN, capacity=16, sizes=[16])
     n_before = len(fleet.log)
@@ -274,9 +276,9 @@ def test_over_capacity_names_max_num_batched_tokens(algorithm):
 
 
 def test_top_k_limits_per_algorithm():
-    _, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, num_experts=64)
-    ll = FleetSpec(LOW_LATENCY, 64, 32, HIDDEN)
-    ht = FleetSpec(HIGH_THROUGHPUT, 64, 32, HIDDEN)
+    _, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=64)
+    ll = FleetSpec(Algorithm.LOW_LATENCY, 64, 32, HIDDEN)
+    ht = FleetSpec(Algorithm.HIGH_THROUGHPUT, 64, 32, HIDDEN)
     assert HandlePool(fleet, ll, MAX_TOPK_LL, CPU).top_k == MAX_TOPK_LL
     with pytest.raises(ValueError, match=rf"top_k must be in \[1, {MAX_TOPK_LL}\] for low_latency"):
         HandlePool(fleet, ll, MAX_TOPK_LL + 1, CPU)
@@ -287,18 +289,18 @@ def test_top_k_limits_per_algorithm():
     with pytest.raises(ValueError, match="top_k must be in"):
         HandlePool(fleet, ll, 0, CPU)
     with pytest.raises(ValueError, match="exceeds the number of experts 8"):
-        HandlePool(fleet, FleetSpec(LOW_LATENCY, 8, 32, HIDDEN), 9, CPU)
+        HandlePool(fleet, FleetSpec(Algorithm.LOW_LATENCY, 8, 32, HIDDEN), 9, CPU)
 
 
 def test_routing_with_another_top_k_is_refused():
-    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[4])
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[4])
     _, ids, weights, _ = _layer(4, seed=10, top_k=3)
     with pytest.raises(HandlePoolError, match="built for top_k=2, got routing with top_k=3"):
         rt.pool.begin(ids, weights)
 
 
 def test_destroy_releases_every_handle():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, sizes=[2, 4])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[2, 4])
     rt.destroy()
     assert fleet.handles_alive == 0
     assert [c.handle for c in fleet.calls("destroy")] == [0, 1]

@@ -6,19 +6,10 @@ import pytest
 import torch
 
 from tests.fakes.runtime import build_fake_runtime
-from vllm_flashinfer_ep.bench.reference import (
-    random_routing,
-    reduce_received_rows,
-    reference_moe,
-    scale_expert_rows,
-)
+from tests.helpers import reduce_received_rows, scale_expert_rows
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY
-from vllm_flashinfer_ep.runtime.rounds import (
-    HighThroughputRound,
-    LowLatencyRound,
-    globalize_received_routing,
-)
 
 HIDDEN = 2048
 NUM_EXPERTS = 8
@@ -42,7 +33,7 @@ def _close(out, expected):
 
 
 def run_ll(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, uniform=uniform, apply_router_weight_on_input=on_input)
     out = torch.empty_like(x)
     assert rnd.combine(scale_expert_rows(d.expert_x, scales), out) is out
@@ -50,7 +41,7 @@ def run_ll(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
 
 
 def run_ht(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
-    rnd = HighThroughputRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, uniform=uniform, apply_router_weight_on_input=on_input)
     received = d.x.shape[0]
     reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(received))
@@ -65,7 +56,7 @@ def run_ht(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
 @pytest.mark.parametrize("uniform", [True, False])
 def test_ll_round_matches_reference(top_k, num_tokens, uniform):
     rt, fleet = build_fake_runtime(
-        LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 7, 32]
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 7, 32]
     )
     x, ids, weights, scales = _inputs(num_tokens, top_k, seed=num_tokens * 10 + top_k)
     d, out = run_ll(rt, x, ids, weights, scales, uniform=uniform)
@@ -81,9 +72,9 @@ def test_ll_round_matches_reference(top_k, num_tokens, uniform):
 
 
 def test_ll_expert_rows_are_the_routed_tokens():
-    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[6])
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[6])
     x, ids, weights, _ = _inputs(6, 2, seed=3)
-    d = LowLatencyRound(rt).dispatch(x, ids, weights)
+    d = rt.round.dispatch(x, ids, weights)
     for e in range(NUM_EXPERTS):
         tokens = (ids == e).any(dim=1).nonzero().flatten()
         n = int(d.expert_num_tokens[e])
@@ -93,7 +84,7 @@ def test_ll_expert_rows_are_the_routed_tokens():
 
 
 def test_ll_apply_router_weight_on_input_top_1():
-    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, top_k=1, sizes=[9])
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=1, sizes=[9])
     x, ids, weights, scales = _inputs(9, 1, seed=4)
     weights = weights * (torch.rand(9, 1, generator=torch.Generator().manual_seed(5)) + 0.2)
     d, out = run_ll(rt, x, ids, weights, scales, on_input=True)
@@ -105,18 +96,18 @@ def test_ll_apply_router_weight_on_input_top_1():
 
 
 def test_apply_router_weight_on_input_needs_top_1():
-    rt, fleet = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[4])
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[4])
     x, ids, weights, _ = _inputs(4, 2, seed=6)
     n_before = len(fleet.log)
     with pytest.raises(FlashInferEPConfigError, match="top_k == 1"):
-        LowLatencyRound(rt).dispatch(x, ids, weights, apply_router_weight_on_input=True)
+        rt.round.dispatch(x, ids, weights, apply_router_weight_on_input=True)
     assert len(fleet.log) == n_before
 
 
-@pytest.mark.parametrize("algorithm", [LOW_LATENCY, HIGH_THROUGHPUT])
+@pytest.mark.parametrize("algorithm", [Algorithm.LOW_LATENCY, Algorithm.HIGH_THROUGHPUT])
 def test_activations_must_be_bf16_of_the_fleet_hidden_size(algorithm):
     rt, fleet = build_fake_runtime(algorithm, hidden=HIDDEN, sizes=[4])
-    rnd = LowLatencyRound(rt) if algorithm == LOW_LATENCY else HighThroughputRound(rt)
+    rnd = rt.round
     x, ids, weights, _ = _inputs(4, 2, seed=7)
     n_before = len(fleet.log)
     with pytest.raises(FlashInferEPConfigError, match="BF16 activations only"):
@@ -132,7 +123,7 @@ def test_activations_must_be_bf16_of_the_fleet_hidden_size(algorithm):
 @pytest.mark.parametrize("uniform", [True, False])
 def test_ht_round_matches_reference(top_k, num_tokens, uniform):
     rt, fleet = build_fake_runtime(
-        HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 7, 32]
+        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 7, 32]
     )
     x, ids, weights, scales = _inputs(num_tokens, top_k, seed=num_tokens * 20 + top_k)
     d, out = run_ht(rt, x, ids, weights, scales, uniform=uniform)
@@ -144,13 +135,13 @@ def test_ht_round_matches_reference(top_k, num_tokens, uniform):
     torch.testing.assert_close(d.topk_weights, weights)
     assert not d.remote_slot.any()
     # Routing lands in the runtime's persistent buffers: nothing allocated per layer.
-    assert d.topk_ids.data_ptr() == rt.ht_ids.data_ptr()
-    assert d.topk_weights.data_ptr() == rt.ht_weights.data_ptr()
+    assert d.topk_ids.data_ptr() == rt.round.ids.data_ptr()
+    assert d.topk_weights.data_ptr() == rt.round.weights.data_ptr()
     assert fleet.handles_alive == 3
 
 
 def test_ht_apply_router_weight_on_input_top_1():
-    rt, _ = build_fake_runtime(HIGH_THROUGHPUT, hidden=HIDDEN, top_k=1, sizes=[5])
+    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, top_k=1, sizes=[5])
     x, ids, weights, scales = _inputs(5, 1, seed=8)
     weights = weights * 0.5
     d, out = run_ht(rt, x, ids, weights, scales, on_input=True)
@@ -160,7 +151,7 @@ def test_ht_apply_router_weight_on_input_top_1():
 
 
 def test_ht_layers_share_one_handle_and_staging():
-    rt, fleet = build_fake_runtime(HIGH_THROUGHPUT, hidden=HIDDEN, sizes=[8])
+    rt, fleet = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, sizes=[8])
     ptrs = set()
     for layer in range(4):
         x, ids, weights, scales = _inputs(8, 2, seed=50 + layer)
@@ -174,7 +165,7 @@ def test_ht_layers_share_one_handle_and_staging():
 # ----------------------------------------------------- HT remote-slot routing
 def _ht_runtime_of_rank(rank: int, world: int, top_k: int = 2):
     rt, _ = build_fake_runtime(
-        HIGH_THROUGHPUT,
+        Algorithm.HIGH_THROUGHPUT,
         hidden=HIDDEN,
         num_experts=NUM_EXPERTS,
         top_k=top_k,
@@ -189,7 +180,7 @@ def test_globalize_remote_slots_rank_0_of_2():
     rt = _ht_runtime_of_rank(0, 2)  # local experts 0..3; rank 1 owns 4..7
     recv_ids = torch.tensor([[0, -1], [-1, 3], [2, 1], [-1, -1]])
     recv_w = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5], [0.9, 0.1]])
-    ids, weights, remote = globalize_received_routing(recv_ids, recv_w, rt, 4)
+    ids, weights, remote = rt.round.globalize(recv_ids, recv_w, 4)
     # Other-rank slots -> first expert of the next rank (vLLM's expert_map: -1), weight 0.
     assert ids.tolist() == [[0, 4], [4, 3], [2, 1], [4, 4]]
     assert ids.dtype == torch.int64
@@ -197,7 +188,7 @@ def test_globalize_remote_slots_rank_0_of_2():
         weights, torch.tensor([[0.6, 0.0], [0.0, 0.7], [0.5, 0.5], [0.0, 0.0]])
     )
     assert remote.tolist() == [[False, True], [True, False], [False, False], [True, True]]
-    assert ids.data_ptr() == rt.ht_ids.data_ptr() and weights.data_ptr() == rt.ht_weights.data_ptr()
+    assert ids.data_ptr() == rt.round.ids.data_ptr() and weights.data_ptr() == rt.round.weights.data_ptr()
     assert torch.equal(recv_w[0], torch.tensor([0.6, 0.4]))  # input untouched
 
 
@@ -205,7 +196,7 @@ def test_globalize_remote_slots_last_rank_wraps_to_rank_0():
     rt = _ht_runtime_of_rank(1, 2)  # local experts 4..7
     recv_ids = torch.tensor([[3, -1], [-1, 0]])
     recv_w = torch.tensor([[0.2, 0.8], [0.4, 0.6]])
-    ids, weights, remote = globalize_received_routing(recv_ids, recv_w, rt, 2)
+    ids, weights, remote = rt.round.globalize(recv_ids, recv_w, 2)
     assert ids.tolist() == [[7, 0], [0, 4]]
     torch.testing.assert_close(weights, torch.tensor([[0.2, 0.0], [0.0, 0.6]]))
     assert remote.tolist() == [[False, True], [True, False]]
@@ -216,7 +207,7 @@ def test_globalized_remote_slots_are_dropped_by_an_expert_map():
     rt = _ht_runtime_of_rank(0, 4, top_k=3)  # 2 local experts
     recv_ids = torch.tensor([[1, -1, 0], [-1, -1, 1]])
     recv_w = torch.full((2, 3), 1 / 3)
-    ids, weights, _ = globalize_received_routing(recv_ids, recv_w, rt, 2)
+    ids, weights, _ = rt.round.globalize(recv_ids, recv_w, 2)
     expert_map = torch.full((NUM_EXPERTS,), -1, dtype=torch.int64)
     expert_map[:2] = torch.arange(2)
     local = expert_map[ids]
@@ -226,14 +217,14 @@ def test_globalized_remote_slots_are_dropped_by_an_expert_map():
 
 
 def test_strided_activations_work_and_strided_output_is_refused():
-    rt, _ = build_fake_runtime(LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[6])
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[6])
     x, ids, weights, scales = _inputs(6, 2, seed=11)
     wide = torch.zeros(6, 2 * HIDDEN, dtype=torch.bfloat16)
     wide[:, ::2] = x
     strided = wide[:, ::2]
     assert not strided.is_contiguous()
     out = torch.empty_like(x)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(strided, ids, weights)
     rnd.combine(scale_expert_rows(d.expert_x, scales), out)
     _close(out, reference_moe(x, ids, weights, scales))

@@ -35,3 +35,18 @@ def write_model(root: Path, **overrides: Any) -> str:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(cfg))
     return str(root)
+
+
+def engine_config(model: str, backend: str, **kwargs):
+    """A dp=2 EP engine config of `model` with `backend`, built by real vLLM."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend=backend,
+    )
+    args.update(kwargs)
+    return EngineArgs(**args).create_engine_config()

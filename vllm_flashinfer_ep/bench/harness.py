@@ -9,10 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
-from vllm_flashinfer_ep.bench.run import MODES, Row, summarize
+from vllm_flashinfer_ep.bench.results import MODES, Row, summarize
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-from vllm_flashinfer_ep.runtime.fleet import LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
@@ -31,7 +33,7 @@ class Harness:
             dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         self.fleets = FleetCache(self.rank, self.world_size, dist.group.WORLD)
         capacity = max(args.tokens)
-        spec = FleetSpec(LOW_LATENCY, args.num_experts, capacity, args.hidden)
+        spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
         # Same fleet for every mode: only the handle strategy differs.
         self.fresh_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, args.tokens)
@@ -98,19 +100,6 @@ class Harness:
             d = handle.dispatch(fi.DispatchInputParams(x=[x]))
             handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
 
-    def _capture(self, fn) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        return graph
-
     # -------------------------------------------------------------- run
     def run(self) -> list[Row]:
         rows = []
@@ -128,9 +117,9 @@ class Harness:
             "pooled": lambda: self._package_step(pooled, sets["pooled"]),
         }
         graphs = {
-            "graph": self._capture(lambda: self._package_step(pooled, sets["graph"])),
-            "raw": self._capture(lambda: self._raw_step(sets["raw"], bind=False)),
-            "raw_bind": self._capture(lambda: self._raw_step(sets["raw_bind"], bind=True)),
+            "graph": capture_graph(lambda: self._package_step(pooled, sets["graph"])),
+            "raw": capture_graph(lambda: self._raw_step(sets["raw"], bind=False)),
+            "raw_bind": capture_graph(lambda: self._raw_step(sets["raw_bind"], bind=True)),
         }
         for name, graph in graphs.items():
             steps[name] = graph.replay

@@ -11,7 +11,7 @@ def plot(rows: list[Any], args: Any, world_size: int, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllm_flashinfer_ep.bench.run import MODES
+    from vllm_flashinfer_ep.bench.results import MODES
 
     tokens = [r.num_tokens for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -1,4 +1,4 @@
-"""Torch reference MoE and the trivial expert op used by GPU tests and the benchmark.
+"""Torch reference MoE and routing used by the benchmark (and the tests).
 
 Experts are per-expert scalars: expert e maps a row x to x * scale[e]. That keeps the
 reference exact enough in BF16 while still proving every row reached the right
@@ -27,20 +27,3 @@ def reference_moe(
     """out[t] = sum_k weights[t, k] * scales[ids[t, k]] * x[t], in fp32, cast to x.dtype."""
     factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
     return (x.float() * factor).to(x.dtype)
-
-
-def scale_expert_rows(expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Batched-layout expert op: expert_x[e] * scales[e] (rows past the count are ignored by combine)."""
-    factor = scales.to(expert_x.dtype).view(-1, 1, 1)
-    if out is None:
-        return expert_x * factor
-    return torch.mul(expert_x, factor, out=out)
-
-
-def reduce_received_rows(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """Standard-layout experts + weighted reduce per received row (HT)."""
-    factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
-    out.copy_((x.float() * factor).to(out.dtype))
-    return out

@@ -1,7 +1,6 @@
-"""Accuracy evals for the FlashInfer-EP all2all backends.
+"""gsm8k accuracy of a served config: `vllm-flashinfer-ep eval gsm8k --config FILE`.
 
-`vllm-flashinfer-ep eval gsm8k --config FILE` serves a model with `vllm serve`, runs
-lm-eval's gsm8k task against it and compares the score with the config's threshold.
-The configs (configs/gsm8k/) use vLLM's own gsm8k eval schema so that vLLM's
-tests/evals/gsm8k harness can run them unchanged too.
+config.py reads vLLM's gsm8k eval YAML schema (configs/gsm8k/), gsm8k.py serves it,
+runs lm-eval's local-completions against it, judges and tears down; server.py is the
+server process lifecycle (shared with tests/fault_tolerance).
 """

@@ -14,6 +14,9 @@ from typing import Any
 
 import yaml
 
+from vllm_flashinfer_ep.backends import BACKENDS
+from vllm_flashinfer_ep.envs import validate_env
+
 # Keys of vLLM's gsm8k eval config and the type each must have.
 _REQUIRED: dict[str, tuple[type, ...]] = {
     "model_name": (str,),
@@ -176,6 +179,16 @@ def parse_config(data: Any, path: Path) -> Gsm8kConfig:
     for reserved in ("--port", "--host"):
         if option_value(server_args, reserved) is not None:
             raise ConfigError(f"{path}: 'server_args' must not set {reserved}; the runner sets it")
+    backend = option_value(server_args, "--all2all-backend")
+    if backend is not None and backend not in known_backends():
+        raise ConfigError(
+            f"{path}: --all2all-backend {backend!r} in 'server_args' is not a known backend; "
+            f"known: {', '.join(known_backends())}"
+        )
+    try:  # the checks the engine applies to the package's variables
+        validate_env({k: _env_str(v) for k, v in env.items()})
+    except ValueError as exc:
+        raise ConfigError(f"{path}: 'env': {exc}") from exc
 
     return Gsm8kConfig(
         path=path,
@@ -197,6 +210,16 @@ def parse_config(data: Any, path: Path) -> Gsm8kConfig:
         max_concurrency=data.get("max_concurrency", DEFAULT_MAX_CONCURRENCY),
         tolerance=tolerance,
     )
+
+
+def known_backends() -> tuple[str, ...]:
+    """vLLM 0.33.0's `--all2all-backend` names plus this package's."""
+    from typing import get_args
+
+    from vllm.config.parallel import ParallelConfig
+
+    names = get_args(ParallelConfig.__dataclass_fields__["all2all_backend"].type)
+    return tuple(dict.fromkeys((*names, *BACKENDS)))
 
 
 def _env_str(value: str | int | float | bool) -> str:

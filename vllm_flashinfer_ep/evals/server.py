@@ -8,20 +8,48 @@ after a grace period, whatever way the caller leaves (error, Ctrl-C, normal end)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import IO, TextIO
 
+LOOPBACK = "127.0.0.1"
 DEFAULT_GRACE_S = 30.0
 _POLL_S = 0.5
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """True if something already listens there (its /health would fool the wait)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
+
+
+@contextlib.contextmanager
+def sigterm_as_keyboard_interrupt() -> Iterator[None]:
+    """Let `kill <runner>` unwind like Ctrl-C, so teardown code runs."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ServerStartError(RuntimeError):

@@ -14,3 +14,20 @@ def is_capturing() -> bool:
     if not torch.cuda.is_available():
         return False
     return bool(torch.cuda.is_current_stream_capturing())
+
+
+def capture_graph(step, between=None) -> torch.cuda.CUDAGraph:
+    """Capture `step()` into a CUDA graph the way vLLM does: one eager warm-up on a side
+    stream first, then the capture. `between()` runs after the warm-up (e.g. a barrier)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if between is not None:
+        between()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

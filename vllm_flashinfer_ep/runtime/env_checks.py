@@ -39,6 +39,20 @@ class Check:
 
 
 # ------------------------------------------------------------------ torch / GPU
+def check_cuda_driver() -> Check:
+    """The NVIDIA driver library; every GPU check below depends on it."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return Check(
+            "CUDA driver",
+            False,
+            f"libcuda.so.1 cannot be loaded ({exc})",
+            "run on a host with the NVIDIA driver (containers: --gpus all)",
+        )
+    return Check("CUDA driver", True, "libcuda.so.1 loads")
+
+
 def check_torch_cuda() -> Check:
     import torch
 
@@ -55,7 +69,7 @@ def check_torch_cuda() -> Check:
         "torch CUDA",
         major >= MIN_CUDA_MAJOR,
         f"torch {torch.__version__} built for CUDA {cuda}",
-        f"NCCL-EP needs a CUDA {MIN_CUDA_MAJOR} build of torch; reinstall torch for cu130",
+        f"NCCL-EP needs torch built for CUDA >= {MIN_CUDA_MAJOR}; reinstall torch 2.14.0+cu130",
     )
 
 
@@ -144,13 +158,22 @@ def loaded_nccl_version() -> tuple[tuple[int, int, int], str] | None:
     return parse_nccl_version_code(code.value), _loaded_path("libnccl.so.2") or "?"
 
 
-def _pip_nccl_library() -> Path | None:
+NCCL_IN_WHEEL = Path("nccl/lib/libnccl.so.2")  # nvidia-nccl-cu13
+NVCC_IN_WHEEL = (Path("cu13/bin/nvcc"), Path("cuda_nvcc/bin/nvcc"))  # nvidia-cuda-nvcc
+
+
+def nvidia_wheel_file(*relative: Path) -> Path | None:
+    """The first of `relative` under a pip-installed `nvidia` namespace package."""
     spec = importlib.util.find_spec("nvidia")
     for root in list(spec.submodule_search_locations or []) if spec else []:
-        lib = Path(root) / "nccl" / "lib" / "libnccl.so.2"
-        if lib.exists():
-            return lib
+        for rel in relative:
+            if (Path(root) / rel).is_file():
+                return (Path(root) / rel).resolve()
     return None
+
+
+def _pip_nccl_library() -> Path | None:
+    return nvidia_wheel_file(NCCL_IN_WHEEL)
 
 
 def _loaded_path(soname: str) -> str | None:
@@ -198,13 +221,8 @@ def nvcc_candidates() -> list[tuple[str, str]]:
 
 
 def pip_nvcc_path() -> str | None:
-    spec = importlib.util.find_spec("nvidia")
-    for root in list(spec.submodule_search_locations or []) if spec else []:
-        for sub in ("cu13", "cuda_nvcc"):
-            nvcc = Path(root) / sub / "bin" / "nvcc"
-            if nvcc.exists():
-                return str(nvcc)
-    return None
+    found = nvidia_wheel_file(*NVCC_IN_WHEEL)
+    return str(found) if found is not None else None
 
 
 def nvcc_cuda_version(path: str) -> tuple[int, int] | None:
@@ -255,8 +273,41 @@ def ensure_nvcc_for_jit(log) -> None:
 
 
 def runtime_checks() -> list[Check]:
-    """Everything a worker needs before the first NCCL-EP call."""
-    return [check_torch_cuda(), check_gpus(), check_nccl_ep_loads(), check_nccl_version(), check_nvcc()]
+    """Everything a worker needs before the first NCCL-EP call; the driver first, since
+    the GPU checks after it fail without it."""
+    return [
+        check_cuda_driver(),
+        check_torch_cuda(),
+        check_gpus(),
+        check_nccl_ep_loads(),
+        check_nccl_version(),
+        check_nvcc(),
+    ]
+
+
+def image_checks() -> list[Check]:
+    """What an image can check at build time, without a GPU or driver."""
+    return [check_torch_cuda(), check_nccl_ep_installed(), check_nccl_version(), check_nvcc()]
+
+
+def link_runtime_paths(prefix: Path) -> list[str]:
+    """Stable paths for an image's ENV: PREFIX/lib/libnccl.so.2 -> the nvidia-nccl-cu13
+    library, PREFIX/bin/nvcc -> a wrapper of the nvidia-cuda-nvcc compiler (a symlink does
+    not work: nvcc finds its toolchain from its real directory). Returns what it made."""
+    nccl, nvcc = _pip_nccl_library(), pip_nvcc_path()
+    if nccl is None or nvcc is None:
+        missing = [n for n, p in (("nvidia-nccl-cu13", nccl), ("nvidia-cuda-nvcc", nvcc)) if p is None]
+        raise FlashInferEPEnvironmentError(f"pip packages not installed: {', '.join(missing)}")
+    (prefix / "lib").mkdir(parents=True, exist_ok=True)
+    (prefix / "bin").mkdir(parents=True, exist_ok=True)
+    lib = prefix / "lib" / "libnccl.so.2"
+    if lib.is_symlink() or lib.exists():
+        lib.unlink()
+    lib.symlink_to(nccl)
+    wrapper = prefix / "bin" / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec "{nvcc}" "$@"\n', encoding="utf-8")
+    wrapper.chmod(0o755)
+    return [f"{lib} -> {nccl}", f"{wrapper} -> {nvcc}"]
 
 
 def require_runtime_environment(checks: list[Check] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The transport state one MoE shape needs: its fleet, its handle pool, its staging.
+"""The transport state one MoE shape needs: its fleet, its handle pool, its round.
 
 A manager hands one EPRuntime to every MoE layer of the same shape (vLLM calls
 `get_handle` once per layer), so layers share fleet, handles and buffers.
@@ -6,14 +6,15 @@ A manager hands one EPRuntime to every MoE layer of the same shape (vLLM calls
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
+from vllm_flashinfer_ep.runtime.rounds import Round, make_round
 
 logger = get_logger(__name__)
 
@@ -25,11 +26,10 @@ class EPRuntime:
     pool: HandlePool
     rank: int
     world_size: int
-    # HT only: per-received-row staging, allocated once, reused by every layer.
-    ht_ids: torch.Tensor | None = None
-    ht_weights: torch.Tensor | None = None
-    ht_negative: torch.Tensor | None = None
-    ht_combine_in: torch.Tensor | None = None
+    round: Round = field(init=False)  # one per runtime: layers share its staging
+
+    def __post_init__(self) -> None:
+        self.round = make_round(self)
 
     @property
     def num_local_experts(self) -> int:
@@ -66,15 +66,7 @@ def build_runtime(
             _compact(pool.sizes),
             pool.memory_bytes / 1e6,
         )
-    runtime = EPRuntime(spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size)
-    if spec.algorithm == HIGH_THROUGHPUT:
-        rows = pool.capacity * fleets.world_size
-        dev = torch.device(device)
-        runtime.ht_ids = torch.empty(rows, top_k, dtype=torch.int64, device=dev)
-        runtime.ht_weights = torch.empty(rows, top_k, dtype=torch.float32, device=dev)
-        runtime.ht_negative = torch.empty(rows, top_k, dtype=torch.bool, device=dev)
-        runtime.ht_combine_in = torch.zeros(rows, spec.hidden_size, dtype=torch.bfloat16, device=dev)
-    return runtime
+    return EPRuntime(spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size)
 
 
 def _compact(sizes: list[int]) -> str:

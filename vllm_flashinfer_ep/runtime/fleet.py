@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.limits import (
@@ -24,15 +25,12 @@ from vllm_flashinfer_ep.runtime.transport import moe_ep
 
 logger = get_logger(__name__)
 
-LOW_LATENCY = "low_latency"
-HIGH_THROUGHPUT = "high_throughput"
-
 
 @dataclass(frozen=True)
 class FleetSpec:
     """The shape a fleet is sized for. Equal specs share one fleet."""
 
-    algorithm: str  # LOW_LATENCY | HIGH_THROUGHPUT
+    algorithm: Algorithm
     num_experts: int
     max_tokens_per_rank: int
     hidden_size: int
@@ -40,15 +38,14 @@ class FleetSpec:
     fault_tolerance: bool = False
 
     def __post_init__(self) -> None:
-        if self.algorithm not in (LOW_LATENCY, HIGH_THROUGHPUT):
-            raise ValueError(f"unknown algorithm {self.algorithm!r}")
-        if self.algorithm == LOW_LATENCY and self.hidden_size not in SUPPORTED_HIDDEN_SIZES:
+        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))  # ValueError if unknown
+        if self.algorithm == Algorithm.LOW_LATENCY and self.hidden_size not in SUPPORTED_HIDDEN_SIZES:
             raise FlashInferEPConfigError(
                 unsupported_hidden_size_reason(self.hidden_size)
                 + f" (supported: {list(SUPPORTED_HIDDEN_SIZES)}); vLLM layers are rounded "
                 "up by the plugin, so this only happens when the runtime is used directly."
             )
-        if self.fault_tolerance and self.algorithm != LOW_LATENCY:
+        if self.fault_tolerance and self.algorithm != Algorithm.LOW_LATENCY:
             raise FlashInferEPConfigError(
                 "NCCL-EP fault tolerance exists only for the low-latency algorithm: use "
                 "--all2all-backend flashinfer_ep_low_latency or drop --enable-fault-tolerance."
@@ -62,7 +59,7 @@ class FleetSpec:
     @property
     def effective_max_tokens_per_rank(self) -> int:
         """HT fleets are clamped by NCCL-EP to MAX_SUPPORTED_TOKENS_PER_RANK."""
-        if self.algorithm == HIGH_THROUGHPUT:
+        if self.algorithm == Algorithm.HIGH_THROUGHPUT:
             return min(self.max_tokens_per_rank, HT_MAX_TOKENS_PER_RANK)
         return self.max_tokens_per_rank
 
@@ -106,9 +103,7 @@ def _fleet_knobs(spec: FleetSpec) -> list[Any]:
 def create_fleet(spec: FleetSpec, bootstrap: Any) -> Any:
     """Create one fleet (collective over the EP group)."""
     fi = moe_ep()
-    algorithm = (
-        fi.EpAlgorithm.LOW_LATENCY if spec.algorithm == LOW_LATENCY else fi.EpAlgorithm.HIGH_THROUGHPUT
-    )
+    algorithm = fi.EpAlgorithm[spec.algorithm.name]  # same member names
     # EXPERT_MAJOR is the LL layout vLLM's batched experts consume; HT ignores the
     # layout field and always uses NCCL-EP's flat layout.
     layout = fi.EpLayout.EXPERT_MAJOR

@@ -18,16 +18,17 @@ different handles.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import is_capturing
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
 
@@ -62,7 +63,6 @@ class PoolCounters:
     pooled_rounds: int = 0
     fresh_rounds: int = 0
     created_during_capture: int = 0
-    sizes: list[int] = field(default_factory=list)
 
 
 class HandlePool:
@@ -77,7 +77,7 @@ class HandlePool:
         *,
         bind_ids: bool = True,
     ) -> None:
-        limit = max_top_k(spec.algorithm == LOW_LATENCY)
+        limit = max_top_k(spec.algorithm == Algorithm.LOW_LATENCY)
         if not 1 <= top_k <= limit:
             raise ValueError(f"top_k must be in [1, {limit}] for {spec.algorithm}, got {top_k}")
         if top_k > spec.num_experts:
@@ -87,7 +87,7 @@ class HandlePool:
         self.top_k = top_k
         self.capacity = spec.effective_max_tokens_per_rank
         self.device = torch.device(device)
-        self.is_ht = spec.algorithm == HIGH_THROUGHPUT
+        self.is_ht = spec.algorithm == Algorithm.HIGH_THROUGHPUT
         self.bind_ids = bind_ids
         self.topk_ids = torch.zeros(self.capacity, top_k, dtype=torch.int64, device=self.device)
         self.topk_weights = torch.zeros(
@@ -156,7 +156,6 @@ class HandlePool:
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
-        self.counters.sizes = self.sizes
         return self.sizes
 
     # ----------------------------------------------------------------- rounds
@@ -322,8 +321,3 @@ def _memory_snapshot(device: torch.device) -> tuple[int, int]:
 def _memory_delta(device: torch.device, before: tuple[int, int]) -> int:
     after = _memory_snapshot(device)
     return max(0, after[0] - before[0], after[1] - before[1])
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.synchronize(device)

@@ -23,7 +23,6 @@ SUPPORTED_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8
 # header's cap. Multi-rank behaviour above 9 is unmeasured.
 MAX_TOPK_LL: int = 16
 MAX_TOPK_HT: int = 32
-MAX_TOPK: int = max(MAX_TOPK_LL, MAX_TOPK_HT)
 
 
 # Names under which Hugging Face configs carry the number of routed experts per token.
@@ -59,10 +58,6 @@ MIN_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 # HT fleets are clamped to this many tokens per rank
 # (nccl/ep/include/nccl_ep/common.hpp MAX_SUPPORTED_TOKENS_PER_RANK).
 HT_MAX_TOKENS_PER_RANK: int = 8192
-
-
-def is_supported_ll_hidden_size(hidden_size: int) -> bool:
-    return hidden_size in SUPPORTED_HIDDEN_SIZES
 
 
 def unsupported_hidden_size_reason(hidden_size: int) -> str:

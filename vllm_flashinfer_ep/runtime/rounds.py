@@ -1,18 +1,22 @@
 """One MoE layer's transport round (dispatch, then combine), engine-agnostic.
 
-The vLLM prepare/finalize classes are thin adapters over these; the benchmark and
-the GPU tests drive the same code without vLLM.
+A runtime holds one round, shared by every layer of its shape; the vLLM
+prepare/finalize classes are thin adapters over it, and the benchmark and the GPU tests
+drive the same code without vLLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
+
+if TYPE_CHECKING:
+    from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
 
 
 @dataclass
@@ -52,25 +56,9 @@ def router_weights(
     return a1 * topk_weights.to(a1.dtype), torch.ones_like(topk_weights)
 
 
-def _begin_and_dispatch(
-    rt: EPRuntime,
-    a1: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    uniform: bool,
-    apply_router_weight_on_input: bool,
-) -> Any:
-    """Checks, routing bound to a handle, dispatch: the first half of every round."""
-    check_activations(a1, rt)
-    if not a1.is_contiguous():  # NCCL-EP reads rows by pointer arithmetic
-        a1 = a1.contiguous()
-    a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
-    rt.pool.begin(topk_ids, weights, uniform=uniform)
-    return rt.pool.dispatch(a1)
-
-
-class LowLatencyRound:
-    """Expert-major dispatch into the batched-experts layout; weighted combine."""
+class Round:
+    """One transport round over a runtime: checks, routing bound to a handle, dispatch;
+    then combine into the caller's output, which ends the round."""
 
     def __init__(self, runtime: EPRuntime) -> None:
         self.runtime = runtime
@@ -83,14 +71,21 @@ class LowLatencyRound:
         *,
         uniform: bool = True,
         apply_router_weight_on_input: bool = False,
-    ) -> LowLatencyDispatch:
-        out = _begin_and_dispatch(
-            self.runtime, a1, topk_ids, topk_weights, uniform, apply_router_weight_on_input
-        )
-        return LowLatencyDispatch(out.expert_tensors, out.expert_counts)
+    ) -> Any:
+        """Bind this layer's routing to a handle and dispatch; the algorithm's view of
+        what arrived (`_received`)."""
+        check_activations(a1, self.runtime)
+        if not a1.is_contiguous():  # NCCL-EP reads rows by pointer arithmetic
+            a1 = a1.contiguous()
+        a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
+        self.runtime.pool.begin(topk_ids, weights, uniform=uniform)
+        return self._received(self.runtime.pool.dispatch(a1))
 
-    def combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
-        """Weighted combine into `output` (in place when given); ends the round."""
+    def _received(self, out: Any) -> Any:
+        raise NotImplementedError
+
+    def _combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
+        """Combine into `output` (in place when given); ends the round."""
         _check_output(output)
         pool = self.runtime.pool
         try:
@@ -99,46 +94,76 @@ class LowLatencyRound:
             pool.end()
 
 
-class HighThroughputRound:
-    """Flat dispatch into received rows; combine of per-row reduced outputs."""
+class LowLatencyRound(Round):
+    """Expert-major dispatch into the batched-experts layout; weighted combine."""
+
+    def _received(self, out: Any) -> LowLatencyDispatch:
+        return LowLatencyDispatch(out.expert_tensors, out.expert_counts)
+
+    def combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
+        return self._combine(expert_out, output)
+
+
+class HighThroughputRound(Round):
+    """Flat dispatch into received rows; combine of per-row reduced outputs.
+
+    Owns the per-received-row staging (global routing, combine input), allocated once;
+    the runtime holds one round, so every layer of a shape shares it.
+    """
 
     def __init__(self, runtime: EPRuntime) -> None:
-        self.runtime = runtime
+        super().__init__(runtime)
+        pool = runtime.pool
+        rows, top_k, dev = pool.capacity * runtime.world_size, pool.top_k, pool.device
+        self.ids = torch.empty(rows, top_k, dtype=torch.int64, device=dev)
+        self.weights = torch.empty(rows, top_k, dtype=torch.float32, device=dev)
+        self.remote = torch.empty(rows, top_k, dtype=torch.bool, device=dev)
+        self.combine_in = torch.zeros(
+            rows, runtime.spec.hidden_size, dtype=torch.bfloat16, device=dev
+        )
 
-    def dispatch(
-        self,
-        a1: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        *,
-        uniform: bool = True,
-        apply_router_weight_on_input: bool = False,
-    ) -> HighThroughputDispatch:
-        rt = self.runtime
-        out = _begin_and_dispatch(rt, a1, topk_ids, topk_weights, uniform, apply_router_weight_on_input)
-        pool = rt.pool
+    def _received(self, out: Any) -> HighThroughputDispatch:
+        pool = self.runtime.pool
         assert pool.num_received is not None
         # Host read of the received-row count: the reason HT cannot be captured.
         received = int(pool.num_received.item())
-        x = out.expert_tensors.reshape(-1, rt.spec.hidden_size)[:received]
-        ids, weights_out, local = globalize_received_routing(
-            out.recv_topk_idx[:received], out.recv_topk_weights[:received], rt, received
+        x = out.expert_tensors.reshape(-1, self.runtime.spec.hidden_size)[:received]
+        ids, weights, remote = self.globalize(
+            out.recv_topk_idx[:received], out.recv_topk_weights[:received], received
         )
-        return HighThroughputDispatch(x, ids, weights_out, local)
+        return HighThroughputDispatch(x, ids, weights, remote)
 
     def combine_buffer(self, received: int) -> torch.Tensor:
         """Where the caller writes each received row's reduced output before combine."""
-        assert self.runtime.ht_combine_in is not None
-        return self.runtime.ht_combine_in[:received]
+        return self.combine_in[:received]
 
     def combine(self, output: torch.Tensor | None) -> torch.Tensor:
-        _check_output(output)
+        return self._combine(self.combine_in, output)
+
+    def globalize(
+        self, recv_ids: torch.Tensor, recv_weights: torch.Tensor, received: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """NCCL-EP HT routing (local expert ids, -1 = expert on another rank) -> global ids.
+
+        Other-rank slots point at the first expert of the next rank, which vLLM's
+        expert_map maps to -1 (skipped), and get weight 0. Written into the round's
+        staging: nothing is allocated between dispatch and combine.
+        """
         rt = self.runtime
-        assert rt.ht_combine_in is not None
-        try:
-            return rt.pool.combine(rt.ht_combine_in, output)
-        finally:
-            rt.pool.end()
+        ids, weights, remote = self.ids[:received], self.weights[:received], self.remote[:received]
+        torch.lt(recv_ids, 0, out=remote)
+        torch.add(recv_ids, rt.rank * rt.num_local_experts, out=ids)
+        ids.masked_fill_(remote, ((rt.rank + 1) % rt.world_size) * rt.num_local_experts)
+        weights.copy_(recv_weights)
+        weights.masked_fill_(remote, 0.0)
+        return ids, weights, remote
+
+
+def make_round(runtime: EPRuntime) -> Round:
+    """The round of a runtime's algorithm."""
+    if runtime.spec.algorithm == Algorithm.HIGH_THROUGHPUT:
+        return HighThroughputRound(runtime)
+    return LowLatencyRound(runtime)
 
 
 def _check_output(output: torch.Tensor | None) -> None:
@@ -147,24 +172,3 @@ def _check_output(output: torch.Tensor | None) -> None:
             "flashinfer_ep combine writes its output in place and needs a contiguous tensor "
             f"(got strides {output.stride()} for shape {tuple(output.shape)})"
         )
-
-
-def globalize_received_routing(
-    recv_ids: torch.Tensor, recv_weights: torch.Tensor, rt: EPRuntime, received: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NCCL-EP HT routing (local expert ids, -1 = expert on another rank) -> global ids.
-
-    Other-rank slots point at the first expert of the next rank, which vLLM's
-    expert_map maps to -1 (skipped), and get weight 0. Written into persistent
-    buffers: nothing is allocated between dispatch and combine.
-    """
-    assert rt.ht_ids is not None and rt.ht_weights is not None and rt.ht_negative is not None
-    ids = rt.ht_ids[:received]
-    weights = rt.ht_weights[:received]
-    negative = rt.ht_negative[:received]
-    torch.lt(recv_ids, 0, out=negative)
-    torch.add(recv_ids, rt.rank * rt.num_local_experts, out=ids)
-    ids.masked_fill_(negative, ((rt.rank + 1) % rt.world_size) * rt.num_local_experts)
-    weights.copy_(recv_weights)
-    weights.masked_fill_(negative, 0.0)
-    return ids, weights, negative

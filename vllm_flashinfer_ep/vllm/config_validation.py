@@ -9,7 +9,6 @@ the worker, in the manager's constructor, before model load.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -17,9 +16,9 @@ import torch
 from vllm_flashinfer_ep import backends
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.runtime import env_checks
 from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
-    MIN_CUDA_MAJOR,
     SUPPORTED_HIDDEN_SIZES,
     config_top_k,
     max_top_k,
@@ -49,16 +48,10 @@ def validate(vllm_config: Any) -> None:
             f"{flag} has no fault tolerance (NCCL-EP supports it for low latency only): use "
             "--all2all-backend flashinfer_ep_low_latency or remove --enable-fault-tolerance."
         )
-    if importlib.util.find_spec("nccl") is None or importlib.util.find_spec("nccl.ep") is None:
-        raise FlashInferEPConfigError(
-            f"{flag} needs NCCL-EP: pip install 'nccl-extensions>=0.1.0' (module nccl.ep is missing)."
-        )
-    cuda = torch.version.cuda
-    if not cuda or int(cuda.split(".")[0]) < MIN_CUDA_MAJOR:
-        raise FlashInferEPConfigError(
-            f"{flag} needs torch built for CUDA >= {MIN_CUDA_MAJOR} (found "
-            f"{cuda or 'a CPU build'}); install torch 2.14.0+cu130 as vLLM 0.33.0 pins it."
-        )
+    # The host probes the worker and `doctor` use; these two need no GPU.
+    for check in (env_checks.check_nccl_ep_installed(), env_checks.check_torch_cuda()):
+        if not check.ok:
+            raise FlashInferEPConfigError(f"{flag} cannot run: {check.detail}; {check.fix}.")
 
     model = vllm_config.model_config
     if model is not None:

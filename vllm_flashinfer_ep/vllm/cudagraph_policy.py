@@ -1,48 +1,27 @@
-"""Which CUDA-graph modes each flashinfer_ep backend allows, and why.
+"""Which CUDA-graph mode each flashinfer_ep backend allows, and why: one function.
 
-One table, read once per engine config. The decision is logged once with its reason
-and applied in every compilation mode (vLLM's own DeepEP-HT gate only runs under
-VLLM_COMPILE). It only matters when the all2all runs at all (dp > 1).
+Called for every engine config (patched `set_splitting_ops_for_v1`), so it applies in
+every compilation mode (vLLM's own DeepEP-HT gate only runs under VLLM_COMPILE). It only
+matters when the all2all runs at all (dp > 1). The decision is logged with its reason.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_flashinfer_ep import backends
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime import handle_pool
 
 logger = get_logger(__name__)
 
-KEEP = "keep"  # keep whatever mode vLLM chose
-NONE = "NONE"
-
-
-@dataclass(frozen=True)
-class Policy:
-    allowed: str  # KEEP or NONE
-    reason: str
-    needs_handle_pool: bool = False
-
-
-POLICY: dict[str, Policy] = {
-    backends.LOW_LATENCY: Policy(
-        allowed=KEEP,
-        reason=(
-            "persistent NCCL-EP handles are created at warmup and updated inside each "
-            "captured forward"
-        ),
-        needs_handle_pool=True,
-    ),
-    backends.HIGH_THROUGHPUT: Policy(
-        allowed=NONE,
-        reason=(
-            "high-throughput dispatch reads the received-token count on the host, a "
-            "synchronization CUDA graphs cannot capture"
-        ),
-    ),
-}
+KEEP_REASON = (
+    "persistent NCCL-EP handles are created at warmup and updated inside each captured forward"
+)
+HT_REASON = (
+    "high-throughput dispatch reads the received-token count on the host, a "
+    "synchronization CUDA graphs cannot capture"
+)
 
 
 @dataclass(frozen=True)
@@ -57,41 +36,31 @@ class Decision:
         return self.mode_before != self.mode_after
 
 
-LAST_DECISION: Decision | None = None
-
-
-def decide(backend: str, current_mode: str) -> Decision:
-    policy = POLICY[backend]
-    if policy.allowed == KEEP:
-        missing = handle_pool.unavailable_reason() if policy.needs_handle_pool else None
-        if missing is None:
-            return Decision(backend, current_mode, current_mode, policy.reason)
-        return Decision(backend, current_mode, NONE, missing)
-    return Decision(backend, current_mode, NONE, policy.reason)
+LAST_DECISION: Decision | None = None  # for tests and logs of the last engine config
 
 
 def apply(compilation_config, backend: str, data_parallel_size: int) -> Decision | None:
-    """Apply the policy to a vLLM CompilationConfig (in place). Returns the decision."""
+    """Turn CUDA graphs off (in place) where `backend` cannot capture; None if not ours."""
     global LAST_DECISION
-    if not backends.is_ours(backend) or data_parallel_size <= 1:
+    algorithm = Algorithm.of(backend)
+    if algorithm is None or data_parallel_size <= 1:
         return None
     from vllm.config import CUDAGraphMode
 
     current = compilation_config.cudagraph_mode
-    current_name = current.name if current is not None else NONE
-    decision = decide(backend, current_name)
-    if decision.mode_after == NONE and current is not None and current != CUDAGraphMode.NONE:
-        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    before = current.name if current is not None else CUDAGraphMode.NONE.name
+    off = HT_REASON if algorithm is Algorithm.HIGH_THROUGHPUT else handle_pool.unavailable_reason()
+    if off is None:
+        decision = Decision(backend, before, before, KEEP_REASON)
+    else:
+        if current is not None:
+            compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        decision = Decision(backend, before, CUDAGraphMode.NONE.name, off)
     if decision.changed:
         logger.warning(
-            "%s: CUDA graphs turned off (cudagraph_mode %s -> NONE): %s.",
-            backend,
-            decision.mode_before,
-            decision.reason,
+            "%s: CUDA graphs turned off (cudagraph_mode %s -> NONE): %s.", backend, before, off
         )
     else:
-        logger.info(
-            "%s: cudagraph_mode %s kept: %s.", backend, decision.mode_after, decision.reason
-        )
+        logger.info("%s: cudagraph_mode %s kept: %s.", backend, before, decision.reason)
     LAST_DECISION = decision
     return decision

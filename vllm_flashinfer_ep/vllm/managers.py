@@ -1,7 +1,7 @@
 """All2all managers for the two flashinfer_ep backends.
 
 vLLM builds one manager per EP group (in `CudaCommunicator.__init__`, patched by
-`patches/cuda_communicator.py`) and asks it for a "handle" once per MoE layer at
+the communicator patch (patches/worker.py)) and asks it for a "handle" once per MoE layer at
 model load. Our handle is an EPRuntime (fleet + warmed handle pool) shared by all
 layers of one MoE shape; the manager keeps strong references (vLLM's own handle cache
 is weak) and destroys everything in `destroy()`.
@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
 
-from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime import env_checks, handle_pool
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
-from vllm_flashinfer_ep.runtime.fleet import HIGH_THROUGHPUT, LOW_LATENCY, FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 
 logger = get_logger(__name__)
 
@@ -43,8 +45,7 @@ def pool_sizes_from_config(vllm_config: Any) -> list[int]:
 
 
 class _FlashInferEPManager(All2AllManagerBase):
-    algorithm: str = ""
-    backend_name: str = ""
+    algorithm: Algorithm
 
     def __init__(self, cpu_group: Any, tcp_store_group: Any = None) -> None:
         super().__init__(cpu_group, tcp_store_group)
@@ -56,9 +57,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         self._vllm_config = get_current_vllm_config_or_none()
         par = self._vllm_config.parallel_config if self._vllm_config is not None else None
         self._fault_tolerance = bool(
-            par is not None
-            and par.enable_fault_tolerance
-            and backends.supports_fault_tolerance(self.backend_name)
+            par is not None and par.enable_fault_tolerance and self.algorithm.supports_fault_tolerance
         )
         self.support_fault_tolerance = self._fault_tolerance
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -87,8 +86,40 @@ class _FlashInferEPManager(All2AllManagerBase):
                 self._ft.snapshot_baseline()
         return runtime
 
+    @property
+    def backend_name(self) -> str:
+        return self.algorithm.backend
+
+    # vLLM (through the prepare/finalize selection patch): one call per MoE layer.
+    def make_prepare_finalize(self, moe: Any, quant_config: Any, use_monolithic: bool = False):
+        """Our prepare/finalize for a vLLM FusedMoEConfig, over the shared runtime."""
+        flag = f"--all2all-backend {self.backend_name}"
+        if use_monolithic:
+            raise FlashInferEPConfigError(
+                f"{flag} works with modular MoE kernels only; the selected MoE backend is "
+                "monolithic. Pass --moe-backend triton."
+            )
+        if quant_config is not None and getattr(quant_config, "quant_dtype", None) is not None:
+            raise FlashInferEPConfigError(
+                f"{flag} dispatches BF16 only, but this MoE layer is quantized "
+                f"({quant_config.quant_dtype}). Serve a BF16 checkpoint or pick another "
+                "--all2all-backend."
+            )
+        from vllm_flashinfer_ep.vllm.forward_state import tokens_uniform_across_ranks
+        from vllm_flashinfer_ep.vllm.prepare_finalize import PREPARE_FINALIZE
+
+        runtime = self.get_handle(
+            dict(
+                num_experts=moe.num_experts,
+                max_num_tokens_per_rank=moe.max_num_tokens,
+                hidden_size=moe.hidden_dim,
+                top_k=moe.experts_per_token,
+            )
+        )
+        return PREPARE_FINALIZE[self.algorithm](runtime, uniform_fn=tokens_uniform_across_ranks)
+
     def _pool_sizes(self) -> list[int]:
-        if self.algorithm != LOW_LATENCY:
+        if self.algorithm != Algorithm.LOW_LATENCY:
             return []  # HT is never captured; eager rounds use fresh handles
         reason = handle_pool.unavailable_reason()
         if reason is not None:
@@ -128,16 +159,14 @@ class _FlashInferEPManager(All2AllManagerBase):
 
 
 class FlashInferEPLowLatencyManager(_FlashInferEPManager):
-    algorithm = LOW_LATENCY
-    backend_name = backends.LOW_LATENCY
+    algorithm = Algorithm.LOW_LATENCY
 
 
 class FlashInferEPHighThroughputManager(_FlashInferEPManager):
-    algorithm = HIGH_THROUGHPUT
-    backend_name = backends.HIGH_THROUGHPUT
+    algorithm = Algorithm.HIGH_THROUGHPUT
 
 
 MANAGERS: dict[str, type[_FlashInferEPManager]] = {
-    backends.LOW_LATENCY: FlashInferEPLowLatencyManager,
-    backends.HIGH_THROUGHPUT: FlashInferEPHighThroughputManager,
+    cls.algorithm.backend: cls
+    for cls in (FlashInferEPLowLatencyManager, FlashInferEPHighThroughputManager)
 }

@@ -8,7 +8,9 @@
 - High throughput: flat dispatch -> vLLM's Standard format with global expert ids;
   the received row count is read on the host (not capturable); the experts'
   per-(row, k) output is weighted and reduced per received row before combine.
-The transport logic lives in runtime/rounds.py (shared with benchmark and GPU tests).
+The transport logic lives in runtime/rounds.py (shared with benchmark and GPU tests);
+the LL check that the experts leave weighting to the combine runs once per kernel, in
+vLLM's `post_init_setup` hook.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceDelegate,
 )
 
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
-from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 
 UniformFn = Callable[[], bool]
 
@@ -35,9 +37,12 @@ def _always_uniform() -> bool:
 
 
 class _Base(mk.FusedMoEPrepareAndFinalizeModular):
+    """What both backends declare to vLLM; the runtime's round does the transport."""
+
     def __init__(self, runtime: EPRuntime, uniform_fn: UniformFn | None = None) -> None:
         super().__init__()
         self.runtime = runtime
+        self._round = runtime.round
         self._uniform = uniform_fn or _always_uniform
 
     def topk_indices_dtype(self) -> torch.dtype | None:
@@ -52,21 +57,6 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     def supports_async(self) -> bool:
         return False
 
-
-class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
-    """Expert-major NCCL-EP low-latency dispatch/combine for BatchedExperts."""
-
-    def __init__(self, runtime: EPRuntime, uniform_fn: UniformFn | None = None) -> None:
-        super().__init__(runtime, uniform_fn)
-        self._round = LowLatencyRound(runtime)
-
-    @property
-    def activation_format(self) -> mk.FusedMoEActivationFormat:
-        return mk.FusedMoEActivationFormat.BatchedExperts
-
-    def max_num_tokens_per_rank(self) -> int | None:
-        return self.runtime.capacity
-
     def prepare(
         self,
         a1: torch.Tensor,
@@ -85,6 +75,28 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             uniform=self._uniform(),
             apply_router_weight_on_input=apply_router_weight_on_input,
         )
+        return self._prepare_result(out)
+
+
+class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
+    """Expert-major NCCL-EP low-latency dispatch/combine for BatchedExperts."""
+
+    activation_format = mk.FusedMoEActivationFormat.BatchedExperts
+
+    def post_init_setup(self, fused_experts) -> None:
+        """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
+        so the experts must leave weighting to the prepare/finalize."""
+        impl = fused_experts.finalize_weight_and_reduce_impl()
+        if not isinstance(impl, TopKWeightAndReduceDelegate):
+            raise FlashInferEPConfigError(
+                "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
+                f"must leave weighting to it (got {type(impl).__name__})"
+            )
+
+    def max_num_tokens_per_rank(self) -> int | None:
+        return self.runtime.capacity
+
+    def _prepare_result(self, out) -> mk.PrepareResultType:
         meta = mk.ExpertTokensMetadata(
             expert_num_tokens=out.expert_num_tokens, expert_num_tokens_cpu=None
         )
@@ -99,47 +111,18 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         apply_router_weight_on_input: bool,
         weight_and_reduce_impl: mk.TopKWeightAndReduce,
     ) -> None:
-        if not isinstance(weight_and_reduce_impl, TopKWeightAndReduceDelegate):
-            self.runtime.pool.end()
-            raise FlashInferEPConfigError(
-                "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
-                f"must leave weighting to it (got {type(weight_and_reduce_impl).__name__})"
-            )
         self._round.combine(fused_expert_output, output)
 
 
 class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
     """Flat NCCL-EP high-throughput dispatch/combine for Standard experts (eager only)."""
 
-    def __init__(self, runtime: EPRuntime, uniform_fn: UniformFn | None = None) -> None:
-        super().__init__(runtime, uniform_fn)
-        self._round = HighThroughputRound(runtime)
-
-    @property
-    def activation_format(self) -> mk.FusedMoEActivationFormat:
-        return mk.FusedMoEActivationFormat.Standard
+    activation_format = mk.FusedMoEActivationFormat.Standard
 
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
-    def prepare(
-        self,
-        a1: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        num_experts: int,
-        expert_map: torch.Tensor | None,
-        apply_router_weight_on_input: bool,
-        quant_config: FusedMoEQuantConfig,
-        defer_input_quant: bool = False,
-    ) -> mk.PrepareResultType:
-        out = self._round.dispatch(
-            a1,
-            topk_ids,
-            topk_weights,
-            uniform=self._uniform(),
-            apply_router_weight_on_input=apply_router_weight_on_input,
-        )
+    def _prepare_result(self, out) -> mk.PrepareResultType:
         return out.x, None, None, out.topk_ids, out.topk_weights
 
     def finalize(
@@ -164,3 +147,9 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
                 apply_router_weight_on_input=apply_router_weight_on_input,
             )
         self._round.combine(output)
+
+
+PREPARE_FINALIZE: dict[Algorithm, type[_Base]] = {
+    Algorithm.LOW_LATENCY: FlashInferEPLowLatencyPrepareAndFinalize,
+    Algorithm.HIGH_THROUGHPUT: FlashInferEPHighThroughputPrepareAndFinalize,
+}

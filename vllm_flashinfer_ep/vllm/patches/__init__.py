@@ -1,104 +1,169 @@
-"""Index of every vLLM 0.33.0 symbol this package patches.
+"""Every vLLM 0.33.0 touch point of the package, and how to remove it: the table below.
 
-vLLM 0.33.0 has no registry for all2all backends, so each touch point is a small,
-named, version-guarded patch in its own module. `register()` applies all of them in
-every vLLM process (CLI, API server, engine core, workers); each `apply()` is
-idempotent and each module has an `is_applied()` that the tests assert.
+vLLM 0.33.0 has no registry for all2all backends. Each row of `PATCHES` is the index
+entry of one patch (what / why / how / upstream fix / removal) and the input of the one
+mechanism in `_helper.py`, which checks the target (exists, expected parameters or
+shape) before replacing it, remembers the original and can undo it. The replacements
+live in `platform.py` (matter before workers start: CLI parsing, engine config) and
+`worker.py` (matter in workers: communicator, model load, FT sentinel).
 
-Platform patches (matter before workers start: CLI parsing, engine config)
---------------------------------------------------------------------------
-1. platform/parallel_config_backend.py -- `ParallelConfig.all2all_backend` Literal
-   What: add `flashinfer_ep_low_latency`, `flashinfer_ep_high_throughput`.
-   Why:  pydantic rejects unknown names; argparse builds choices from the Literal.
-   How:  replace field type + annotation, `rebuild_dataclass(force=True)`,
-         `_compute_kwargs.cache_clear()`.
-   Upstream fix: an all2all backend registry (vLLM PR #50556, OOT P/F registry) or
-         the names in-tree (PR #47948).  Removal: when vLLM ships either.
-2. platform/arg_utils_help.py -- `vllm.engine.arg_utils.get_kwargs`
-   What: `--all2all-backend` help describes our backends.
-   Why:  help text comes from vLLM's field docstring.   How: wrap, append text.
-   Upstream fix: same registry with per-backend help.   Removal: with 1.
-3. platform/parallel_config_properties.py -- `ParallelConfig.use_sequence_parallel_moe`,
-   `ParallelConfig.use_batched_dp_moe`
-   What: both backends use SP MoE under DP+TP+EP; LL counts as batched DP MoE (sets
-         the 256-token default that becomes the LL per-rank capacity).
-   Why:  hard-coded backend lists.   How: replace the properties, defer otherwise.
-   Upstream fix: backend capability flags in the registry.   Removal: with 1.
-4. platform/vllm_config_post_init.py -- `VllmConfig.__post_init__`
-   What: config-time validation (quantization, dtype, top_k, hidden size, FT+HT, DBO,
-         nccl.ep presence, torch CUDA major, no-op warning).
-   Why:  no hook for backend-specific checks.   How: wrap, validate first.
-   Upstream fix: a `validate(vllm_config)` hook in the registry.   Removal: with 1.
-5. platform/compilation_cudagraph.py -- `CompilationConfig.set_splitting_ops_for_v1`
-   What: per-backend CUDA-graph policy (vllm_flashinfer_ep/vllm/cudagraph_policy.py).
-   Why:  vLLM's only gate is DeepEP-HT under VLLM_COMPILE.   How: wrap, apply first.
-   Upstream fix: a per-backend `supports_cudagraph` capability.   Removal: with 1.
-
-Worker patches (matter in workers: communicator init, model load, FT sentinel)
------------------------------------------------------------------------------
-6. worker/cuda_communicator.py -- `CudaCommunicator.__init__`
-   What: our managers on the EP group.   Why: name -> manager if/elif ends in
-         ValueError; the class must stay CudaCommunicator (identity-checked).
-   How:  wrap; call original with use_all2all=False, then install ours.
-   Upstream fix: manager registry.   Removal: with 1.
-7. worker/prepare_finalize_selection.py -- `all2all_utils.maybe_make_prepare_finalize`
-   What: our LL/HT prepare/finalize.   Why: if/elif returns None for unknown names.
-   How:  wrap; rebind in all2all_utils and every loaded vllm module importing it.
-   Upstream fix: PR #50556 (OOT prepare/finalize registry).   Removal: when released.
-8. worker/fused_moe_parallel_config.py -- `FusedMoEParallelConfig.use_batched_activation_format`
-   What: True for LL.   Why: oracles pick Batched experts from it.   How: replace property.
-   Upstream fix: P/F-declared activation format before expert selection.   Removal: with 7.
-9. worker/hidden_size_roundup.py -- `all2all_utils.maybe_roundup_layer_hidden_size`
-   What: LL rounds to NCCL-EP's sizes (no 3072), logged.   Why: DeepEP/NIXL lists only.
-   How:  replace module attribute (reached by a function-local import).
-   Upstream fix: P/F class method in the registry.   Removal: with 7.
-10. worker/ft_backend_set.py -- `gpu_worker_sentinel.FT_BACKEND_SET`
-   What: add LL.   Why: the sentinel raises for other backends.   How: rebind global.
-   Upstream fix: ask the manager's `support_fault_tolerance` instead.   Removal: then.
-11. worker/router_gate_width.py -- `GateLinear.forward`
-   What: the router sees unpadded activations.   Why: vLLM pads activations to the
-         rounded hidden size (9) before the runner applies the gate it holds; the gate's
-         weight has the checkpoint width (shape error at hidden 3072).
-   How:  wrap, slice rows back to the gate's input_size (zeros dropped, same logits).
-   Upstream fix: gate before padding in the MoE runner.   Removal: then, or with 9.
+`register()` applies all of them in every vLLM process; `status()` says which are in
+place; `index()` renders the table as text.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from types import ModuleType
-
-
-@dataclass(frozen=True)
-class PatchEntry:
-    module: str
-    stage: str  # "platform" | "worker"
-
-    def load(self) -> ModuleType:
-        return importlib.import_module(f"{__name__}.{self.module}")
-
-
-PATCHES: tuple[PatchEntry, ...] = (
-    PatchEntry("platform.parallel_config_backend", "platform"),
-    PatchEntry("platform.arg_utils_help", "platform"),
-    PatchEntry("platform.parallel_config_properties", "platform"),
-    PatchEntry("platform.vllm_config_post_init", "platform"),
-    PatchEntry("platform.compilation_cudagraph", "platform"),
-    PatchEntry("worker.cuda_communicator", "worker"),
-    PatchEntry("worker.prepare_finalize_selection", "worker"),
-    PatchEntry("worker.fused_moe_parallel_config", "worker"),
-    PatchEntry("worker.hidden_size_roundup", "worker"),
-    PatchEntry("worker.ft_backend_set", "worker"),
-    PatchEntry("worker.router_gate_width", "worker"),
+from vllm_flashinfer_ep.vllm.patches import _helper
+from vllm_flashinfer_ep.vllm.patches import platform as P
+from vllm_flashinfer_ep.vllm.patches import worker as W
+from vllm_flashinfer_ep.vllm.patches._helper import (
+    FIELD,
+    GLOBAL,
+    PROPERTY,
+    WRAP,
+    Patch,
+    PatchTargetError,
+    undo,
 )
 
+REGISTRY = "an all2all backend registry (vLLM PR #50556, OOT P/F registry) or the names in-tree (PR #47948)"
 
-def apply_all() -> None:
-    for entry in PATCHES:
-        entry.load().apply()
+
+def _has_default_backend(literal) -> bool:
+    from typing import get_args
+
+    return "allgather_reducescatter" in get_args(literal)
+
+
+PATCHES: tuple[Patch, ...] = (
+    # ------------------------------------------------------------------ platform
+    Patch(
+        "backend_names", "platform", "vllm.config.parallel:ParallelConfig.all2all_backend", FIELD,
+        P.make_backend_literal, _has_default_backend,
+        what="`--all2all-backend` accepts flashinfer_ep_low_latency / _high_throughput",
+        why="pydantic validates the Literal field type; argparse builds choices from it",
+        how="field type + annotation replaced, pydantic dataclass rebuilt, CLI cache cleared",
+        upstream=REGISTRY, removal="when vLLM ships either", after=P.clear_cli_cache,
+    ),
+    Patch(
+        "backend_help", "platform", "vllm.engine.arg_utils:get_kwargs", WRAP,
+        P.make_get_kwargs, ("cls",),
+        what="`--all2all-backend` help describes our backends",
+        why="help text comes from vLLM's field docstring", how="wrap, append one line each",
+        upstream="per-backend help in the registry", removal="with backend_names",
+    ),
+    Patch(
+        "sequence_parallel_moe", "platform",
+        "vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe", PROPERTY,
+        P.make_use_sequence_parallel_moe, ("self",),
+        what="both backends use SP MoE under DP+TP+EP",
+        why="hard-coded list of 9 backends; otherwise DP+TP+EP sends duplicated tokens",
+        how="replace the property, defer for other backends",
+        upstream="backend capability flag in the registry", removal="with backend_names",
+    ),
+    Patch(
+        "batched_dp_moe", "platform", "vllm.config.parallel:ParallelConfig.use_batched_dp_moe",
+        PROPERTY, P.make_use_batched_dp_moe, ("self",),
+        what="LL counts as batched DP MoE (256-token default = the LL per-rank capacity)",
+        why="deepep_low_latency / nixl_ep only", how="replace the property, defer otherwise",
+        upstream="backend capability flag in the registry", removal="with backend_names",
+    ),
+    Patch(
+        "config_validation", "platform", "vllm.config.vllm:VllmConfig.__post_init__", WRAP,
+        P.make_post_init, ("self",),
+        what="config-time checks (quantization, dtype, top_k, hidden, FT+HT, DBO, nccl.ep, CUDA)",
+        why="no hook for backend-specific checks; they must fail before any worker starts",
+        how="wrap, validate first (FlashInferEPConfigError is not folded by pydantic)",
+        upstream="a `validate(vllm_config)` hook in the registry", removal="with backend_names",
+    ),
+    Patch(
+        "cudagraph_policy", "platform",
+        "vllm.config.compilation:CompilationConfig.set_splitting_ops_for_v1", WRAP,
+        P.make_set_splitting_ops, ("self", "all2all_backend", "data_parallel_size"),
+        what="per-backend CUDA-graph mode (vllm/cudagraph_policy.py)",
+        why="vLLM's only gate is DeepEP-HT under VLLM_COMPILE", how="wrap, decide first",
+        upstream="a per-backend `supports_cudagraph` capability", removal="with backend_names",
+    ),
+    # -------------------------------------------------------------------- worker
+    Patch(
+        "communicator_manager", "worker",
+        "vllm.distributed.device_communicators.cuda_communicator:CudaCommunicator.__init__",
+        WRAP, W.make_communicator_init,
+        ("self", "cpu_group", "device", "device_group", "unique_name", "global_ranks",
+         "global_world_size", "tcp_store_group", "use_all2all"),
+        what="our manager on the EP group's CudaCommunicator",
+        why="name -> manager if/elif ends in ValueError; the class must stay CudaCommunicator",
+        how="wrap; original with use_all2all=False, then install ours",
+        upstream="manager registry", removal="with backend_names",
+    ),
+    Patch(
+        "prepare_finalize", "worker",
+        "vllm.model_executor.layers.fused_moe.all2all_utils:maybe_make_prepare_finalize", WRAP,
+        W.make_prepare_finalize_selection,
+        ("moe", "quant_config", "routing_tables", "allow_new_interface", "use_monolithic",
+         "all2all_manager"),
+        what="the manager builds our LL/HT prepare/finalize",
+        why="the selection if/elif returns None for unknown names",
+        how="wrap in place (every importer holds this function object): registry lookup first",
+        upstream="PR #50556 (factory registry consulted by this function)",
+        removal="when released", in_place=True,
+    ),
+    Patch(
+        "batched_activation_format", "worker",
+        "vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format",
+        PROPERTY, W.make_batched_activation_format, ("self",),
+        what="True for LL", why="oracles pick Batched experts from it before the P/F exists",
+        how="replace the property", upstream="P/F-declared activation format",
+        removal="with prepare_finalize",
+    ),
+    Patch(
+        "hidden_size_roundup", "worker",
+        "vllm.model_executor.layers.fused_moe.all2all_utils:maybe_roundup_layer_hidden_size",
+        WRAP, W.make_hidden_size_roundup, ("hidden_size", "act_dtype", "moe_parallel_config"),
+        what="LL rounds to NCCL-EP's sizes (no 3072), logged", why="DeepEP/NIXL lists only",
+        how="wrap the module attribute (reached by a function-local import)",
+        upstream="P/F class method in the registry", removal="with prepare_finalize",
+    ),
+    Patch(
+        "ft_backend_set", "worker", "vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET",
+        GLOBAL, W.make_ft_backend_set, lambda value: isinstance(value, frozenset),
+        what="the FT sentinel accepts LL", why="it raises for backends outside the set",
+        how="rebind the module global (read at call time)",
+        upstream="ask the manager's `support_fault_tolerance`", removal="then",
+    ),
+    Patch(
+        "router_gate_width", "worker",
+        "vllm.model_executor.layers.fused_moe.router.gate_linear:GateLinear.forward", WRAP,
+        W.make_gate_forward, ("self", "x"),
+        what="the router sees unpadded activations",
+        why="vLLM pads activations to the rounded hidden size (hidden_size_roundup) before "
+        "the runner applies its gate; the gate weight has the checkpoint width (shape error "
+        "at hidden 3072)",
+        how="wrap, slice rows back to the gate's input_size (zeros dropped, same logits)",
+        upstream="gate before padding in the MoE runner", removal="then, or with hidden_size_roundup",
+    ),
+)
+
+BY_NAME: dict[str, Patch] = {patch.name: patch for patch in PATCHES}
+
+
+def apply_all(stage: str | None = None) -> None:
+    """Apply every patch (of one stage); one PatchTargetError lists every moved target."""
+    _helper.apply_all(p for p in PATCHES if stage is None or p.stage == stage)
+
+
+def undo_all() -> None:
+    for patch in reversed(PATCHES):
+        undo(patch)
 
 
 def status() -> dict[str, bool]:
-    """{module: is_applied()} for every patch."""
-    return {entry.module: entry.load().is_applied() for entry in PATCHES}
+    """{patch name: applied} for every patch."""
+    return {patch.name: _helper.is_applied(patch) for patch in PATCHES}
+
+
+def index() -> str:
+    return "\n".join(patch.entry() for patch in PATCHES)
+
+
+__all__ = ["PATCHES", "BY_NAME", "Patch", "PatchTargetError", "apply_all", "undo_all", "status", "index"]

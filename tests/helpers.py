@@ -1,0 +1,99 @@
+"""Small helpers shared by the test folders (import as `tests.helpers`)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def visible_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def model_is_local(model: str) -> bool:
+    """The model's config and every weight shard are on disk (a dir, or the HF cache)."""
+    path = Path(model)
+    if path.is_dir():
+        return (path / "config.json").is_file()
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str) -> str | None:
+        hit = try_to_load_from_cache(model, filename)
+        return hit if isinstance(hit, str) else None
+
+    if cached("config.json") is None:
+        return False
+    index = cached("model.safetensors.index.json")
+    if index is not None:
+        shards = set(json.loads(Path(index).read_text(encoding="utf-8"))["weight_map"].values())
+        return all(cached(shard) is not None for shard in shards)
+    return cached("model.safetensors") is not None
+
+
+class _ParseError(Exception):
+    pass
+
+
+@functools.cache
+def _serve_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    load_general_plugins()  # as `vllm serve` does: plugin backend names become choices
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve", exit_on_error=False))
+
+    def error(message: str):
+        raise _ParseError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def parse_serve_args(serve_argv: Sequence[str]) -> argparse.Namespace:
+    """`vllm serve` arguments parsed by vLLM's real parser; ValueError instead of exit."""
+    from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
+
+    try:
+        args = _serve_parser().parse_args(list(serve_argv))
+    except (argparse.ArgumentError, _ParseError) as exc:
+        raise ValueError(f"vllm serve rejects {list(serve_argv)}: {exc}") from exc
+    args.subparser = "serve"
+    validate_parsed_serve_args(args)
+    return args
+
+
+# Trivial experts for transport tests: expert e maps a row x to x * scales[e].
+def scale_expert_rows(expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched-layout expert op: expert_x[e] * scales[e] (rows past the count are ignored by combine)."""
+    factor = scales.to(expert_x.dtype).view(-1, 1, 1)
+    if out is None:
+        return expert_x * factor
+    return torch.mul(expert_x, factor, out=out)
+
+
+def reduce_received_rows(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Standard-layout experts + weighted reduce per received row (HT)."""
+    factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
+    out.copy_((x.float() * factor).to(out.dtype))
+    return out

@@ -1,0 +1,80 @@
+"""Replacements for the platform patches (CLI parsing, engine config).
+
+Each `make_*` takes what vLLM 0.33.0 has and returns what replaces it; the table in
+`patches/__init__.py` says where it goes and why.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from vllm_flashinfer_ep.backends import BACKENDS, HELP, LOW_LATENCY
+
+
+def make_backend_literal(original):
+    """`All2AllBackend` Literal + our names (pydantic validation, argparse choices)."""
+    names = tuple(get_args(original))
+    return Literal[names + tuple(b for b in BACKENDS if b not in names)]  # type: ignore[valid-type]
+
+
+def clear_cli_cache() -> None:
+    """argparse choices are computed once per class (`_compute_kwargs` is lru_cached)."""
+    import vllm.engine.arg_utils as arg_utils
+
+    arg_utils._compute_kwargs.cache_clear()
+
+
+def make_get_kwargs(original):
+    from vllm.config.parallel import ParallelConfig
+
+    def get_kwargs(cls):
+        kwargs = original(cls)
+        if cls is ParallelConfig and "all2all_backend" in kwargs:
+            entry = kwargs["all2all_backend"]
+            extra = "\n".join(f"- {name}: {text}" for name, text in HELP.items())
+            entry["help"] = (entry.get("help") or "") + "\n\nAdded by vllm-flashinfer-ep:\n" + extra
+        return kwargs
+
+    return get_kwargs
+
+
+def make_use_sequence_parallel_moe(original):
+    def use_sequence_parallel_moe(self) -> bool:
+        if self.all2all_backend in BACKENDS:
+            return (
+                self.enable_expert_parallel
+                and self.tensor_parallel_size > 1
+                and self.data_parallel_size > 1
+            )
+        return original(self)
+
+    return use_sequence_parallel_moe
+
+
+def make_use_batched_dp_moe(original):
+    def use_batched_dp_moe(self) -> bool:
+        if self.all2all_backend == LOW_LATENCY:
+            return self.enable_expert_parallel and self.data_parallel_size > 1
+        return original(self)
+
+    return use_batched_dp_moe
+
+
+def make_post_init(original):
+    from vllm_flashinfer_ep.vllm import config_validation
+
+    def __post_init__(self) -> None:
+        config_validation.validate(self)
+        original(self)
+
+    return __post_init__
+
+
+def make_set_splitting_ops(original):
+    from vllm_flashinfer_ep.vllm import cudagraph_policy
+
+    def set_splitting_ops_for_v1(self, all2all_backend: str, data_parallel_size: int = 1):
+        cudagraph_policy.apply(self, all2all_backend, data_parallel_size)
+        return original(self, all2all_backend, data_parallel_size)
+
+    return set_splitting_ops_for_v1

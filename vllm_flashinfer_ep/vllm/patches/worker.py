@@ -1,0 +1,116 @@
+"""Replacements for the worker patches (communicator init, model load, FT sentinel).
+
+Each `make_*` takes what vLLM 0.33.0 has and returns what replaces it; the table in
+`patches/__init__.py` says where it goes and why.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from vllm_flashinfer_ep.backends import BACKENDS, LOW_LATENCY, is_ours
+from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.runtime.limits import round_up_ll_hidden_size
+
+logger = get_logger(__name__)
+
+
+def backend_of_current_config() -> str | None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return config.parallel_config.all2all_backend if config is not None else None
+
+
+def make_communicator_init(original):
+    """Our manager on the EP group; vLLM's if/elif never sees our name."""
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs) -> None:
+        backend = backend_of_current_config()
+        if not is_ours(backend):
+            original(self, *args, **kwargs)
+            return
+        bound = signature.bind(self, *args, **kwargs)
+        wants_all2all = bool(bound.arguments.get("use_all2all", False))
+        bound.arguments["use_all2all"] = False
+        original(*bound.args, **bound.kwargs)
+        if wants_all2all and self.is_ep_communicator:
+            from vllm_flashinfer_ep.vllm.managers import MANAGERS
+
+            self.use_all2all = True
+            self.all2all_manager = MANAGERS[backend](
+                self.cpu_group, bound.arguments.get("tcp_store_group")
+            )
+            logger.info("Using %s all2all manager.", type(self.all2all_manager).__name__)
+
+    return __init__
+
+
+def make_prepare_finalize_selection(original):
+    """A registry lookup in front of vLLM's if/elif: for our backends the manager builds
+    the prepare/finalize (the shape of the factory registry of vLLM PR #50556)."""
+    signature = inspect.signature(original)
+
+    def maybe_make_prepare_finalize(moe, quant_config, *args, **kwargs):
+        par = moe.moe_parallel_config
+        if par.all2all_backend not in BACKENDS or not par.use_all2all_kernels:
+            return original(moe, quant_config, *args, **kwargs)
+        bound = signature.bind(moe, quant_config, *args, **kwargs).arguments
+        manager = bound.get("all2all_manager")
+        if manager is None:
+            from vllm.model_executor.layers.fused_moe.all2all_utils import get_ep_all2all_manager
+
+            manager = get_ep_all2all_manager()
+        return manager.make_prepare_finalize(
+            moe, quant_config, use_monolithic=bool(bound.get("use_monolithic", False))
+        )
+
+    return maybe_make_prepare_finalize
+
+
+def make_batched_activation_format(original):
+    def use_batched_activation_format(self) -> bool:
+        if self.all2all_backend == LOW_LATENCY:
+            return bool(self.use_all2all_kernels)
+        return original(self)
+
+    return use_batched_activation_format
+
+
+_logged_roundups: set[tuple[int, int]] = set()
+
+
+def make_hidden_size_roundup(original):
+    def maybe_roundup_layer_hidden_size(hidden_size, act_dtype, moe_parallel_config):
+        if not (
+            moe_parallel_config.all2all_backend == LOW_LATENCY
+            and moe_parallel_config.use_all2all_kernels
+        ):
+            return original(hidden_size, act_dtype, moe_parallel_config)
+        rounded = round_up_ll_hidden_size(hidden_size)
+        if rounded != hidden_size and (hidden_size, rounded) not in _logged_roundups:
+            _logged_roundups.add((hidden_size, rounded))
+            logger.info(
+                "flashinfer_ep_low_latency: rounding MoE hidden size %d up to %d "
+                "(NCCL-EP LL kernels exist for specific hidden sizes only)",
+                hidden_size,
+                rounded,
+            )
+        return rounded
+
+    return maybe_roundup_layer_hidden_size
+
+
+def make_ft_backend_set(original: frozenset) -> frozenset:
+    return frozenset(original | {LOW_LATENCY})
+
+
+def make_gate_forward(original):
+    def forward(self, x, *args, **kwargs):
+        width = getattr(self, "input_size", None)
+        if width is not None and x.shape[-1] > width:
+            x = x[..., :width]  # the padding columns are zeros: same logits
+        return original(self, x, *args, **kwargs)
+
+    return forward
