@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_flashinfer_ep import backends
+from vllm_flashinfer_ep import backends, envs
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.limits import (
@@ -37,6 +37,8 @@ def validate(vllm_config: Any) -> None:
     if not backends.is_ours(backend):
         return
     flag = f"--all2all-backend {backend}"
+    # The package's own variables: a bad value fails here, not after a GPU start-up.
+    envs.validate_all()
 
     if par.use_ubatching:
         raise FlashInferEPConfigError(

@@ -33,6 +33,11 @@ Platform patches (matter before workers start: CLI parsing, engine config)
    What: per-backend CUDA-graph policy (vllm_flashinfer_ep/vllm/cudagraph_policy.py).
    Why:  vLLM's only gate is DeepEP-HT under VLLM_COMPILE.   How: wrap, apply first.
    Upstream fix: a per-backend `supports_cudagraph` capability.   Removal: with 1.
+5b. platform/vllm_envs_known.py -- `vllm.envs.environment_variables`
+   What: our documented VLLM_FLASHINFER_EP_* names become known variables.
+   Why:  `Platform.validate_environ` logs "Unknown vLLM environment variable" for them.
+   How:  add one raw-string getter per name (values are validated by patch 4).
+   Upstream fix: a plugin hook for extra env vars.   Removal: then.
 
 Worker patches (matter in workers: communicator init, model load, FT sentinel)
 -----------------------------------------------------------------------------
@@ -85,6 +90,7 @@ PATCHES: tuple[PatchEntry, ...] = (
     PatchEntry("platform.parallel_config_properties", "platform"),
     PatchEntry("platform.vllm_config_post_init", "platform"),
     PatchEntry("platform.compilation_cudagraph", "platform"),
+    PatchEntry("platform.vllm_envs_known", "platform"),
     PatchEntry("worker.cuda_communicator", "worker"),
     PatchEntry("worker.prepare_finalize_selection", "worker"),
     PatchEntry("worker.fused_moe_parallel_config", "worker"),
