@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from multirank import run_ranks
 
+from tests.environment_gate import missing
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
@@ -87,5 +88,5 @@ def _killed(rank: int, world: int) -> None:
 @pytest.mark.parametrize("scenario", [_stall, _killed], ids=["stalled", "killed"])
 def test_survivor_detects_and_continues(scenario):
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+        missing("needs 2 GPUs")
     run_ranks(2, scenario, timeout_s=DEADLINE_S * 4)
