@@ -152,3 +152,14 @@ def test_vllm_envs_getters_return_raw_strings_and_never_raise(monkeypatch):
     assert vllm_envs.environment_variables[envs.RDMA_BUFFER_BYTES]() == "abc"
     monkeypatch.delenv(envs.RDMA_BUFFER_BYTES)
     assert vllm_envs.environment_variables[envs.RDMA_BUFFER_BYTES]() == "0"
+
+
+def test_nixl_ep_transport_needs_a_flashinfer_built_with_it(tiny_moe, monkeypatch):
+    import flashinfer.moe_ep as fi
+
+    monkeypatch.setenv(envs.TRANSPORT, "nixl_ep")
+    monkeypatch.setattr(fi, "have_nixl_ep", lambda: False)
+    with pytest.raises(FlashInferEPEnvVarError, match="have_nixl_ep"):
+        _engine_config(tiny_moe, LOW_LATENCY)
+    monkeypatch.setattr(fi, "have_nixl_ep", lambda: True)
+    _engine_config(tiny_moe, LOW_LATENCY)

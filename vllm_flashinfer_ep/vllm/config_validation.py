@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep import backends, envs
-from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError, FlashInferEPEnvVarError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime import buffer_sizes
 from vllm_flashinfer_ep.runtime.limits import (
@@ -46,6 +46,7 @@ def validate(vllm_config: Any) -> None:
     flag = f"--all2all-backend {backend}"
     # The package's own variables: a bad value fails here, not after a GPU start-up.
     envs.validate_all()
+    _check_transport_built()
 
     if par.use_ubatching:
         raise FlashInferEPConfigError(
@@ -88,6 +89,24 @@ def validate(vllm_config: Any) -> None:
             "%s is selected without --enable-expert-parallel: vLLM will use its "
             "all-gather/reduce-scatter path, not NCCL-EP.",
             backend,
+        )
+
+
+def _check_transport_built() -> None:
+    """VLLM_FLASHINFER_EP_TRANSPORT=nixl_ep needs a FlashInfer built with NIXL-EP."""
+    if envs.transport() != "nixl_ep":
+        return
+    try:
+        from flashinfer.moe_ep import have_nixl_ep
+
+        built = bool(have_nixl_ep())
+    except Exception:  # noqa: BLE001 - an unimportable FlashInfer has no NIXL-EP either
+        built = False
+    if not built:
+        raise FlashInferEPEnvVarError(
+            f"{envs.TRANSPORT}=nixl_ep needs a FlashInfer built with NIXL-EP, and "
+            "flashinfer.moe_ep.have_nixl_ep() is False here (the PyPI wheel ships none). "
+            f"Unset {envs.TRANSPORT} to use nccl_ep."
         )
 
 
