@@ -1,12 +1,22 @@
-"""Environment variables read by the package.
+"""Environment variables read by the package, each with one parser.
 
 vLLM's own `vllm.envs` raises AttributeError for names it does not know, so the plugin
-reads its variables from os.environ here, in one place, with their defaults.
+reads its variables from os.environ here, in one place, with their defaults. Every
+variable has one parser that accepts exactly the documented values and raises
+`FlashInferEPEnvVarError` (naming the variable and what it accepts) for anything else.
+The same parsers run at engine-config time (`validate_all`, called from
+config_validation) and wherever a worker reads a value, so a bad value fails before
+any worker starts and is never silently read as something else.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
 
 # Transport under flashinfer.moe_ep: "nccl_ep" (default) or "nixl_ep" (needs a FlashInfer
 # built with NIXL-EP; the PyPI wheel is not).
@@ -24,55 +34,139 @@ SKIP_ENV_CHECKS = "VLLM_FLASHINFER_EP_SKIP_ENV_CHECKS"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
+# flashinfer.moe_ep split-path transports (flashinfer/moe_ep/backends/split/comm/).
+TRANSPORTS: tuple[str, ...] = ("nccl_ep", "nixl_ep")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+BOOL_ACCEPTED = "1/true/yes/on or 0/false/no/off (case-insensitive)"
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One documented variable: its default, what it accepts, and its parser."""
+
+    name: str
+    default: str
+    accepted: str
+    parse: Callable[[str, str], Any]  # (name, stripped raw value) -> value
+    meaning: str
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str:
+        env = os.environ if environ is None else environ
+        return env.get(self.name, "").strip()
+
+    def value(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The parsed value; the default when unset or empty."""
+        raw = self.raw(environ)
+        return self.parse(self.name, raw if raw else self.default)
+
+
+def _error(name: str, raw: str, accepted: str) -> FlashInferEPEnvVarError:
+    return FlashInferEPEnvVarError(f"{name}={raw!r} is not valid: accepted values are {accepted}.")
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise _error(name, raw, BOOL_ACCEPTED)
+
+
+def _int_parser(minimum: int, accepted: str) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        try:
+            value = int(raw, 10)
+        except ValueError:
+            raise _error(name, raw, accepted) from None
+        if value < minimum:
+            raise _error(name, raw, accepted)
+        return value
+
+    return parse
+
+
+def _parse_transport(name: str, raw: str) -> str:
+    if raw not in TRANSPORTS:
+        raise _error(name, raw, " or ".join(TRANSPORTS))
+    return raw
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        HANDLE_POOL, "1", BOOL_ACCEPTED, _parse_bool,
+        "0 disables the persistent handle pool (LL then runs without CUDA graphs)",
+    ),
+    EnvVar(
+        FT_TIMEOUT_MS, str(DEFAULT_FT_TIMEOUT_MS), "an integer number of milliseconds >= 1",
+        _int_parser(1, "an integer number of milliseconds >= 1"),
+        "NCCL-EP fault-detection timeout (LL + --enable-fault-tolerance)",
+    ),
+    EnvVar(
+        TRANSPORT, DEFAULT_TRANSPORT, " or ".join(TRANSPORTS), _parse_transport,
+        "FlashInfer transport",
+    ),
+    EnvVar(
+        RDMA_BUFFER_BYTES, "0", "an integer number of bytes >= 0 (0 = sized by NCCL-EP)",
+        _int_parser(0, "an integer number of bytes >= 0 (0 = sized by NCCL-EP)"),
+        "fixed NCCL-EP RDMA buffer size",
+    ),
+    EnvVar(
+        SKIP_ENV_CHECKS, "0", BOOL_ACCEPTED, _parse_bool,
+        "1 skips the worker's environment checks",
+    ),
+)
+BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
+
+
+PREFIX = "VLLM_FLASHINFER_EP_"
+
+
+def validate_all(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every variable; one error listing each bad one (name and accepted values).
+
+    An unknown name under the package's prefix is refused too: a misspelt variable would
+    otherwise leave its default in force without a word.
+    """
+    env = os.environ if environ is None else environ
+    problems = [
+        f"{name} is not a vllm-flashinfer-ep variable (known: {', '.join(BY_NAME)})."
+        for name in sorted(k for k in env if k.startswith(PREFIX) and k not in BY_NAME)
+    ]
+    for var in VARIABLES:
+        try:
+            var.value(env)
+        except FlashInferEPEnvVarError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise FlashInferEPEnvVarError(" ".join(problems))
+
+
+def validate_env(environ: Mapping[str, str]) -> None:
+    """`validate_all` for an environment that is not this process's (e.g. an eval config);
+    raises ValueError so callers outside the engine need not know the package's errors."""
+    try:
+        validate_all(environ)
+    except FlashInferEPEnvVarError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def transport() -> str:
-    return os.environ.get(TRANSPORT, DEFAULT_TRANSPORT).strip() or DEFAULT_TRANSPORT
+    return BY_NAME[TRANSPORT].value()
 
 
 def handle_pool_enabled() -> bool:
-    return os.environ.get(HANDLE_POOL, "1").strip().lower() not in ("0", "false", "no", "off")
+    return BY_NAME[HANDLE_POOL].value()
 
 
 def ft_timeout_ms() -> int:
-    raw = os.environ.get(FT_TIMEOUT_MS, "").strip()
-    if not raw:
-        return DEFAULT_FT_TIMEOUT_MS
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{FT_TIMEOUT_MS} must be an integer number of ms, got {raw!r}") from exc
-    if value <= 0:
-        raise ValueError(f"{FT_TIMEOUT_MS} must be > 0, got {value}")
-    return value
+    return BY_NAME[FT_TIMEOUT_MS].value()
 
 
 def rdma_buffer_bytes() -> int:
-    raw = os.environ.get(RDMA_BUFFER_BYTES, "").strip()
-    return int(raw) if raw else 0
+    return BY_NAME[RDMA_BUFFER_BYTES].value()
 
 
 def skip_env_checks() -> bool:
-    return os.environ.get(SKIP_ENV_CHECKS, "0").strip() == "1"
-
-
-_BOOLEAN = ("0", "1", "true", "false", "yes", "no", "on", "off")
-_TRANSPORTS = ("nccl_ep", "nixl_ep")
-KNOWN = (TRANSPORT, HANDLE_POOL, FT_TIMEOUT_MS, RDMA_BUFFER_BYTES, SKIP_ENV_CHECKS)
-
-
-def validate_env(environ) -> None:
-    """Raise ValueError naming the first VLLM_FLASHINFER_EP_* variable with a bad value
-    (or an unknown name: a typo would silently fall back to the default)."""
-    for name in sorted(k for k in environ if k.startswith("VLLM_FLASHINFER_EP_")):
-        raw = str(environ[name]).strip()
-        if name not in KNOWN:
-            raise ValueError(f"{name} is not a vllm-flashinfer-ep variable; known: {', '.join(KNOWN)}")
-        if name == TRANSPORT and raw not in _TRANSPORTS:
-            raise ValueError(f"{name} must be one of {', '.join(_TRANSPORTS)}, got {raw!r}")
-        if name in (HANDLE_POOL, SKIP_ENV_CHECKS) and raw.lower() not in _BOOLEAN:
-            raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
-        if name in (FT_TIMEOUT_MS, RDMA_BUFFER_BYTES):
-            floor = 1 if name == FT_TIMEOUT_MS else 0
-            if not raw.isdigit() or int(raw) < floor:
-                raise ValueError(f"{name} must be an integer >= {floor}, got {raw!r}")
+    return BY_NAME[SKIP_ENV_CHECKS].value()

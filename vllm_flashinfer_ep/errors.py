@@ -22,3 +22,7 @@ class HandlePoolError(RuntimeError):
 
 class DispatchCapacityError(FlashInferEPConfigError):
     """More tokens were dispatched on one rank than the fleet was sized for."""
+
+
+class FlashInferEPEnvVarError(FlashInferEPConfigError):
+    """A VLLM_FLASHINFER_EP_* variable holds a value the package does not accept."""

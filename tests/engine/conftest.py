@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.environment_gate import mark_missing
 from vllm_flashinfer_ep.runtime import env_checks
 
 
@@ -39,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
         if not checked:
             reason, checked = engine_skip_reason(), True
         if reason:
-            item.add_marker(pytest.mark.skip(reason=reason))
+            mark_missing(item, reason)
 
 
 @pytest.fixture(scope="session")

@@ -3,18 +3,20 @@
 Install it with `vllm_flashinfer_ep.runtime.transport.use_transport_module(fake_moe_ep)`
 (and remove it afterwards); `tests/fakes/runtime.py` has fixtures that do both.
 
-What it does: a REAL world-size-1 all2all in torch, on whatever device the tensors are
-on (CPU in unit tests):
+What it does: a REAL all2all in torch, on whatever device the tensors are on (CPU in
+unit tests), at world size 1 or, through a `FakeGroup` passed as the bootstrap's
+process_group, at world size N with one thread per rank (tests/fakes/world.py):
 - LL (EXPERT_MAJOR): `expert_tensors` [E_local, max_tokens_per_rank * world, H], the
-  rows of each expert in token order (then slot order), padding rows poisoned with
-  NaN; `expert_counts` int32 [E_local]. Combine: out[t] = sum_k w[t, k] *
-  expert_out[e(t, k), row(t, k)], with `w` read from the weights tensor BOUND at
-  handle creation (HandleAlgoKnobTopKWeights), written into `out` in place if given.
-- HT (FLAT): received rows front-packed in token order, `recv_topk_idx` local expert
-  ids (-1 = expert on another rank), `recv_topk_weights` from the bound weights; the
-  received count is written into the HandleAlgoKnobNumReceivedTokens target at
-  create and at every update. Combine sums each received (pre-reduced) row back into
-  its source token.
+  rows of each local expert from every rank in an ARBITRARY (seeded, shuffled) order,
+  as NCCL-EP promises no order; padding rows poisoned with NaN; `expert_counts` int32
+  [E_local]. Combine: out[t] = sum_k w[t, k] * expert_out[e(t, k), row(t, k)] read on
+  the rank owning the expert, with `w` read from the weights tensor BOUND at handle
+  creation (HandleAlgoKnobTopKWeights), written into `out` in place if given.
+- HT (FLAT): received rows (every rank's tokens with a slot here) front-packed in a
+  shuffled order, `recv_topk_idx` local expert ids (-1 = expert on another rank),
+  `recv_topk_weights` from the bound weights; the received count is written into the
+  HandleAlgoKnobNumReceivedTokens target at create and at every update. Combine sums
+  each received (pre-reduced) row back into its source token on its source rank.
 
 What it enforces, with FlashInfer's exception types and message style
 (flashinfer/moe_ep/backends/split/comm/nccl_ep/{fleet,handle}.py):
@@ -23,6 +25,12 @@ What it enforces, with FlashInfer's exception types and message style
   the captured one (RuntimeError).
 - `dispatch`: activation rows must equal the handle's token count, and may not exceed
   max_tokens_per_rank (MoEEpConfigError, a ValueError).
+- Tensors NCCL-EP reads by pointer (ids, bound weights, activations, combine input and
+  output) must be contiguous and on the fleet's GPU (the CPU in unit tests): the real
+  library refuses CPU ids in `update` and reads strided memory as garbage, so the fake
+  raises instead. Combine never converts dtypes: `out` must have the expert output's
+  dtype. Non-int64 ids are converted (the handle then holds a copy), as in FlashInfer.
+- Every collective's op must agree across ranks (a rank that skips one is caught).
 - `create_handle` under capture raises (NCCL-EP: handles are created outside capture).
 - use of a destroyed handle or fleet raises RuntimeError; combine needs a dispatch.
 - LL hidden sizes as `validate_ll_hidden_size`; FT only with LOW_LATENCY.
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -295,6 +304,18 @@ class FakeFleet:
             )
         self._params = params
         self._bootstrap = bootstrap
+        group = bootstrap.process_group
+        self._group: FakeGroup | None = group if isinstance(group, FakeGroup) else None
+        if self._group is not None and self._group.world_size != bootstrap.world_size:
+            raise ValueError(
+                f"FakeGroup has {self._group.world_size} ranks, bootstrap {bootstrap.world_size}"
+            )
+        # The fake's "GPU": the CUDA device the bootstrap names where CUDA is usable,
+        # else the CPU (unit tests). Tensors handed to NCCL-EP must live there.
+        self.device = (
+            torch.device("cuda", bootstrap.device or 0) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self._rounds = itertools.count()
         self._destroyed = False
         self._any_handle_created = False
         self._ids = itertools.count()
@@ -360,6 +381,24 @@ class FakeFleet:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("Fleet used after destroy()")
+
+    def _exchange(self, op: str, payload: Any) -> list[Any]:
+        """This collective's payloads of every rank (world 1: just ours)."""
+        if self._bootstrap.world_size == 1:
+            return [payload]
+        if self._group is None:
+            raise NotImplementedError(
+                "the fake moves tokens between ranks only through a FakeGroup passed as "
+                "BootstrapConfig.process_group (see tests/fakes/world.py)"
+            )
+        return self._group.exchange(self._bootstrap.rank, op, payload)
+
+    def _next_round(self) -> int:
+        return next(self._rounds)
+
+    def _require_on_device(self, what: str, t: torch.Tensor) -> None:
+        if t.device != self.device:
+            raise ValueError(f"{what} must be on the GPU ({self.device}), got {t.device}")
 
     def _buffer(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         buf = self._hot.get(key)
@@ -435,6 +474,43 @@ class FakeFleet:
         self._async_error = True
 
 
+# ------------------------------------------------------------------- N ranks, one process
+class FakeGroup:
+    """One EP group of `world_size` ranks simulated in one process, one thread per rank.
+
+    Pass it as `BootstrapConfig(process_group=...)` to every rank's fleet; each rank's
+    package code runs on its own thread (see `tests/fakes/world.py`). Every collective
+    (create_handle, update, dispatch, combine) publishes this rank's payload and waits
+    for all ranks, so tokens really move between ranks and a rank that skips or
+    reorders a collective is caught (the ops must agree) instead of deadlocking forever.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 30.0) -> None:
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self._slots: list[Any] = [None] * world_size
+
+    def exchange(self, rank: int, op: str, payload: Any) -> list[Any]:
+        """All ranks' payloads of this collective, in rank order."""
+        if self.world_size == 1:
+            return [payload]
+        self._slots[rank] = (op, payload)
+        self._barrier.wait()
+        got = list(self._slots)
+        self._barrier.wait()
+        ops = {o for o, _ in got}
+        if len(ops) != 1:
+            raise RuntimeError(f"ranks disagree on the collective: {[o for o, _ in got]}")
+        return [p for _, p in got]
+
+
+def _row_order(n: int, seed: int) -> torch.Tensor:
+    """Arbitrary (seeded) order of received rows: NCCL-EP promises no row order."""
+    if n <= 1:
+        return torch.arange(n)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
 # ------------------------------------------------------------------------- handle
 class Handle:
     """Fake NcclEpHandle: fixed token count and top_k, weights bound at creation."""
@@ -453,6 +529,9 @@ class Handle:
         tw = self.knobs.get(HandleAlgoKnobTopKWeights)
         # Bound, not copied: NCCL-EP reads this memory at every dispatch/combine.
         self.bound_weights: torch.Tensor | None = tw.weights if tw is not None else None  # type: ignore[attr-defined]
+        if self.bound_weights is not None:
+            fleet._require_on_device("HandleAlgoKnobTopKWeights.weights", self.bound_weights)
+            _require_contiguous("HandleAlgoKnobTopKWeights.weights", self.bound_weights)
         self._recv_target: torch.Tensor | None = None
         knob = self.knobs.get(HandleAlgoKnobNumReceivedTokens)
         if knob is not None and self._is_ht:
@@ -472,7 +551,8 @@ class Handle:
         # count as the "eager update" that allows a later captured one.
         self._ran_outside_capture = False
         self._dispatched = False
-        self._bind(ids)
+        fleet._require_on_device("topk_ids", ids)
+        self._bind(_as_int64(ids), "create_handle")
         fleet.log.append(Call("create_handle", self.id, self._num_tokens))
 
     @property
@@ -486,7 +566,9 @@ class Handle:
     # ----------------------------------------------------------------- update
     def update(self, params: HandleParams) -> None:
         self._check_alive("update")
-        ids = params.topk_ids
+        # Like NcclEpHandle.update: non-int64 ids are converted, so the handle then
+        # holds a temporary copy, not the caller's tensor.
+        ids = _as_int64(params.topk_ids)
         if ids.shape[1] != self._top_k:
             raise ValueError(
                 "Handle.update cannot change top_k: handle was created with "
@@ -499,9 +581,10 @@ class Handle:
                 "creation (HandleAlgoKnobTopKWeights) still describe the original rows, so "
                 "a different count would desynchronize combine. Create a new handle instead."
             )
-        if ids.device != self.bound_ids.device:
+        if ids.device != self._fleet.device:
             raise ValueError(
-                f"Handle.update: topk_ids moved device, {self.bound_ids.device} -> {ids.device}."
+                f"Handle.update: topk_ids must be on the GPU, got {ids.device} "
+                f"(the fake's GPU is {self._fleet.device})."
             )
         if not ids.is_contiguous():
             raise ValueError("Handle.update: topk_ids must be contiguous.")
@@ -515,17 +598,20 @@ class Handle:
                 )
         else:
             self._ran_outside_capture = True
-        self._bind(ids)
+        self._bind(ids, "update")
         self._dispatched = False
         self._fleet.log.append(Call("update", self.id, self._num_tokens))
 
-    def _bind(self, ids: torch.Tensor) -> None:
-        # The tensor the caller passed (tests check its identity) and the routing the
-        # native metadata step computed from it at this point in stream order.
+    def _bind(self, ids: torch.Tensor, op: str) -> None:
+        # The tensor the handle holds (tests check its identity) and the routing the
+        # native metadata step computed from it at this point in stream order. The
+        # metadata step is collective: HT learns how many rows it will receive.
         self.bound_ids = ids
-        self._routing = ids.to(torch.int64).clone()
+        self._routing = ids.clone()
+        everyone = self._fleet._exchange(op, self._routing)
         if self._recv_target is not None:
-            self._recv_target.fill_(self._received_tokens().numel())
+            received = sum(int(self._mine(r).any(dim=1).sum()) for r in everyone)
+            self._recv_target.fill_(received)
 
     # --------------------------------------------------------------- dispatch
     def dispatch(self, params: DispatchInputParams) -> DispatchOutput:
@@ -544,63 +630,73 @@ class Handle:
                 f"nccl_ep {algo} dispatch received {x.shape[0]} tokens on this rank, "
                 f"exceeding max_tokens_per_rank ({max_per_rank})."
             )
-        if self._fleet.bootstrap.world_size != 1:
-            raise NotImplementedError("the fake transport moves tokens at world size 1 only")
-        out = self._dispatch_ht(x) if self._is_ht else self._dispatch_ll(x)
+        # NCCL-EP reads rows by pointer: a strided tensor would be read as garbage.
+        _require_contiguous("dispatch x", x)
+        self._fleet._require_on_device("dispatch x", x)
+        weights = self._require_weights("NCCL-EP dispatch reads the weights bound at creation")
+        sent = (x.clone(), self._routing, weights.to(torch.float32).clone())
+        everyone = self._fleet._exchange("dispatch", sent)
+        self._round = self._fleet._next_round()
+        out = self._dispatch_ht(x, everyone) if self._is_ht else self._dispatch_ll(x, everyone)
         self._dispatched = True
         self._fleet.log.append(Call("dispatch", self.id, self._num_tokens))
         return out
 
-    def _local(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(local expert id per slot or -1, slot is routed to this rank)."""
+    def _mine(self, routing: torch.Tensor) -> torch.Tensor:
+        """Slots of `routing` whose expert lives on this rank."""
         e_local = self._fleet.num_local_experts
         first = self._fleet.bootstrap.rank * e_local
-        ids = self._routing
-        here = (ids >= first) & (ids < first + e_local)
-        return torch.where(here, ids - first, torch.full_like(ids, -1)), here
+        return (routing >= first) & (routing < first + e_local)
 
-    def _received_tokens(self) -> torch.Tensor:
-        _, here = self._local()
-        return here.any(dim=1).nonzero().flatten()
-
-    def _dispatch_ll(self, x: torch.Tensor) -> DispatchOutput:
+    def _dispatch_ll(self, x: torch.Tensor, everyone: list) -> DispatchOutput:
         e_local = self._fleet.num_local_experts
+        first = self._fleet.bootstrap.rank * e_local
         rows = self._fleet.params.max_tokens_per_rank * self._fleet.bootstrap.world_size
         out = self._fleet._buffer("ll_recv_buf", (e_local, rows, x.shape[1]), x.dtype, x.device)
         counts = self._fleet._buffer("ll_recv_count", (e_local,), torch.int32, x.device)
         out.fill_(float("nan"))  # padding is garbage in NCCL-EP; make reading it visible
-        local, here = self._local()
-        slot_row = torch.full_like(local, -1)
+        # (source rank, token, slot) -> (local expert, row) of every slot routed here.
+        placed: dict[tuple[int, int, int], tuple[int, int]] = {}
         for e in range(e_local):
-            # Rows of expert e in (token, slot) order.
-            tok, slot = ((local == e) & here).nonzero(as_tuple=True)
-            n = int(tok.numel())
-            out[e, :n] = x[tok]
-            slot_row[tok, slot] = torch.arange(n, device=slot_row.device)
-            counts[e] = n
-        self._slot_row = slot_row
-        self._slot_expert = local
+            sources = []
+            for src, (_, routing, _) in enumerate(everyone):
+                tok, slot = (routing == first + e).nonzero(as_tuple=True)
+                sources += [(src, int(t), int(k)) for t, k in zip(tok.tolist(), slot.tolist())]
+            order = _row_order(len(sources), self._round * 1000 + e)
+            for row, i in enumerate(order.tolist()):
+                src, t, k = sources[i]
+                out[e, row] = everyone[src][0][t]
+                placed[(src, t, k)] = (e, row)
+            counts[e] = len(sources)
+        self._placed = placed
         return DispatchOutput(expert_tensors=out, num_tokens=rows, expert_counts=counts)
 
-    def _dispatch_ht(self, x: torch.Tensor) -> DispatchOutput:
-        weights = self._require_weights("HT forward dispatch sends per-token routing weights")
+    def _dispatch_ht(self, x: torch.Tensor, everyone: list) -> DispatchOutput:
         world = self._fleet.bootstrap.world_size
         max_per_rank = self._fleet.params.max_tokens_per_rank
         num_recv = max_per_rank * world
         h = x.shape[1]
+        e_local = self._fleet.num_local_experts
+        first = self._fleet.bootstrap.rank * e_local
         out_t = self._fleet._buffer("ht_recv_x", (num_recv, h), x.dtype, x.device)
         out_w = self._fleet._buffer("ht_recv_w", (num_recv, self._top_k), torch.float32, x.device)
         out_idx = self._fleet._buffer("ht_recv_idx", (num_recv, self._top_k), torch.int64, x.device)
         out_t.fill_(float("nan"))
         out_w.fill_(float("nan"))
         out_idx.fill_(-(2**40))
-        local, _ = self._local()
-        tokens = self._received_tokens()
-        n = int(tokens.numel())
-        out_t[:n] = x[tokens]
-        out_idx[:n] = local[tokens]
-        out_w[:n] = weights.to(torch.float32)[tokens]
-        self._recv_tokens = tokens
+        received: list[tuple[int, int]] = []
+        for src, (_, routing, _) in enumerate(everyone):
+            tokens = self._mine(routing).any(dim=1).nonzero().flatten().tolist()
+            received += [(src, t) for t in tokens]
+        order = _row_order(len(received), self._round)
+        received = [received[i] for i in order.tolist()]
+        for row, (src, t) in enumerate(received):
+            xs, routing, w = everyone[src]
+            here = self._mine(routing[t])
+            out_t[row] = xs[t]
+            out_idx[row] = torch.where(here, routing[t] - first, torch.full_like(routing[t], -1))
+            out_w[row] = w[t]
+        self._received = received
         return DispatchOutput(
             expert_tensors=out_t.view(world, max_per_rank, h),
             num_tokens=num_recv,
@@ -616,6 +712,7 @@ class Handle:
             raise RuntimeError("Handle.combine called before dispatch on this routing")
         x = params.x[0]
         hidden = self._fleet.params.token_hidden_size
+        _require_contiguous("combine x", x)
         out = params.out
         if out is None:
             out = torch.empty(self._num_tokens, hidden, dtype=x.dtype, device=x.device)
@@ -623,11 +720,20 @@ class Handle:
             raise ValueError(
                 f"combine out has shape {tuple(out.shape)}, expected {(self._num_tokens, hidden)}"
             )
+        # The kernel writes x's element type into out's memory: no conversion.
+        if out.dtype != x.dtype:
+            raise ValueError(f"combine out has dtype {out.dtype}, the expert output {x.dtype}")
+        _require_contiguous("combine out", out)
+        self._fleet._require_on_device("combine out", out)
+        rank = self._fleet.bootstrap.rank
         acc = torch.zeros(self._num_tokens, hidden, dtype=torch.float32, device=x.device)
         if self._is_ht:
             x2d = x.reshape(-1, hidden)
-            n = int(self._recv_tokens.numel())
-            acc.index_add_(0, self._recv_tokens, x2d[:n].float())
+            everyone = self._fleet._exchange("combine", (x2d[: len(self._received)].clone(), self._received))
+            for rows, received in everyone:
+                for row, (src, t) in enumerate(received):
+                    if src == rank:
+                        acc[t] += rows[row].float()
         else:
             weights = self._require_weights(
                 "NCCL EP LL needs per-token weights to reweight on combine"
@@ -638,11 +744,16 @@ class Handle:
                 raise ValueError(
                     f"LL combine input has shape {tuple(x.shape)}, expected {(e_local, rows, hidden)}"
                 )
+            everyone = self._fleet._exchange("combine", (x.clone(), self._placed))
             # Read the bound weights NOW (like the native combine), not at creation.
             w = weights.to(torch.float32)
-            tok, slot = (self._slot_row >= 0).nonzero(as_tuple=True)
-            vals = x[self._slot_expert[tok, slot], self._slot_row[tok, slot]].float()
-            acc.index_add_(0, tok, vals * w[tok, slot].unsqueeze(1))
+            routing = self._routing
+            for t in range(self._num_tokens):
+                for k in range(self._top_k):
+                    owner = int(routing[t, k]) // e_local
+                    expert_out, placed = everyone[owner]
+                    e, row = placed[(rank, t, k)]
+                    acc[t] += w[t, k] * expert_out[e, row].float()
         out.copy_(acc.to(out.dtype))
         self._fleet.log.append(Call("combine", self.id, self._num_tokens))
         return CombineOutput(x=out)
@@ -668,6 +779,18 @@ class Handle:
                 f"NcclEpHandle requires HandleAlgoKnobTopKWeights set at handle creation ({why})."
             )
         return self.bound_weights
+
+
+def _as_int64(ids: torch.Tensor) -> torch.Tensor:
+    return ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+
+
+def _require_contiguous(what: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{what} must be contiguous (NCCL-EP reads it by pointer; strides {t.stride()} "
+            "would be read as garbage)"
+        )
 
 
 # ---------------------------------------------------------------------- factories

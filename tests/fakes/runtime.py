@@ -61,11 +61,12 @@ def build_fake_runtime(
     world_size: int = 1,
     rank: int = 0,
     device: str = "cpu",
+    process_group: object | None = None,
 ) -> tuple[EPRuntime, fake_moe_ep.FakeFleet]:
     """A runtime built by the package's own FleetCache/build_runtime, on the fake."""
     assert transport._override is fake_moe_ep, "install the fake first (installed_fake())"
     spec = FleetSpec(algorithm, num_experts, capacity, hidden, fault_tolerance=fault_tolerance)
-    cache = FleetCache(rank, world_size, process_group=None)
+    cache = FleetCache(rank, world_size, process_group=process_group)
     with mock.patch.object(torch.cuda, "current_device", return_value=0):
         rt = build_runtime(cache, spec, top_k, torch.device(device), list(sizes))
     assert isinstance(rt.fleet, fake_moe_ep.FakeFleet)

@@ -30,6 +30,7 @@ from ft_utils import (
     write_fault_injection_sitecustomize,
 )
 
+from tests.environment_gate import missing
 from tests.helpers import model_is_local, visible_gpu_count
 
 ALLOW_DOWNLOADS = os.environ.get("VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS") == "1"
@@ -41,10 +42,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
 def _requirements(monkeypatch: pytest.MonkeyPatch) -> None:
     gpus = visible_gpu_count()
     if gpus < DP_SIZE:
-        pytest.skip(f"needs {DP_SIZE} GPUs (one per DP rank), {gpus} visible")
+        missing(f"needs {DP_SIZE} GPUs (one per DP rank), {gpus} visible")
     if not ALLOW_DOWNLOADS:
         if not model_is_local(MODEL):
-            pytest.skip(
+            missing(
                 f"model {MODEL} not local/cached; set VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1 "
                 "to download it"
             )

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from tests.environment_gate import mark_missing
 from tests.helpers import free_port
 from vllm_flashinfer_ep.runtime import env_checks
 
@@ -33,9 +34,9 @@ def pytest_collection_modifyitems(config, items):
             if not checked:
                 reason, checked = gpu_skip_reason(), True
             if reason:
-                item.add_marker(pytest.mark.skip(reason=reason))
+                mark_missing(item, reason)
             elif "multigpu" in item.keywords and torch.cuda.device_count() < 2:
-                item.add_marker(pytest.mark.skip(reason="needs >= 2 GPUs"))
+                mark_missing(item, "needs >= 2 GPUs")
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from multirank import run_ranks
 
+from tests.environment_gate import missing
 from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
@@ -92,7 +93,7 @@ def _pool_graph(rank: int, world: int) -> None:
 
 def _need(world: int) -> None:
     if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
+        missing(f"needs {world} GPUs, {torch.cuda.device_count()} visible")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -16,6 +16,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.environment_gate import missing
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,7 @@ POOL_SIZES = [1, 8, 64]
 @pytest.fixture(scope="module")
 def vllm_env(ep_group_world1):
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm._C_stable_libtorch") is None:
-        pytest.skip("needs vLLM 0.33.0 with its compiled ops (vllm._C_stable_libtorch)")
+        missing("needs vLLM 0.33.0 with its compiled ops (vllm._C_stable_libtorch)")
     import vllm_flashinfer_ep
 
     vllm_flashinfer_ep.register()

@@ -177,3 +177,58 @@ def test_noop_backend_warns(tiny_moe, caplog):
 def test_other_backends_untouched(tiny_moe):
     cfg = engine_config(tiny_moe, "allgather_reducescatter", dtype="float16")
     assert cfg.parallel_config.all2all_backend == "allgather_reducescatter"
+
+
+# --------------------------------------------- engine configs that start with graphs on
+@pytest.fixture()
+def graphs_on(monkeypatch):
+    """Let vLLM's CPU platform pick a CUDA-graph mode as a GPU platform would.
+
+    On CPU vLLM forces cudagraph_mode NONE before our policy runs, so a policy that
+    turned graphs off (or failed to) would be invisible there.
+    """
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(
+        type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True)
+    )
+
+
+def _mode_without_plugin(model: str) -> str:
+    return engine_config(model, "allgather_reducescatter").compilation_config.cudagraph_mode.name
+
+
+@pytest.mark.usefixtures("graphs_on")
+def test_ll_engine_config_keeps_vllm_s_graph_mode(tiny_moe):
+    vllm_mode = _mode_without_plugin(tiny_moe)
+    assert vllm_mode != "NONE"
+    cudagraph_policy.LAST_DECISION = None
+    cfg = engine_config(tiny_moe, LOW_LATENCY)
+    assert cfg.compilation_config.cudagraph_mode.name == vllm_mode
+    d = cudagraph_policy.LAST_DECISION
+    assert d.mode_before == d.mode_after == vllm_mode and not d.changed
+
+
+@pytest.mark.usefixtures("graphs_on")
+def test_ht_engine_config_turns_graphs_off(tiny_moe):
+    vllm_mode = _mode_without_plugin(tiny_moe)
+    cudagraph_policy.LAST_DECISION = None
+    cfg = engine_config(tiny_moe, HIGH_THROUGHPUT)
+    assert cfg.compilation_config.cudagraph_mode.name == "NONE"
+    d = cudagraph_policy.LAST_DECISION
+    assert d.mode_before == vllm_mode and d.mode_after == "NONE" and d.changed
+
+
+@pytest.mark.usefixtures("graphs_on")
+def test_ll_engine_config_without_pool_turns_graphs_off(tiny_moe, monkeypatch):
+    monkeypatch.setenv(envs.HANDLE_POOL, "0")
+    cfg = engine_config(tiny_moe, LOW_LATENCY)
+    assert cfg.compilation_config.cudagraph_mode.name == "NONE"
+    assert cudagraph_policy.LAST_DECISION.changed
+
+
+@pytest.mark.usefixtures("graphs_on")
+def test_policy_is_idle_at_dp_1(tiny_moe):
+    vllm_mode = _mode_without_plugin(tiny_moe)
+    cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, data_parallel_size=1)
+    assert cfg.compilation_config.cudagraph_mode.name == vllm_mode

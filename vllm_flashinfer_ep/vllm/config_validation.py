@@ -13,18 +13,24 @@ from typing import Any
 
 import torch
 
-from vllm_flashinfer_ep import backends
-from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError, FlashInferEPEnvVarError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import env_checks
+from vllm_flashinfer_ep.runtime import buffer_sizes, env_checks
 from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
     config_top_k,
     max_top_k,
+    round_up_ll_hidden_size,
 )
 
 logger = get_logger(__name__)
+GIB = float(1 << 30)
+# Names under which Hugging Face configs carry the number of routed experts.
+EXPERT_COUNT_CONFIG_KEYS: tuple[str, ...] = (
+    "num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
+)
 
 def model_top_k(hf_config: Any) -> int | None:
     return config_top_k(lambda name: getattr(hf_config, name, None))
@@ -36,6 +42,9 @@ def validate(vllm_config: Any) -> None:
     if not backends.is_ours(backend):
         return
     flag = f"--all2all-backend {backend}"
+    # The package's own variables: a bad value fails here, not after a GPU start-up.
+    envs.validate_all()
+    _check_transport_built()
 
     if par.use_ubatching:
         raise FlashInferEPConfigError(
@@ -58,6 +67,8 @@ def validate(vllm_config: Any) -> None:
         _validate_model(model, backend, flag)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)
+    if backend == backends.LOW_LATENCY and par.use_all2all:
+        _check_ll_capacity(vllm_config, flag)
 
     if not par.use_all2all:
         logger.warning(
@@ -73,6 +84,24 @@ def validate(vllm_config: Any) -> None:
         )
 
 
+def _check_transport_built() -> None:
+    """VLLM_FLASHINFER_EP_TRANSPORT=nixl_ep needs a FlashInfer built with NIXL-EP."""
+    if envs.transport() != "nixl_ep":
+        return
+    try:
+        from flashinfer.moe_ep import have_nixl_ep
+
+        built = bool(have_nixl_ep())
+    except Exception:  # noqa: BLE001 - an unimportable FlashInfer has no NIXL-EP either
+        built = False
+    if not built:
+        raise FlashInferEPEnvVarError(
+            f"{envs.TRANSPORT}=nixl_ep needs a FlashInfer built with NIXL-EP, and "
+            "flashinfer.moe_ep.have_nixl_ep() is False here (the PyPI wheel ships none). "
+            f"Unset {envs.TRANSPORT} to use nccl_ep."
+        )
+
+
 def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
     """Keep each step within NCCL-EP's high-throughput limit of tokens per rank.
 
@@ -83,26 +112,121 @@ def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
     sched = vllm_config.scheduler_config
     if sched is None or sched.max_num_batched_tokens <= HT_MAX_TOKENS_PER_RANK:
         return
-    asked = sched.max_num_batched_tokens
-    if not sched.enable_chunked_prefill and vllm_config.model_config is not None:
-        if vllm_config.model_config.max_model_len > HT_MAX_TOKENS_PER_RANK:
-            raise FlashInferEPConfigError(
-                f"{flag} takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step, but "
-                f"--max-num-batched-tokens is {asked} with chunked prefill off and "
-                f"--max-model-len {vllm_config.model_config.max_model_len}. Enable chunked "
-                f"prefill or pass --max-model-len <= {HT_MAX_TOKENS_PER_RANK}."
-            )
-    sched.max_num_batched_tokens = HT_MAX_TOKENS_PER_RANK
-    if sched.max_num_scheduled_tokens is not None:
-        sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, HT_MAX_TOKENS_PER_RANK)
-    logger.warning(
-        "%s: NCCL-EP high throughput takes at most %d tokens per rank and step; "
-        "--max-num-batched-tokens lowered from %d to %d (pass a value <= %d to silence this).",
+    _lower_step_budget(
+        vllm_config,
         flag,
         HT_MAX_TOKENS_PER_RANK,
+        f"takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
+        f"NCCL-EP high throughput takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
+    )
+
+
+def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
+    """Size the LL fleet from --max-num-batched-tokens only if its buffers fit the GPU.
+
+    The LL per-rank capacity is vLLM's step budget; NCCL-EP's LL buffers grow with it
+    times experts times hidden size (runtime/buffer_sizes.py, from measured sizes). Above
+    LL_BUFFER_BUDGET_FRACTION of the memory vLLM may use, the budget is lowered with a
+    warning; where that cannot work (chunked prefill off, or below --max-num-seqs) the
+    config is refused. Both name --max-num-batched-tokens.
+    """
+    sched, model = vllm_config.scheduler_config, vllm_config.model_config
+    if sched is None or model is None or getattr(model, "is_moe", True) is False:
+        return
+    shape = _ll_fleet_shape(vllm_config)
+    if shape is None:
+        return
+    hidden, experts, top_k = shape
+    tokens = sched.max_num_batched_tokens
+    need = buffer_sizes.ll_fleet_bytes(tokens, hidden, experts, top_k)
+    total = device_memory_bytes()
+    if total is None:
+        logger.info(
+            "%s: NCCL-EP low-latency buffers need about %.2f GiB per GPU for "
+            "--max-num-batched-tokens %d (%d experts, hidden %d, top_k %d); GPU memory is "
+            "not visible here, so this is not checked against it.",
+            flag, need / GIB, tokens, experts, hidden, top_k,
+        )
+        return
+    usable = int(total * vllm_config.cache_config.gpu_memory_utilization)
+    budget = int(usable * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
+    logger.info(
+        "%s: NCCL-EP low-latency buffers need about %.2f GiB per GPU for "
+        "--max-num-batched-tokens %d (%d experts, hidden %d, top_k %d; budget %.2f GiB).",
+        flag, need / GIB, tokens, experts, hidden, top_k, budget / GIB,
+    )
+    if need <= budget:
+        return
+    fit = buffer_sizes.ll_max_tokens_within(budget, hidden, experts, top_k)
+    why = (
+        f"needs about {need / GIB:.1f} GiB of NCCL-EP buffers per GPU for "
+        f"--max-num-batched-tokens {tokens}, more than {buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} "
+        f"of the {usable / GIB:.1f} GiB vLLM may use; at most {fit} tokens fit"
+    )
+    if fit < sched.max_num_seqs:
+        raise FlashInferEPConfigError(
+            f"{flag} {why}, fewer than --max-num-seqs {sched.max_num_seqs}. Pass "
+            f"--max-num-batched-tokens <= {fit} and --max-num-seqs <= {fit}, or raise "
+            "--gpu-memory-utilization."
+        )
+    _lower_step_budget(vllm_config, flag, fit, why, f"{flag} {why}")
+
+
+def _ll_fleet_shape(vllm_config: Any) -> tuple[int, int, int] | None:
+    """(rounded LL hidden size, physical experts, top_k) of the model, or None if unknown."""
+    hf = vllm_config.model_config.hf_text_config
+    hidden = getattr(hf, "hidden_size", None)
+    top_k = model_top_k(hf)
+    experts = next(
+        (v for v in (getattr(hf, k, None) for k in EXPERT_COUNT_CONFIG_KEYS) if isinstance(v, int) and v > 0),
+        None,
+    )
+    if not isinstance(hidden, int) or top_k is None or experts is None:
+        return None
+    par = vllm_config.parallel_config
+    if getattr(par, "enable_eplb", False):
+        experts += int(getattr(par.eplb_config, "num_redundant_experts", 0) or 0)
+    try:
+        hidden = round_up_ll_hidden_size(hidden)
+    except ValueError:
+        return None  # refused by _validate_model with its own message
+    return hidden, experts, top_k
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of GPU 0 as vLLM's platform reports it (NVML: no CUDA context), or None."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            return None
+        return int(current_platform.get_device_total_memory(0))
+    except Exception:  # noqa: BLE001 - unknown memory means "not checked", never an error
+        return None
+
+
+def _lower_step_budget(vllm_config: Any, flag: str, limit: int, why: str, log_why: str) -> None:
+    """Lower --max-num-batched-tokens to `limit` with a warning, or refuse if that cannot work."""
+    sched = vllm_config.scheduler_config
+    asked = sched.max_num_batched_tokens
+    model = vllm_config.model_config
+    if not sched.enable_chunked_prefill and model is not None and model.max_model_len > limit:
+        raise FlashInferEPConfigError(
+            f"{flag} {why}, but --max-num-batched-tokens is {asked} with chunked prefill off and "
+            f"--max-model-len {model.max_model_len}. Enable chunked prefill or pass "
+            f"--max-model-len <= {limit}."
+        )
+    sched.max_num_batched_tokens = limit
+    if sched.max_num_scheduled_tokens is not None:
+        sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, limit)
+    logger.warning(
+        "%s: %s; --max-num-batched-tokens lowered from %d to %d (pass a value <= %d to "
+        "silence this).",
+        flag,
+        log_why,
         asked,
-        HT_MAX_TOKENS_PER_RANK,
-        HT_MAX_TOKENS_PER_RANK,
+        limit,
+        limit,
     )
 
 

@@ -84,6 +84,16 @@ PATCHES: tuple[Patch, ...] = (
         why="vLLM's only gate is DeepEP-HT under VLLM_COMPILE", how="wrap, decide first",
         upstream="a per-backend `supports_cudagraph` capability", removal="with backend_names",
     ),
+    Patch(
+        "known_env_vars", "platform", "vllm.envs:environment_variables", GLOBAL,
+        P.make_environment_variables, lambda value: isinstance(value, dict),
+        what="the package's documented VLLM_FLASHINFER_EP_* variables are known to vLLM",
+        why="`Platform.validate_environ` logs 'Unknown vLLM environment variable detected' "
+        "(or fails under --fail-on-environ-validation) for VLLM_* names outside this table",
+        how="rebind the module global with a copy plus one raw-string getter per name "
+        "(read through the module at call time); values are validated by config_validation",
+        upstream="a plugin hook to declare environment variables", removal="then",
+    ),
     # -------------------------------------------------------------------- worker
     Patch(
         "communicator_manager", "worker",

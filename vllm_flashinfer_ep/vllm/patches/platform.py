@@ -78,3 +78,23 @@ def make_set_splitting_ops(original):
         return original(self, all2all_backend, data_parallel_size)
 
     return set_splitting_ops_for_v1
+
+
+def make_environment_variables(original: dict) -> dict:
+    """vLLM's variable table + one getter per documented VLLM_FLASHINFER_EP_* name.
+
+    The getters return the raw string and never raise (vLLM calls them when it hashes
+    compile-cache factors); values are validated at engine-config time
+    (`envs.validate_all` from config_validation).
+    """
+    import os
+
+    from vllm_flashinfer_ep import envs
+
+    def getter(name: str, default: str):
+        return lambda: os.environ.get(name, default)
+
+    table = dict(original)
+    for var in envs.VARIABLES:
+        table.setdefault(var.name, getter(var.name, var.default))
+    return table

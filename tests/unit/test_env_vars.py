@@ -1,0 +1,165 @@
+"""The package's environment variables: validated at engine-config time, known to vLLM.
+
+Each bad value must fail when the engine config is built (one error naming the variable
+and the accepted values), never be read as something else later in a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from tiny_models import write_model
+
+import vllm_flashinfer_ep
+from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
+
+vllm_flashinfer_ep.register()
+
+BAD = [
+    (envs.HANDLE_POOL, "maybe", "1/true/yes/on"),
+    (envs.RDMA_BUFFER_BYTES, "-5", ">= 0"),
+    (envs.RDMA_BUFFER_BYTES, "abc", ">= 0"),
+    (envs.RDMA_BUFFER_BYTES, "1.5e9", ">= 0"),
+    (envs.TRANSPORT, "foo", "nccl_ep or nixl_ep"),
+    (envs.SKIP_ENV_CHECKS, "2", "0/false/no/off"),
+    (envs.FT_TIMEOUT_MS, "0", ">= 1"),
+    (envs.FT_TIMEOUT_MS, "soon", ">= 1"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in envs.VARIABLES:
+        monkeypatch.delenv(var.name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe-env"))
+
+
+def _engine_config(model: str, backend: str):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=model,
+        skip_tokenizer_init=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend=backend,
+    ).create_engine_config()
+
+
+@pytest.mark.parametrize(("name", "raw", "accepted"), BAD)
+def test_bad_value_fails_the_engine_config(tiny_moe, monkeypatch, name, raw, accepted):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(FlashInferEPEnvVarError) as info:
+        _engine_config(tiny_moe, LOW_LATENCY)
+    assert name in str(info.value) and repr(raw) in str(info.value)
+    assert accepted in str(info.value)
+
+
+def test_bad_value_fails_ht_too_and_every_bad_variable_is_named(tiny_moe, monkeypatch):
+    monkeypatch.setenv(envs.TRANSPORT, "foo")
+    monkeypatch.setenv(envs.HANDLE_POOL, "maybe")
+    with pytest.raises(FlashInferEPEnvVarError) as info:
+        _engine_config(tiny_moe, HIGH_THROUGHPUT)
+    assert envs.TRANSPORT in str(info.value) and envs.HANDLE_POOL in str(info.value)
+
+
+def test_other_backends_ignore_our_variables(tiny_moe, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv(envs.TRANSPORT, "foo")
+    EngineArgs(model=tiny_moe, skip_tokenizer_init=True).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "value"),
+    [
+        (envs.HANDLE_POOL, "off", False),
+        (envs.HANDLE_POOL, "TRUE", True),
+        (envs.HANDLE_POOL, "", True),
+        (envs.SKIP_ENV_CHECKS, "true", True),
+        (envs.SKIP_ENV_CHECKS, "1", True),
+        (envs.SKIP_ENV_CHECKS, "no", False),
+        (envs.RDMA_BUFFER_BYTES, " 1073741824 ", 1 << 30),
+        (envs.RDMA_BUFFER_BYTES, "0", 0),
+        (envs.TRANSPORT, "nixl_ep", "nixl_ep"),
+        (envs.FT_TIMEOUT_MS, "1234", 1234),
+    ],
+)
+def test_accepted_values_parse(monkeypatch, name, raw, value):
+    monkeypatch.setenv(name, raw)
+    assert envs.BY_NAME[name].value() == value
+    envs.validate_all()
+
+
+def test_defaults_when_unset():
+    assert envs.transport() == "nccl_ep"
+    assert envs.handle_pool_enabled() is True
+    assert envs.ft_timeout_ms() == envs.DEFAULT_FT_TIMEOUT_MS
+    assert envs.rdma_buffer_bytes() == 0
+    assert envs.skip_env_checks() is False
+
+
+@pytest.mark.parametrize(("name", "raw", "accepted"), BAD)
+def test_worker_side_readers_refuse_too(monkeypatch, name, raw, accepted):
+    """A worker started without the config check (e.g. a spawned kernel test) fails the same."""
+    monkeypatch.setenv(name, raw)
+    reader = {
+        envs.HANDLE_POOL: envs.handle_pool_enabled,
+        envs.RDMA_BUFFER_BYTES: envs.rdma_buffer_bytes,
+        envs.TRANSPORT: envs.transport,
+        envs.SKIP_ENV_CHECKS: envs.skip_env_checks,
+        envs.FT_TIMEOUT_MS: envs.ft_timeout_ms,
+    }[name]
+    with pytest.raises(FlashInferEPEnvVarError, match=name):
+        reader()
+
+
+def test_readme_documents_every_variable_and_only_those():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    import re
+
+    documented = set(re.findall(r"`(VLLM_FLASHINFER_EP_[A-Z_]+)`", readme))
+    assert documented == set(envs.BY_NAME)
+
+
+def test_vllm_knows_our_variables(monkeypatch, caplog):
+    from vllm.platforms import current_platform
+
+    for var in envs.VARIABLES:
+        monkeypatch.setenv(var.name, var.default)
+    with caplog.at_level(logging.WARNING):
+        current_platform.validate_environ(hard_fail=True)  # raises on an unknown VLLM_ name
+    assert "Unknown vLLM environment variable" not in caplog.text
+    # A misspelt name is still reported by vLLM.
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_HANDLEPOOL", "1")
+    with pytest.raises(ValueError, match="VLLM_FLASHINFER_EP_HANDLEPOOL"):
+        current_platform.validate_environ(hard_fail=True)
+
+
+def test_vllm_envs_getters_return_raw_strings_and_never_raise(monkeypatch):
+    import vllm.envs as vllm_envs
+
+    monkeypatch.setenv(envs.RDMA_BUFFER_BYTES, "abc")
+    assert vllm_envs.environment_variables[envs.RDMA_BUFFER_BYTES]() == "abc"
+    monkeypatch.delenv(envs.RDMA_BUFFER_BYTES)
+    assert vllm_envs.environment_variables[envs.RDMA_BUFFER_BYTES]() == "0"
+
+
+def test_nixl_ep_transport_needs_a_flashinfer_built_with_it(tiny_moe, monkeypatch):
+    import flashinfer.moe_ep as fi
+
+    monkeypatch.setenv(envs.TRANSPORT, "nixl_ep")
+    monkeypatch.setattr(fi, "have_nixl_ep", lambda: False)
+    with pytest.raises(FlashInferEPEnvVarError, match="have_nixl_ep"):
+        _engine_config(tiny_moe, LOW_LATENCY)
+    monkeypatch.setattr(fi, "have_nixl_ep", lambda: True)
+    _engine_config(tiny_moe, LOW_LATENCY)

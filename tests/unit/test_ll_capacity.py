@@ -1,0 +1,121 @@
+"""LL: a step budget whose NCCL-EP buffers would not fit is lowered or refused at config time.
+
+The LL fleet is sized from --max-num-batched-tokens; its buffers are estimated from
+measured sizes (runtime/buffer_sizes.py). GPU memory is faked here (CPU host).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from tiny_models import write_model
+
+import vllm_flashinfer_ep
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime import buffer_sizes
+from vllm_flashinfer_ep.vllm import config_validation
+
+vllm_flashinfer_ep.register()
+
+GIB = 1 << 30
+# Qwen3-30B-A3B's MoE shape: 128 experts, top_k 8, hidden 2048.
+BIG = dict(num_experts=128, num_experts_per_tok=8, hidden_size=2048, max_position_embeddings=32768)
+
+
+@pytest.fixture(scope="module")
+def qwen30b_shape(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe-ll-cap"), **BIG)
+
+
+def _config(model: str, backend: str = LOW_LATENCY, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        all2all_backend=backend,
+        gpu_memory_utilization=0.9,
+    )
+    args.update(kwargs)
+    return EngineArgs(**args).create_engine_config()
+
+
+def _gpu(monkeypatch, total: int | None) -> None:
+    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: total)
+
+
+def _fit(total: int) -> int:
+    budget = int(int(total * 0.9) * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
+    return buffer_sizes.ll_max_tokens_within(budget, 2048, 128, 8)
+
+
+def test_estimate_never_undershoots_a_measurement():
+    for m in buffer_sizes.LL_MEASUREMENTS:
+        est = buffer_sizes.ll_fleet_bytes(m.tokens_per_rank, m.hidden, m.num_experts, m.top_k)
+        assert m.fleet_bytes <= est <= m.fleet_bytes * 1.01
+    # 4096 was measured too (docs/benchmarks.md, 581 MB, rounded): within 1 %.
+    assert buffer_sizes.ll_fleet_bytes(256, 4096, 128, 8) == pytest.approx(581e6, rel=0.01)
+
+
+def test_estimate_scales_with_tokens_experts_and_hidden():
+    one = buffer_sizes.ll_fleet_bytes(1000, 2048, 128, 8)
+    assert buffer_sizes.ll_fleet_bytes(2000, 2048, 128, 8) == pytest.approx(2 * one, rel=1e-6)
+    assert buffer_sizes.ll_fleet_bytes(1000, 4096, 128, 8) == pytest.approx(2 * one, rel=1e-6)
+    assert buffer_sizes.ll_fleet_bytes(1000, 2048, 256, 8) > 1.9 * one
+
+
+def test_budget_whose_buffers_do_not_fit_is_lowered_and_logged(qwen30b_shape, monkeypatch, caplog):
+    _gpu(monkeypatch, 80 * GIB)
+    with caplog.at_level(logging.INFO):
+        cfg = _config(qwen30b_shape, max_num_batched_tokens=100_000)
+    fit = _fit(80 * GIB)
+    assert 1000 < fit < 100_000
+    assert cfg.scheduler_config.max_num_batched_tokens == fit
+    assert f"--max-num-batched-tokens lowered from 100000 to {fit}" in caplog.text
+    assert "NCCL-EP buffers" in caplog.text
+
+
+def test_budget_that_fits_is_kept_and_the_estimate_logged(qwen30b_shape, monkeypatch, caplog):
+    _gpu(monkeypatch, 141 * GIB)
+    with caplog.at_level(logging.INFO):
+        cfg = _config(qwen30b_shape)
+    assert cfg.scheduler_config.max_num_batched_tokens == 256  # batched-DP default
+    assert "lowered" not in caplog.text
+    assert "low-latency buffers need about 0.27 GiB" in caplog.text
+
+
+def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(qwen30b_shape, monkeypatch, caplog):
+    _gpu(monkeypatch, None)
+    with caplog.at_level(logging.INFO):
+        cfg = _config(qwen30b_shape, max_num_batched_tokens=100_000)
+    assert cfg.scheduler_config.max_num_batched_tokens == 100_000
+    assert "need about 106.05 GiB" in caplog.text and "not checked" in caplog.text
+
+
+def test_refused_when_chunked_prefill_is_off_and_prompts_exceed_the_fit(qwen30b_shape, monkeypatch):
+    _gpu(monkeypatch, 80 * GIB)
+    with pytest.raises(FlashInferEPConfigError, match="--max-num-batched-tokens") as info:
+        _config(
+            qwen30b_shape,
+            max_num_batched_tokens=32768,
+            max_model_len=32768,
+            enable_chunked_prefill=False,
+        )
+    assert "--max-model-len" in str(info.value)
+
+
+def test_refused_when_not_even_max_num_seqs_tokens_fit(qwen30b_shape, monkeypatch):
+    _gpu(monkeypatch, 1 * GIB)
+    with pytest.raises(FlashInferEPConfigError, match="--max-num-seqs") as info:
+        _config(qwen30b_shape, max_num_batched_tokens=4096, max_num_seqs=256)
+    assert "--max-num-batched-tokens" in str(info.value)
+
+
+def test_ht_is_not_sized_by_the_ll_estimate(qwen30b_shape, monkeypatch):
+    _gpu(monkeypatch, 1 * GIB)
+    cfg = _config(qwen30b_shape, backend=HIGH_THROUGHPUT, max_num_batched_tokens=4096)
+    assert cfg.scheduler_config.max_num_batched_tokens == 4096

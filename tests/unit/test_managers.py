@@ -1,0 +1,220 @@
+"""The all2all managers: what vLLM's get_handle calls get, and which sizes the pool warms.
+
+Managers are built without vLLM's distributed state (the base constructor is replaced by
+one that only sets rank/world size), on the fake transport, with CUDA hidden.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.fakes.runtime import installed_fake
+from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep.runtime import fleet as fleet_mod
+from vllm_flashinfer_ep.vllm import managers
+
+CPU = torch.device("cpu")
+
+
+def _vllm_config(mode: str = "FULL_AND_PIECEWISE", sizes=(1, 2, 4, 8), *, sp: bool = False, tp: int = 1, ft: bool = False):
+    from vllm.config import CUDAGraphMode
+
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode[mode], cudagraph_capture_sizes=list(sizes)
+        ),
+        parallel_config=SimpleNamespace(
+            use_sequence_parallel_moe=sp, tensor_parallel_size=tp, enable_fault_tolerance=ft
+        ),
+    )
+
+
+@pytest.fixture()
+def build(monkeypatch, fake):
+    """build(backend, vllm_config, rank=0, world=1) -> manager on the fake, CPU tensors."""
+    import vllm.config as vllm_config_mod
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        All2AllManagerBase,
+    )
+
+    def base_init(self, cpu_group, tcp_store_group=None):
+        self.cpu_group = cpu_group
+        self.rank, self.world_size = cpu_group
+        self.support_fault_tolerance = False
+
+    monkeypatch.setattr(All2AllManagerBase, "__init__", base_init)
+    monkeypatch.setenv(envs.SKIP_ENV_CHECKS, "1")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    made = []
+
+    def make(backend, cfg, rank=0, world=1):
+        monkeypatch.setattr(vllm_config_mod, "get_current_vllm_config_or_none", lambda: cfg)
+        mgr = managers.MANAGERS[backend]((rank, world))
+        mgr._device = CPU  # the fake's GPU on CPU hosts
+        made.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in made:
+        mgr.destroy()
+
+
+def _kwargs(**over):
+    kw = dict(num_experts=8, max_num_tokens_per_rank=32, hidden_size=2048, top_k=2)
+    kw.update(over)
+    return kw
+
+
+# ------------------------------------------------------------------ get_handle
+def test_get_handle_builds_the_runtime_from_vllm_s_kwargs(build):
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    rt = mgr.get_handle(_kwargs(num_experts=16, max_num_tokens_per_rank=24, top_k=3))
+    spec = rt.spec
+    assert (spec.algorithm, spec.num_experts, spec.max_tokens_per_rank, spec.hidden_size) == (
+        backends.Algorithm.LOW_LATENCY, 16, 24, 2048,
+    )
+    assert rt.pool.top_k == 3 and rt.capacity == 24 and not spec.fault_tolerance
+    params = rt.fleet.params
+    assert (params.num_experts, params.max_tokens_per_rank, params.token_hidden_size) == (16, 24, 2048)
+
+
+def test_layers_of_one_shape_share_one_runtime_and_fleet(build):
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    first = mgr.get_handle(_kwargs())
+    assert all(mgr.get_handle(_kwargs()) is first for _ in range(5))
+    assert mgr.runtimes == [first]
+    assert first.fleet.handles_created == 4  # one pool, warmed once
+
+
+def test_other_shapes_get_their_own_runtime(build):
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    base = mgr.get_handle(_kwargs())
+    other_k = mgr.get_handle(_kwargs(top_k=4))
+    other_h = mgr.get_handle(_kwargs(hidden_size=4096))
+    assert len({id(base), id(other_k), id(other_h)}) == 3
+    assert other_k.fleet is base.fleet  # top_k does not change the fleet
+    assert other_h.fleet is not base.fleet
+    assert other_k.pool.top_k == 4 and other_h.spec.hidden_size == 4096
+
+
+def test_ht_manager_builds_ht_fleets_without_a_pool(build):
+    mgr = build(backends.HIGH_THROUGHPUT, _vllm_config())
+    rt = mgr.get_handle(_kwargs())
+    assert rt.spec.algorithm == backends.Algorithm.HIGH_THROUGHPUT
+    assert rt.pool.sizes == [] and rt.fleet.handles_created == 0
+    assert rt.round.combine_in.shape == (32, 2048)
+
+
+def test_fault_tolerance_follows_the_config_and_the_backend(build):
+    ll = build(backends.LOW_LATENCY, _vllm_config(ft=True))
+    assert ll.support_fault_tolerance and ll.get_handle(_kwargs()).spec.fault_tolerance
+    assert ll.query_fault().dtype == torch.bool
+    ht = build(backends.HIGH_THROUGHPUT, _vllm_config(ft=True))
+    assert not ht.support_fault_tolerance and not ht.get_handle(_kwargs()).spec.fault_tolerance
+
+
+def test_destroy_releases_handles_and_fleets(build):
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    fleet = mgr.get_handle(_kwargs()).fleet
+    mgr.destroy()
+    assert fleet.handles_alive == 0 and fleet.destroyed and mgr.runtimes == []
+
+
+# ------------------------------------------------------------------ pool sizes
+def test_pool_warms_exactly_the_capture_sizes(build):
+    mgr = build(backends.LOW_LATENCY, _vllm_config(sizes=(8, 1, 4, 2)))
+    assert mgr.get_handle(_kwargs()).pool.sizes == [1, 2, 4, 8]
+
+
+def test_pool_sizes_above_capacity_are_dropped(build):
+    mgr = build(backends.LOW_LATENCY, _vllm_config(sizes=(1, 16, 64)))
+    assert mgr.get_handle(_kwargs(max_num_tokens_per_rank=32)).pool.sizes == [1, 16]
+
+
+def test_sequence_parallel_adds_the_per_tp_rank_sizes():
+    cfg = _vllm_config(sizes=(1, 3, 6, 12), sp=True, tp=2)
+    # Under SP each TP rank sends ceil(n / tp) of the n padded tokens.
+    assert managers.pool_sizes_from_config(cfg) == [1, 2, 3, 6, 12]
+    cfg = _vllm_config(sizes=(5, 9), sp=True, tp=4)
+    assert managers.pool_sizes_from_config(cfg) == [2, 3, 5, 9]
+    assert managers.pool_sizes_from_config(_vllm_config(sizes=(5, 9), sp=False, tp=4)) == [5, 9]
+
+
+@pytest.mark.parametrize("mode", ["NONE"])
+def test_no_pool_without_cuda_graphs(build, mode):
+    assert managers.pool_sizes_from_config(_vllm_config(mode=mode)) == []
+    assert managers.pool_sizes_from_config(_vllm_config(sizes=())) == []
+    assert managers.pool_sizes_from_config(None) == []
+    mgr = build(backends.LOW_LATENCY, _vllm_config(mode=mode))
+    assert mgr.get_handle(_kwargs()).pool.sizes == []
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_every_graph_mode_warms_the_pool(mode):
+    assert managers.pool_sizes_from_config(_vllm_config(mode=mode)) == [1, 2, 4, 8]
+
+
+def test_pool_disabled_by_the_variable(build, monkeypatch):
+    monkeypatch.setenv(envs.HANDLE_POOL, "off")
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    assert mgr.get_handle(_kwargs()).pool.sizes == []
+
+
+# ------------------------------------------------------------------ device pin
+def test_fleet_is_bound_to_the_device_vllm_set_not_local_rank(monkeypatch):
+    """vLLM binds each worker's device before the manager; LOCAL_RANK may not match it."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    with installed_fake():
+        boot = fleet_mod.bootstrap_config(rank=1, world_size=4, process_group="pg")
+    assert boot.device == 3
+    assert (boot.rank, boot.world_size, boot.stream, boot.auto_bootstrap) == (1, 4, 0, False)
+    assert boot.process_group == "pg"
+    assert os.environ["LOCAL_RANK"] == "0"
+
+
+def test_manager_device_is_the_current_device(monkeypatch, fake):
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        All2AllManagerBase,
+    )
+
+    def base_init(self, cpu_group, tcp_store_group=None):
+        self.rank, self.world_size = 0, 1
+
+    monkeypatch.setattr(All2AllManagerBase, "__init__", base_init)
+    monkeypatch.setenv(envs.SKIP_ENV_CHECKS, "1")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    import vllm.config as vllm_config_mod
+
+    monkeypatch.setattr(vllm_config_mod, "get_current_vllm_config_or_none", lambda: None)
+    mgr = managers.FlashInferEPLowLatencyManager(None)
+    assert mgr._device == torch.device("cuda", 5)
+
+
+def test_environment_checks_run_unless_skipped(monkeypatch, fake):
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        All2AllManagerBase,
+    )
+
+    from vllm_flashinfer_ep.runtime import env_checks
+
+    calls = []
+    def base_init(self, cpu_group, tcp_store_group=None):
+        self.rank, self.world_size = 0, 1
+
+    monkeypatch.setattr(All2AllManagerBase, "__init__", base_init)
+    monkeypatch.setattr(env_checks, "ensure_nvcc_for_jit", lambda log: calls.append("nvcc"))
+    monkeypatch.setattr(env_checks, "require_runtime_environment", lambda: calls.append("env"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    import vllm.config as vllm_config_mod
+
+    monkeypatch.setattr(vllm_config_mod, "get_current_vllm_config_or_none", lambda: None)
+    for value, expected in (("0", ["nvcc", "env"]), ("true", [])):
+        calls.clear()
+        monkeypatch.setenv(envs.SKIP_ENV_CHECKS, value)
+        managers.FlashInferEPLowLatencyManager(None)
+        assert calls == expected

@@ -1,0 +1,68 @@
+"""How much GPU memory one NCCL-EP low-latency fleet needs, from measured sizes.
+
+Why: the LL fleet is sized for `max_tokens_per_rank` (vLLM's --max-num-batched-tokens)
+and its buffers grow with tokens x experts x hidden size; a large budget can need more
+memory than the GPU has, which otherwise shows up only after a full start-up.
+
+Shape of the estimate, from nccl-extensions 0.1.0 `nccl/ep/include/nccl_ep/common.hpp`
+`LowLatencyLayout` (EXPERT_MAJOR): two payload slots, each dominated by the combine
+send buffer (one slot per expert) plus the combine receive buffer (one per top_k slot),
+i.e. bytes ~= 2 * (num_experts + top_k) * tokens * token_bytes * factor. The factor
+covers headers, scale metadata and allocator rounding and is taken from measurements
+(`first_handle_bytes` of docs/results/bench_world1_h*.json: growth of GPU memory when
+the first handle of a fleet triggers NCCL-EP's lazy buffer allocation; one H200, EP
+world 1, 128 experts, top_k 8, 256 tokens per rank, FleetAlgoKnobAllocator(torch_caching=True)).
+Unmeasured: EP world > 1 (the layout has no per-rank term in the expert-major slots).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+
+class Measurement(NamedTuple):
+    hidden: int
+    num_experts: int
+    top_k: int
+    tokens_per_rank: int
+    fleet_bytes: int
+
+
+# docs/results/bench_world1_h2048_final.json and bench_world1_h7168.json, rows[*].first_handle_bytes.
+LL_MEASUREMENTS: tuple[Measurement, ...] = (
+    Measurement(2048, 128, 8, 256, 291_504_128),
+    Measurement(7168, 128, 8, 256, 1_015_021_568),
+)
+BF16_BYTES = 2
+
+
+def _slots_bytes(hidden: int, num_experts: int, top_k: int, tokens: int) -> int:
+    """The structural part of the estimate (see the module docstring)."""
+    return 2 * (num_experts + top_k) * tokens * hidden * BF16_BYTES
+
+
+# The largest measured/structural ratio, so the estimate never undershoots a measurement.
+LL_OVERHEAD_FACTOR: float = max(
+    m.fleet_bytes / _slots_bytes(m.hidden, m.num_experts, m.top_k, m.tokens_per_rank)
+    for m in LL_MEASUREMENTS
+)
+
+# Share of the memory vLLM may use (--gpu-memory-utilization x GPU memory) that the LL
+# fleet may take; the rest is left for weights, activations and the KV cache.
+LL_BUFFER_BUDGET_FRACTION: float = 0.25
+
+
+def ll_bytes_per_token(hidden: int, num_experts: int, top_k: int) -> float:
+    """Estimated LL fleet bytes per token of per-rank capacity."""
+    return _slots_bytes(hidden, num_experts, top_k, 1) * LL_OVERHEAD_FACTOR
+
+
+def ll_fleet_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int) -> int:
+    """Estimated GPU memory of one LL fleet sized for `tokens_per_rank` tokens."""
+    return math.ceil(tokens_per_rank * ll_bytes_per_token(hidden, num_experts, top_k))
+
+
+def ll_max_tokens_within(budget_bytes: int, hidden: int, num_experts: int, top_k: int) -> int:
+    """Largest per-rank token capacity whose estimated LL fleet fits in `budget_bytes`."""
+    return max(0, math.floor(budget_bytes / ll_bytes_per_token(hidden, num_experts, top_k)))
