@@ -70,6 +70,14 @@ def test_bad_value_fails_ht_too_and_every_bad_variable_is_named(tiny_moe, monkey
     assert envs.TRANSPORT in str(info.value) and envs.HANDLE_POOL in str(info.value)
 
 
+def test_misspelt_variable_fails_the_engine_config(tiny_moe, monkeypatch):
+    typo = "VLLM_FLASHINFER_EP_HANDLE_POOLS"
+    monkeypatch.setenv(typo, "0")  # the user meant HANDLE_POOL; silently keeping 1 is wrong
+    with pytest.raises(FlashInferEPEnvVarError) as info:
+        _engine_config(tiny_moe, LOW_LATENCY)
+    assert typo in str(info.value) and envs.HANDLE_POOL in str(info.value)
+
+
 def test_other_backends_ignore_our_variables(tiny_moe, monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
