@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU checks of the engine work in one command, for the GPU test machine after the
+# staging calls of docs/device_vllm.md (it sources the staged runtime itself).
+#
+#   bash tests/engine/device_suite.sh [step ...]      steps: doctor tests profile bench
+#
+# Writes everything under $OUT (the device call's output folder; ./device-out otherwise):
+# doctor.txt, pytest.txt, engine logs (elogs/), bench JSON. Missing-environment skips fail
+# (FLASHINFER_EP_REQUIRE_GPU=1): on this machine every GPU test must run.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-$PWD/device-out}"
+mkdir -p "$out/elogs"
+# shellcheck disable=SC1091
+source /tmp/ew/device-engine-env.sh
+python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/t2 .gpuwheel/*.whl
+export NCCL_EP_JIT_CACHE_DIR=/tmp/jitcache FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs"
+export FLASHINFER_EP_TEST_STACK_DUMP_S=60 FLASHINFER_EP_REQUIRE_GPU=1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(doctor tests profile bench)
+rc=0
+for step in "${steps[@]}"; do
+  echo "== $step $(date -u +%H:%M:%S)"
+  case "$step" in
+    doctor) vllm-flashinfer-ep doctor > "$out/doctor.txt" 2>&1 || rc=1; tail -3 "$out/doctor.txt" ;;
+    tests)
+      select=()  # one GPU: the multi-GPU tests are not this machine's to run
+      [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && select=(-m "not multigpu")
+      python3 -m pytest tests/engine tests/kernels "${select[@]}" -p no:cacheprovider -rs -s \
+        -o addopts="" -q > "$out/pytest.txt" 2>&1 || rc=1
+      grep -E "passed|failed|error" "$out/pytest.txt" | tail -3 ;;
+    profile)
+      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph,ll_eager \
+        --profile-batch 1 --no-bench > "$out/profile.txt" 2>&1 || rc=1
+      grep -h -A40 "engine_run: profile" "$out"/elogs/engine-bench-qwen3-30b-a3b-ll_*.log | head -90 ;;
+    bench)
+      for shape in tiny qwen3-30b-a3b; do
+        python3 tests/engine/bench_engine.py --shape "$shape" --out "$out/engine_$shape.json" \
+          2>&1 | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
+      done ;;
+    *) echo "unknown step $step (doctor tests profile bench)"; rc=2 ;;
+  esac
+done
+exit "$rc"
