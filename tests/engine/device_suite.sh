@@ -31,12 +31,13 @@ for step in "${steps[@]}"; do
         -o addopts="" -q > "$out/pytest.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest.txt" | tail -3 ;;
     profile)
-      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph,ll_eager \
+      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph,ll_graph_tiles \
         --profile-batch 1 --no-bench > "$out/profile.txt" 2>&1 || rc=1
       grep -h -A40 "engine_run: profile" "$out"/elogs/engine-bench-qwen3-30b-a3b-ll_*.log | head -90 ;;
     bench)
       for shape in tiny qwen3-30b-a3b; do
         python3 tests/engine/bench_engine.py --shape "$shape" --out "$out/engine_$shape.json" \
+          --configs no_ep,ll_graph_tiles,ll_pooloff,ll_graph \
           2>&1 | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
       done ;;
     *) echo "unknown step $step (doctor tests profile bench)"; rc=2 ;;
