@@ -1,13 +1,13 @@
 """gsm8k accuracy of every listed config on real GPUs (skipped where it cannot run).
 
 Each config in configs/gsm8k/models-dp2-ep.txt (or the list named by
-VLLM_FLASHINFER_EP_GSM8K_CONFIG_LIST) is served with `vllm serve` and scored with
+FLASHINFER_EP_TEST_GSM8K_CONFIG_LIST) is served with `vllm serve` and scored with
 lm-eval's gsm8k; it must reach accuracy_threshold - tolerance.
 
 Runs only when this host has the GPUs (dp x tp), the model is a local directory or
 fully in the Hugging Face cache, and (for nixl_ep-transport configs) FlashInfer has
-NIXL-EP. Nothing is downloaded unless VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1. Data:
-VLLM_FLASHINFER_EP_GSM8K_DATA_DIR (train.jsonl/test.jsonl), else those files in the
+NIXL-EP. Nothing is downloaded unless FLASHINFER_EP_TEST_ALLOW_DOWNLOADS=1. Data:
+FLASHINFER_EP_TEST_GSM8K_DATA_DIR (train.jsonl/test.jsonl), else those files in the
 temp dir where vLLM's own harness caches them, else the hub (downloads allowed only).
 """
 
@@ -32,11 +32,11 @@ from vllm_flashinfer_ep.evals.gsm8k import (
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_LIST = Path(
     os.environ.get(
-        "VLLM_FLASHINFER_EP_GSM8K_CONFIG_LIST", REPO / "configs" / "gsm8k" / "models-dp2-ep.txt"
+        "FLASHINFER_EP_TEST_GSM8K_CONFIG_LIST", REPO / "configs" / "gsm8k" / "models-dp2-ep.txt"
     )
 )
-ALLOW_DOWNLOADS = os.environ.get("VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS") == "1"
-DATA_DIR_ENV = "VLLM_FLASHINFER_EP_GSM8K_DATA_DIR"
+ALLOW_DOWNLOADS = os.environ.get("FLASHINFER_EP_TEST_ALLOW_DOWNLOADS") == "1"
+DATA_DIR_ENV = "FLASHINFER_EP_TEST_GSM8K_DATA_DIR"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
 
@@ -52,7 +52,7 @@ def _gsm8k_data_dir() -> Path | None:
         return None
     pytest.skip(
         f"no local gsm8k data: set {DATA_DIR_ENV} to a dir with train.jsonl/test.jsonl "
-        "or VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1"
+        "or FLASHINFER_EP_TEST_ALLOW_DOWNLOADS=1"
     )
 
 

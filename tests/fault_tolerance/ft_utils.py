@@ -24,9 +24,9 @@ from vllm_flashinfer_ep.backends import LOW_LATENCY
 from vllm_flashinfer_ep.evals.server import ServerProcess, port_in_use
 
 LOOPBACK = "127.0.0.1"
-MODEL = os.environ.get("VLLM_FLASHINFER_EP_FT_MODEL", "ibm-research/PowerMoE-3b")
+MODEL = os.environ.get("FLASHINFER_EP_TEST_FT_MODEL", "ibm-research/PowerMoE-3b")
 DP_SIZE = 2
-BASE_PORT = int(os.environ.get("VLLM_FLASHINFER_EP_FT_BASE_PORT", "8000"))
+BASE_PORT = int(os.environ.get("FLASHINFER_EP_TEST_FT_BASE_PORT", "8000"))
 STARTUP_TIMEOUT_S = 900.0
 # Detection budget: the EP transport masks a silent peer after TRANSPORT_TIMEOUT_MS and
 # gloo waits time out after CPU_DISTRIBUTED_TIMEOUT_S; the deadline adds margin for
@@ -36,7 +36,7 @@ CPU_DISTRIBUTED_TIMEOUT_S = 30
 FAULT_DETECTION_DEADLINE_S = 75.0
 RECOVERY_DEADLINE_S = 180.0
 ENGINE_RECOVERY_TIMEOUT_S = 120
-FAULT_STEP = int(os.environ.get("VLLM_FLASHINFER_EP_FT_FAULT_STEP", "50"))
+FAULT_STEP = int(os.environ.get("FLASHINFER_EP_TEST_FT_FAULT_STEP", "50"))
 NIXL_EP = "nixl_ep"
 
 # Where the injected fault goes: the V2 model runner's per-step DP sync.
@@ -274,7 +274,7 @@ class ExternalLBCluster:
         busy = [port for port in self.ports if port_in_use(port)]
         if busy:
             raise RuntimeError(
-                f"ports {busy} on {LOOPBACK} are taken; set VLLM_FLASHINFER_EP_FT_BASE_PORT"
+                f"ports {busy} on {LOOPBACK} are taken; set FLASHINFER_EP_TEST_FT_BASE_PORT"
             )
         try:
             for server in self.servers:  # all start together: ranks wait for each other

@@ -2,9 +2,9 @@
 
 Parameterized over the FT-capable all2all backends installed here: this package's
 flashinfer_ep_low_latency always, vLLM's nixl_ep when its package is importable.
-Needs 2 GPUs and the model (VLLM_FLASHINFER_EP_FT_MODEL, default
+Needs 2 GPUs and the model (FLASHINFER_EP_TEST_FT_MODEL, default
 ibm-research/PowerMoE-3b) local or in the Hugging Face cache; nothing is downloaded
-unless VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1. Otherwise every test skips with the reason.
+unless FLASHINFER_EP_TEST_ALLOW_DOWNLOADS=1. Otherwise every test skips with the reason.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ft_utils import (
 from tests.environment_gate import missing
 from tests.helpers import model_is_local, visible_gpu_count
 
-ALLOW_DOWNLOADS = os.environ.get("VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS") == "1"
+ALLOW_DOWNLOADS = os.environ.get("FLASHINFER_EP_TEST_ALLOW_DOWNLOADS") == "1"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def _requirements(monkeypatch: pytest.MonkeyPatch) -> None:
     if not ALLOW_DOWNLOADS:
         if not model_is_local(MODEL):
             missing(
-                f"model {MODEL} not local/cached; set VLLM_FLASHINFER_EP_ALLOW_DOWNLOADS=1 "
+                f"model {MODEL} not local/cached; set FLASHINFER_EP_TEST_ALLOW_DOWNLOADS=1 "
                 "to download it"
             )
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -171,3 +171,23 @@ def test_nixl_ep_transport_needs_a_flashinfer_built_with_it(tiny_moe, monkeypatc
         _engine_config(tiny_moe, LOW_LATENCY)
     monkeypatch.setattr(fi, "have_nixl_ep", lambda: True)
     _engine_config(tiny_moe, LOW_LATENCY)
+
+
+def test_the_project_names_no_variable_the_engine_would_refuse():
+    """Every VLLM_FLASHINFER_EP_* name in the repo is a package variable (test-only knobs
+    use FLASHINFER_EP_TEST_*): the engine refuses unknown names under the prefix, so a
+    documented test knob there would stop every server it starts."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    deliberate_typos = {"VLLM_FLASHINFER_EP_HANDLEPOOL", "VLLM_FLASHINFER_EP_HANDLE_POOLS"}
+    found: dict[str, set[str]] = {}
+    for sub in ("vllm_flashinfer_ep", "tests", "docs", "configs", "docker", "scripts"):
+        for path in (root / sub).rglob("*"):
+            if path.suffix not in {".py", ".md", ".yaml", ".sh", ".toml", ""} or not path.is_file():
+                continue
+            for name in re.findall(r"\bVLLM_FLASHINFER_EP_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")):
+                found.setdefault(name, set()).add(str(path.relative_to(root)))
+    unknown = {n: sorted(p) for n, p in found.items() if n not in envs.BY_NAME and n not in deliberate_typos}
+    assert not unknown, unknown

@@ -1,6 +1,6 @@
 """Engine-config-time checks for the flashinfer_ep backends.
 
-Runs inside `VllmConfig.__post_init__` (see patches/vllm_config.py), in the process
+Runs inside `VllmConfig.__post_init__` (the `config_validation` row of patches/__init__.py), in the process
 that builds the engine config, before any worker starts. Every failure is one
 FlashInferEPConfigError that names the flag to change. Checks that need a GPU or the
 native library (libnccl version, libnccl_ep load, nvcc, compute capability) run in

@@ -1,7 +1,7 @@
 """All2all managers for the two flashinfer_ep backends.
 
-vLLM builds one manager per EP group (in `CudaCommunicator.__init__`, patched by
-the communicator patch (patches/worker.py)) and asks it for a "handle" once per MoE layer at
+vLLM builds one manager per EP group (in `CudaCommunicator.__init__`, through the
+`communicator_manager` patch in patches/worker.py) and asks it for a "handle" once per MoE layer at
 model load. Our handle is an EPRuntime (fleet + warmed handle pool) shared by all
 layers of one MoE shape; the manager keeps strong references (vLLM's own handle cache
 is weak) and destroys everything in `destroy()`.

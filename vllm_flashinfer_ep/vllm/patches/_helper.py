@@ -162,6 +162,7 @@ def undo(patch: Patch) -> None:
         return
     if record.saved_code is not None:
         record.original.__code__ = record.saved_code
+        record.original.__dict__.pop("__signature__", None)
         record.original.__globals__.pop(f"{_TRAMPOLINE}{record.original.__name__}", None)
     elif patch.kind == FIELD:
         _set_field_type(record.owner, record.attr, record.original)
@@ -229,6 +230,7 @@ def _swap_code(fn: types.FunctionType, replacement: Callable) -> types.CodeType:
     if not isinstance(fn, types.FunctionType) or fn.__code__.co_freevars:
         raise PatchTargetError(f"{fn!r} cannot be patched in place")
     saved = fn.__code__
+    fn.__signature__ = inspect.signature(fn)  # callers that inspect it see vLLM's parameters
     slot = f"{_TRAMPOLINE}{fn.__name__}"
     fn.__globals__[slot] = replacement
     namespace: dict[str, Any] = {}
