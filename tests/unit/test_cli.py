@@ -81,12 +81,18 @@ def test_bench_table_and_json(tmp_path):
     import json
 
     row = results.Row(8, median_ms={m: 1.0 for m in results.MODES}, min_ms={m: 0.9 for m in results.MODES},
-                    max_ms={m: 1.1 for m in results.MODES}, pool_bytes_per_size=11e6)
+                    max_ms={m: 1.1 for m in results.MODES})
     row.median_ms["fresh"] = 3.0
+    memory = results.PoolMemory.from_snapshots(
+        (0, 0), (100, 300e6), (100 + 4 * 11e6, 300e6 + 4 * 12e6), handles=5,
+        median_handle_bytes=10e6, first_handle_bytes=291.5e6,
+    )
     args = cli.build_parser().parse_args(["bench"])
-    table = results.format_table([row], args, 1)
-    assert "3.00x" in table and "11.000" in table
+    table = results.format_table([row], args, 1, memory)
+    assert "3.00x" in table and "avg 12.000 MB device-wide / 11.000 MB torch" in table
+    assert "median 10.000 MB" in table and "1st handle 291.5 MB" in table
     path = tmp_path / "b.json"
-    results.write_json([row], args, 1, str(path))
+    results.write_json([row], args, 1, memory, str(path))
     data = json.loads(path.read_text())
     assert data["rows"][0]["fresh_over_graph"] == 3.0 and data["world_size"] == 1
+    assert data["memory"]["total_device_bytes"] == 348e6 and data["memory"]["avg_handle_torch_bytes"] == 11e6

@@ -11,32 +11,47 @@ import torch.distributed as dist
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
-from vllm_flashinfer_ep.bench.results import MODES, Row, summarize
+from vllm_flashinfer_ep.bench.results import MODES, PoolMemory, Row, summarize
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.handle_pool import memory_snapshot
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
 
 class Harness:
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+        """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
         self.args = args
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        self.device = torch.device("cuda", local_rank)
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
-            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
-        self.fleets = FleetCache(self.rank, self.world_size, dist.group.WORLD)
+        if fleets is None:
+            rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+            if not dist.is_initialized():
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", "29517")
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            fleets = FleetCache(rank, world_size, dist.group.WORLD)
+        self.fleets, self.device = fleets, torch.device(device)
+        self.rank, self.world_size = fleets.rank, fleets.world_size
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
-        # Same fleet for every mode: only the handle strategy differs.
+        # Same fleet for every mode: only the handle strategy differs. Memory is read
+        # before the fleet, after the first pooled handle (NCCL-EP allocates its LL
+        # buffers lazily there) and after all of them.
+        before = memory_snapshot(self.device)
         self.fresh_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
-        self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, args.tokens)
+        self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
+        pool = self.pool_rt.pool
+        pool.warm([min(args.tokens)])
+        after_first = memory_snapshot(self.device)
+        pool.warm(args.tokens)
+        self.memory = PoolMemory.from_snapshots(
+            before, after_first, memory_snapshot(self.device), handles=len(pool.sizes),
+            median_handle_bytes=pool.per_handle_bytes, first_handle_bytes=pool.first_handle_bytes,
+        )
         self.fleet = self.fleets.get(spec)
         self.scales = [torch.ones(args.num_experts, device=self.device) for _ in range(args.layers)]
         if args.expert_compute:
@@ -81,7 +96,7 @@ class Harness:
                 algo_knobs=[fi.HandleAlgoKnobTopKWeights(weights=self._raw_w[:num_tokens])],
             )
             handle.update(fi.HandleParams(topk_ids=ids))
-            torch.cuda.synchronize()
+            self._sync()
             self._raw_handles[num_tokens] = handle
         return handle
 
@@ -100,6 +115,25 @@ class Harness:
             d = handle.dispatch(fi.DispatchInputParams(x=[x]))
             handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
 
+    def _raw_fresh_step(self, layers) -> None:
+        """FlashInfer's own per-forward path (MoEEpSplitLayer without a graph state):
+        a handle created per layer with the layer's routing, dispatch, combine, destroy."""
+        fi = moe_ep()
+        for i, (x, ids, w, out) in enumerate(layers):
+            knobs = [fi.HandleAlgoKnobTopKWeights(weights=w)]
+            if self.device.type == "cuda":
+                knobs.append(fi.HandleAlgoKnobUserStream(stream=torch.cuda.current_stream().cuda_stream))
+            handle = self.fleet.create_handle(fi.HandleParams(topk_ids=ids), algo_knobs=knobs)
+            try:
+                d = handle.dispatch(fi.DispatchInputParams(x=[x]))
+                handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
+            finally:
+                handle.destroy()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     # -------------------------------------------------------------- run
     def run(self) -> list[Row]:
         rows = []
@@ -109,12 +143,16 @@ class Harness:
         progress.close()
         return rows
 
-    def _run_size(self, num_tokens: int, progress: _Progress) -> Row:
+    def _steps(self, num_tokens: int):
+        """Each mode's layer data (the same values per mode) and its step callable."""
         fresh, pooled = LowLatencyRound(self.fresh_rt), LowLatencyRound(self.pool_rt)
         sets = {m: self._layers(num_tokens, seed=num_tokens) for m in MODES}  # same data per mode
         steps = {
             "fresh": lambda: self._package_step(fresh, sets["fresh"]),
             "pooled": lambda: self._package_step(pooled, sets["pooled"]),
+            "raw_fresh": lambda: self._raw_fresh_step(sets["raw_fresh"]),
+            # Eager raw_bind: the same calls as the pool's eager round (ids bound, weights copied).
+            "raw_eager": lambda: self._raw_step(sets["raw_eager"], bind=True),
         }
         graphs = {
             "graph": capture_graph(lambda: self._package_step(pooled, sets["graph"])),
@@ -123,37 +161,43 @@ class Harness:
         }
         for name, graph in graphs.items():
             steps[name] = graph.replay
+        return sets, steps
+
+    def _run_size(self, num_tokens: int, progress: _Progress) -> Row:
+        sets, steps = self._steps(num_tokens)
         self._check_equal(num_tokens, sets, steps)
         samples: dict[str, list[float]] = {m: [] for m in MODES}
         for _ in range(self.args.warmup):
             for m in MODES:
                 steps[m]()
-        torch.cuda.synchronize()
+        self._sync()
         for i in range(self.args.steps):
             for m in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:  # rotate the order
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if self.world_size > 1:
-                    dist.barrier()
-                start.record()
-                steps[m]()
-                end.record()
-                end.synchronize()
-                samples[m].append(start.elapsed_time(end))
+                samples[m].append(self._time(steps[m]))
         for _ in MODES:
             progress.update()
         row = Row(num_tokens)
         for m in MODES:
             row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
-        row.pool_bytes_per_size = self.pool_rt.pool.per_handle_bytes
-        row.first_handle_bytes = self.pool_rt.pool.first_handle_bytes
         return row
+
+    def _time(self, step) -> float:
+        """Milliseconds of one step, by CUDA events (all ranks start together)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self.world_size > 1:
+            dist.barrier()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
 
     def _check_equal(self, num_tokens: int, sets, steps) -> None:
         for m in MODES:
             for *_, out in sets[m]:
                 out.zero_()
             steps[m]()
-        torch.cuda.synchronize()
+        self._sync()
         for li in range(self.args.layers):
             x, ids, w, _ = sets["fresh"][li]
             want = reference_moe(x, ids, w, self.scales[li]) if self.world_size == 1 else sets["fresh"][li][3]

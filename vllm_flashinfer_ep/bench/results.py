@@ -7,7 +7,73 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-MODES = ("fresh", "pooled", "graph", "raw", "raw_bind")
+MODES = ("fresh", "pooled", "graph", "raw_fresh", "raw_eager", "raw", "raw_bind")
+
+# (numerator, denominator, format) of each ratio column, in table order:
+#   pooled/raw_eager  the package's eager pool vs FlashInfer alone with a persistent handle
+#   fresh/raw_fresh   the package's per-forward path vs FlashInfer's own
+#   raw_fresh/graph   speed-up of graph mode over FlashInfer's per-forward design
+#   graph/raw_bind, graph/raw  the package's graph vs FlashInfer alone, captured
+#   fresh/graph       speed-up of graph mode over the package's per-forward path
+RATIOS: tuple[tuple[str, str, str], ...] = (
+    ("pooled", "raw_eager", "{:.3f}"),
+    ("fresh", "raw_fresh", "{:.3f}"),
+    ("raw_fresh", "graph", "{:.2f}x"),
+    ("graph", "raw_bind", "{:.3f}"),
+    ("graph", "raw", "{:.3f}"),
+    ("fresh", "graph", "{:.2f}x"),
+)
+
+
+@dataclass
+class PoolMemory:
+    """GPU memory of the fleet buffers and the pooled handles (bytes).
+
+    Totals: used after the fleet and every pooled handle exist minus used before the
+    fleet was created, device-wide (`torch.cuda.mem_get_info`) and in torch's allocator.
+    Average per handle: (after all handles - after the first) / (handles - 1), which
+    leaves out the first handle (it triggers NCCL-EP's lazy fleet buffers).
+    Median per handle: the median of the growth around each creation but the first
+    (the larger of the two measures), as `HandlePool.per_handle_bytes`.
+    """
+
+    handles: int = 0
+    total_device_bytes: int = 0
+    total_torch_bytes: int = 0
+    avg_handle_device_bytes: float = 0.0
+    avg_handle_torch_bytes: float = 0.0
+    median_handle_bytes: float = 0.0
+    first_handle_bytes: float = 0.0
+
+    @classmethod
+    def from_snapshots(
+        cls, before: tuple[int, int], after_first: tuple[int, int], after_all: tuple[int, int], *,
+        handles: int, median_handle_bytes: float, first_handle_bytes: float,
+    ) -> PoolMemory:
+        """Snapshots are (torch-allocated, device-wide used) bytes."""
+        def avg(i: int) -> float:
+            return (after_all[i] - after_first[i]) / (handles - 1) if handles > 1 else 0.0
+
+        return cls(
+            handles=handles,
+            total_device_bytes=after_all[1] - before[1],
+            total_torch_bytes=after_all[0] - before[0],
+            avg_handle_device_bytes=avg(1),
+            avg_handle_torch_bytes=avg(0),
+            median_handle_bytes=float(median_handle_bytes),
+            first_handle_bytes=float(first_handle_bytes),
+        )
+
+    def describe(self) -> str:
+        mb = 1e6
+        return (
+            f"pool memory (fleet buffers + {self.handles} handles): total {self.total_device_bytes / mb:.1f} MB "
+            f"device-wide, {self.total_torch_bytes / mb:.1f} MB torch allocator; per handle: "
+            f"avg {self.avg_handle_device_bytes / mb:.3f} MB device-wide / "
+            f"{self.avg_handle_torch_bytes / mb:.3f} MB torch ((after all - after 1st) / (handles - 1)), "
+            f"median {self.median_handle_bytes / mb:.3f} MB (growth per creation); "
+            f"1st handle {self.first_handle_bytes / mb:.1f} MB"
+        )
 
 
 @dataclass
@@ -16,58 +82,39 @@ class Row:
     median_ms: dict[str, float] = field(default_factory=dict)
     min_ms: dict[str, float] = field(default_factory=dict)
     max_ms: dict[str, float] = field(default_factory=dict)
-    pool_bytes_per_size: float = 0.0
-    first_handle_bytes: float = 0.0
+
+    def ratio(self, numerator: str, denominator: str) -> float:
+        return self.median_ms[numerator] / self.median_ms[denominator]
 
     @property
-    def fresh_over_graph(self) -> float:
-        return self.median_ms["fresh"] / self.median_ms["graph"]
-
-    @property
-    def graph_over_raw(self) -> float:
-        return self.median_ms["graph"] / self.median_ms["raw"]
-
-    @property
-    def graph_over_raw_bind(self) -> float:
-        return self.median_ms["graph"] / self.median_ms["raw_bind"]
+    def ratios(self) -> dict[str, float]:
+        """Every ratio column, keyed `<numerator>_over_<denominator>`."""
+        return {f"{a}_over_{b}": self.ratio(a, b) for a, b, _ in RATIOS}
 
 
-def format_table(rows: list[Row], args: Any, world_size: int) -> str:
+def format_table(rows: list[Row], args: Any, world_size: int, memory: PoolMemory) -> str:
     head = (
         f"decode step: {args.layers} layers, {args.num_experts} experts, top_k {args.top_k}, "
         f"hidden {args.hidden}, EP world {world_size}, {'expert scale' if args.expert_compute else 'transport only'}; "
-        f"median (min-max) ms per step over {args.steps} steps"
+        f"median (min-max) ms per step over {args.steps} steps\n{memory.describe()}"
     )
-    cols = ["T"] + list(MODES) + ["fresh/graph", "graph/raw", "graph/raw_bind", "pool MB/size", "1st handle MB"]
+    cols = ["T", *MODES, *(f"{a}/{b}" for a, b, _ in RATIOS)]
     lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         cells = [str(r.num_tokens)]
         for m in MODES:
             cells.append(f"{r.median_ms[m]:.3f} ({r.min_ms[m]:.3f}-{r.max_ms[m]:.3f})")
-        cells += [
-            f"{r.fresh_over_graph:.2f}x",
-            f"{r.graph_over_raw:.3f}",
-            f"{r.graph_over_raw_bind:.3f}",
-            f"{r.pool_bytes_per_size / 1e6:.3f}",
-            f"{r.first_handle_bytes / 1e6:.1f}",
-        ]
+        cells += [fmt.format(r.ratio(a, b)) for a, b, fmt in RATIOS]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
 
-def write_json(rows: list[Row], args: Any, world_size: int, path: str) -> None:
+def write_json(rows: list[Row], args: Any, world_size: int, memory: PoolMemory, path: str) -> None:
     payload = {
         "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
         "world_size": world_size,
-        "rows": [
-            {
-                **asdict(r),
-                "fresh_over_graph": r.fresh_over_graph,
-                "graph_over_raw": r.graph_over_raw,
-                "graph_over_raw_bind": r.graph_over_raw_bind,
-            }
-            for r in rows
-        ],
+        "memory": asdict(memory),
+        "rows": [{**asdict(r), **r.ratios} for r in rows],
     }
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=2)

@@ -11,6 +11,9 @@ one process:
            static buffers, update + dispatch + combine, captured (no package code)
   raw_bind - as raw, but `update` binds each layer's own topk_ids tensor (weights
            still copied, they are bound at handle creation)
+  raw_eager - raw_bind run eagerly (not captured): the floor for pooled
+  raw_fresh - FlashInfer alone, a fresh handle per layer per step, eager (FlashInfer's
+           own per-forward path): the floor for fresh
 All modes must produce the same outputs before anything is timed.
 """
 
@@ -82,9 +85,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         harness.close()
     if harness.rank == 0:
-        print(format_table(rows, args, harness.world_size))
+        print(format_table(rows, args, harness.world_size, harness.memory))
         if args.json_path:
-            write_json(rows, args, harness.world_size, args.json_path)
+            write_json(rows, args, harness.world_size, harness.memory, args.json_path)
         if args.plot_path:
             from vllm_flashinfer_ep.bench.plot import plot
 

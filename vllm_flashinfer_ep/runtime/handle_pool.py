@@ -149,7 +149,7 @@ class HandlePool:
             if size in self._handles:
                 continue
             self._fill_dummy_routing(size)
-            before = _memory_snapshot(self.device)
+            before = memory_snapshot(self.device)
             handle = self._create(size)
             self._ordered(lambda h=handle, n=size: h.update(self._params(n)))
             self.handle_bytes[size] = _memory_delta(self.device, before)
@@ -308,7 +308,7 @@ class HandlePool:
         return result
 
 
-def _memory_snapshot(device: torch.device) -> tuple[int, int]:
+def memory_snapshot(device: torch.device) -> tuple[int, int]:
     """(torch-allocated bytes, device-wide used bytes). NCCL-EP allocates through torch's
     caching allocator (FleetAlgoKnobAllocator) and natively; count both."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -319,5 +319,5 @@ def _memory_snapshot(device: torch.device) -> tuple[int, int]:
 
 
 def _memory_delta(device: torch.device, before: tuple[int, int]) -> int:
-    after = _memory_snapshot(device)
+    after = memory_snapshot(device)
     return max(0, after[0] - before[0], after[1] - before[1])
