@@ -2,7 +2,7 @@
 # The GPU checks of the engine work in one command, for the GPU test machine after the
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
-#   bash tests/engine/device_suite.sh [step ...]      steps: doctor tests profile bench
+#   bash tests/engine/device_suite.sh [step ...]      steps: doctor tests profile bench kbench
 #
 # Writes everything under $OUT (the device call's output folder; ./device-out otherwise):
 # doctor.txt, pytest.txt, engine logs (elogs/), bench JSON. Missing-environment skips fail
@@ -40,7 +40,12 @@ for step in "${steps[@]}"; do
           --configs no_ep,ll_graph_tiles,ll_pooloff,ll_graph \
           2>&1 | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests profile bench)"; rc=2 ;;
+    kbench)  # transport-level benchmark: package modes vs raw FlashInfer (eager, fresh, graph)
+      for hidden in 2048 7168; do
+        python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress \
+          --json "$out/bench_world1_h$hidden.json" 2>&1 | tail -12 || rc=1
+      done ;;
+    *) echo "unknown step $step (doctor tests profile bench kbench)"; rc=2 ;;
   esac
 done
 exit "$rc"
