@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tiny_models import write_model
+from tiny_models import engine_config, write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep import envs
@@ -41,23 +41,11 @@ def tiny_moe(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe-env"))
 
 
-def _engine_config(model: str, backend: str):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=model,
-        skip_tokenizer_init=True,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        all2all_backend=backend,
-    ).create_engine_config()
-
-
 @pytest.mark.parametrize(("name", "raw", "accepted"), BAD)
-def test_bad_value_fails_the_engine_config(tiny_moe, monkeypatch, name, raw, accepted):
+def test_bad_value_fails_theengine_config(tiny_moe, monkeypatch, name, raw, accepted):
     monkeypatch.setenv(name, raw)
     with pytest.raises(FlashInferEPEnvVarError) as info:
-        _engine_config(tiny_moe, LOW_LATENCY)
+        engine_config(tiny_moe, LOW_LATENCY)
     assert name in str(info.value) and repr(raw) in str(info.value)
     assert accepted in str(info.value)
 
@@ -66,15 +54,15 @@ def test_bad_value_fails_ht_too_and_every_bad_variable_is_named(tiny_moe, monkey
     monkeypatch.setenv(envs.TRANSPORT, "foo")
     monkeypatch.setenv(envs.HANDLE_POOL, "maybe")
     with pytest.raises(FlashInferEPEnvVarError) as info:
-        _engine_config(tiny_moe, HIGH_THROUGHPUT)
+        engine_config(tiny_moe, HIGH_THROUGHPUT)
     assert envs.TRANSPORT in str(info.value) and envs.HANDLE_POOL in str(info.value)
 
 
-def test_misspelt_variable_fails_the_engine_config(tiny_moe, monkeypatch):
+def test_misspelt_variable_fails_theengine_config(tiny_moe, monkeypatch):
     typo = "VLLM_FLASHINFER_EP_HANDLE_POOLS"
     monkeypatch.setenv(typo, "0")  # the user meant HANDLE_POOL; silently keeping 1 is wrong
     with pytest.raises(FlashInferEPEnvVarError) as info:
-        _engine_config(tiny_moe, LOW_LATENCY)
+        engine_config(tiny_moe, LOW_LATENCY)
     assert typo in str(info.value) and envs.HANDLE_POOL in str(info.value)
 
 
@@ -168,9 +156,9 @@ def test_nixl_ep_transport_needs_a_flashinfer_built_with_it(tiny_moe, monkeypatc
     monkeypatch.setenv(envs.TRANSPORT, "nixl_ep")
     monkeypatch.setattr(fi, "have_nixl_ep", lambda: False)
     with pytest.raises(FlashInferEPEnvVarError, match="have_nixl_ep"):
-        _engine_config(tiny_moe, LOW_LATENCY)
+        engine_config(tiny_moe, LOW_LATENCY)
     monkeypatch.setattr(fi, "have_nixl_ep", lambda: True)
-    _engine_config(tiny_moe, LOW_LATENCY)
+    engine_config(tiny_moe, LOW_LATENCY)
 
 
 def test_the_project_names_no_variable_the_engine_would_refuse():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tiny_models import write_model
+from tiny_models import engine_config, write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
@@ -30,18 +30,7 @@ def qwen30b_shape(tmp_path_factory):
 
 
 def _config(model: str, backend: str = LOW_LATENCY, **kwargs):
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = dict(
-        model=model,
-        skip_tokenizer_init=True,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-        all2all_backend=backend,
-        gpu_memory_utilization=0.9,
-    )
-    args.update(kwargs)
-    return EngineArgs(**args).create_engine_config()
+    return engine_config(model, backend, **{"gpu_memory_utilization": 0.9, **kwargs})
 
 
 def _gpu(monkeypatch, total: int | None) -> None:
