@@ -37,10 +37,14 @@ CONFIGS = {
     "no_ep": ({"backend": None}, {}),
     "ll_graph": ({"backend": LL}, {}),
     "ll_pooloff": ({"backend": LL}, {"VLLM_FLASHINFER_EP_HANDLE_POOL": "0"}),
-    # Diagnosis only (not in the default set): the pooled LL path without CUDA graphs, and
-    # LL with a batched-experts tile that does not spill (see _tile_folder).
+    # Diagnosis only (not in the default set): the pooled LL path without CUDA graphs;
+    # LL with vLLM's own batched-experts tile lookup (the package's per-batch choice off,
+    # vllm/batched_tiles.py); and that lookup fed a table whose tile does not spill.
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
-    "ll_graph_tiles": ({"backend": LL}, {"VLLM_TUNED_CONFIG_FOLDER": "{tiles}"}),
+    "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
+    "ll_graph_tiles": (
+        {"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1", "VLLM_TUNED_CONFIG_FOLDER": "{tiles}"}
+    ),
 }
 # A tile for vLLM's batched_triton_kernel that compiles without register spills on sm_90
 # (the tile the tiny model gets from vLLM's default config). vLLM looks the batched

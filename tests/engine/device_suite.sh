@@ -2,7 +2,12 @@
 # The GPU checks of the engine work in one command, for the GPU test machine after the
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
-#   bash tests/engine/device_suite.sh [step ...]      steps: doctor tests profile bench kbench
+#   bash tests/engine/device_suite.sh [step ...]
+#   steps: doctor tests (= engine-tests kernel-tests) probe profile
+#          bench (= bench-tiny bench-30b) kbench
+# One device call may run 600 s: engine-tests alone take about 8 minutes, so give the
+# steps to separate calls. Periodic stack dumps of engine processes are opt-in
+# (FLASHINFER_EP_TEST_STACK_DUMP_S=60): a 30B-shape engine died while one was written.
 #
 # Writes everything under $OUT (the device call's output folder; ./device-out otherwise):
 # doctor.txt, pytest.txt, engine logs (elogs/), bench JSON. Missing-environment skips fail
@@ -15,7 +20,8 @@ mkdir -p "$out/elogs"
 source /tmp/ew/device-engine-env.sh
 python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/t2 .gpuwheel/*.whl
 export NCCL_EP_JIT_CACHE_DIR=/tmp/jitcache FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs"
-export FLASHINFER_EP_TEST_STACK_DUMP_S=60 FLASHINFER_EP_REQUIRE_GPU=1
+export FLASHINFER_EP_TEST_STACK_DUMP_S="${FLASHINFER_EP_TEST_STACK_DUMP_S:-0}"
+export FLASHINFER_EP_REQUIRE_GPU=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(doctor tests profile bench)
@@ -24,20 +30,29 @@ for step in "${steps[@]}"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case "$step" in
     doctor) vllm-flashinfer-ep doctor > "$out/doctor.txt" 2>&1 || rc=1; tail -3 "$out/doctor.txt" ;;
-    tests)
+    tests|engine-tests|kernel-tests)
+      dirs=(tests/engine tests/kernels)
+      [ "$step" = engine-tests ] && dirs=(tests/engine)
+      [ "$step" = kernel-tests ] && dirs=(tests/kernels)
       select=()  # one GPU: the multi-GPU tests are not this machine's to run
       [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && select=(-m "not multigpu")
-      python3 -m pytest tests/engine tests/kernels "${select[@]}" -p no:cacheprovider -rs -s \
-        -o addopts="" -q > "$out/pytest.txt" 2>&1 || rc=1
-      grep -E "passed|failed|error" "$out/pytest.txt" | tail -3 ;;
+      python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
+        -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
+      grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
+    probe)  # vLLM's batched experts kernel at the 30B shape, with each tile LL can get
+      python3 tests/engine/batched_tile_probe.py > "$out/probe.txt" 2>&1 || rc=1
+      grep "^|\|E=" "$out/probe.txt" ;;
     profile)
-      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph,ll_graph_tiles \
+      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph,ll_graph_vllm_tiles \
         --profile-batch 1 --no-bench > "$out/profile.txt" 2>&1 || rc=1
       grep -h -A40 "engine_run: profile" "$out"/elogs/engine-bench-qwen3-30b-a3b-ll_*.log | head -90 ;;
-    bench)
-      for shape in tiny qwen3-30b-a3b; do
+    bench|bench-tiny|bench-30b)
+      shapes=(tiny qwen3-30b-a3b)
+      [ "$step" = bench-tiny ] && shapes=(tiny)
+      [ "$step" = bench-30b ] && shapes=(qwen3-30b-a3b)
+      for shape in "${shapes[@]}"; do
         python3 tests/engine/bench_engine.py --shape "$shape" --out "$out/engine_$shape.json" \
-          --configs no_ep,ll_graph_tiles,ll_pooloff,ll_graph \
+          --configs no_ep,ll_graph,ll_pooloff \
           2>&1 | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
       done ;;
     kbench)  # transport-level benchmark: package modes vs raw FlashInfer (eager, fresh, graph)
@@ -45,7 +60,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress \
           --json "$out/bench_world1_h$hidden.json" 2>&1 | tail -12 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests profile bench kbench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests probe profile bench bench-tiny bench-30b kbench)"; rc=2 ;;
   esac
 done
 exit "$rc"

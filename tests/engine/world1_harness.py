@@ -45,6 +45,7 @@ import os
 
 _installed = False
 FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
+VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
 
 
 def _ours(backend: str | None) -> bool:
@@ -71,6 +72,10 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
+    if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts tile
+        from vllm_flashinfer_ep.vllm import batched_tiles
+
+        batched_tiles.ENABLED = False
     _installed = True
 
 

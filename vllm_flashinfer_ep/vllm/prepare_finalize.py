@@ -28,6 +28,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
+from vllm_flashinfer_ep.vllm import batched_tiles
 
 UniformFn = Callable[[], bool]
 
@@ -44,6 +45,7 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         self.runtime = runtime
         self._round = runtime.round
         self._uniform = uniform_fn or _always_uniform
+        self._tokens = 0  # tokens on this rank in the current round
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -68,6 +70,7 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         quant_config: FusedMoEQuantConfig,
         defer_input_quant: bool = False,
     ) -> mk.PrepareResultType:
+        self._tokens = a1.shape[0]
         out = self._round.dispatch(
             a1,
             topk_ids,
@@ -85,13 +88,19 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
-        so the experts must leave weighting to the prepare/finalize."""
+        so the experts must leave weighting to the prepare/finalize; vLLM's batched Triton
+        experts get their tile per batch (vllm/batched_tiles.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
                 "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
+        batched_tiles.install(fused_experts, self.rows_per_expert)
+
+    def rows_per_expert(self) -> int:
+        """The most rows one local expert can receive in the current round."""
+        return self._tokens * self.runtime.world_size
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity

@@ -1,0 +1,141 @@
+"""Time vLLM's batched Triton experts kernel with the tiles the LL path can get (GPU).
+
+    python tests/engine/batched_tile_probe.py [--experts 128 --hidden 2048 --inter 768]
+
+For each batch (tokens on the rank, world 1, top_k 8, random routing) both GEMMs of
+vLLM 0.33.0's `BatchedTritonExperts` (`invoke_moe_batched_triton_kernel`, the buffer of
+256 rows per expert the LL path hands it) run with:
+  vllm_256   : what vLLM looks up (fused-MoE tables at M = 256 buffer rows)
+  package    : the package's choice (vllm/batched_tiles.py: vLLM's generic rule at the
+               rows an expert can receive in the forward)
+  table_rows : the fused-MoE tables at M = those rows (an alternative considered)
+Median of CUDA-event timings; the per-step cost is x layers. Also the registers and
+spills Triton reports for each compiled variant. Diagnosis for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def _time(fn, reps: int = 40) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)
+    return statistics.median(times)
+
+
+def _compiled() -> dict[int, object]:
+    """Compiled variants of vLLM's batched kernel so far (Triton internals; best effort)."""
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
+
+    try:
+        return {id(k): k for cache in fbm.batched_triton_kernel.device_caches.values()
+                for k in cache[0].values()}
+    except Exception:  # noqa: BLE001 - a diagnosis aid, never the measurement
+        return {}
+
+
+def _regs_spills(kernels) -> str:
+    parts = []
+    for k in kernels:
+        try:
+            k._init_handles()
+            parts.append(f"{k.n_regs} regs/{k.n_spills} spills")
+        except Exception as e:  # noqa: BLE001
+            parts.append(f"? ({type(e).__name__})")
+    return ", ".join(parts) or "-"
+
+
+def _sweep() -> dict[str, dict]:
+    """Tiles that differ in grid size (buffer rows / BLOCK_M x N / BLOCK_N programs)."""
+    return {
+        f"sweep_{m}x{n}": {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 64,
+                           "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3}
+        for m in (16, 32, 64, 128) for n in (64, 128)
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=256, help="buffer rows per expert")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument(
+        "--sweep", action="store_true",
+        help="instead: BLOCK_M 16-128 x BLOCK_N 64/128 (K 64, 4 warps, 3 stages) per batch",
+    )
+    args = ap.parse_args()
+
+    import triton.language as tl
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+        invoke_moe_batched_triton_kernel,
+    )
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+
+    from vllm_flashinfer_ep.vllm.batched_tiles import tile_for_rows
+
+    dev = torch.device("cuda")
+    E, K, N, R = args.experts, args.hidden, args.inter, args.rows
+    torch.manual_seed(0)
+    w1 = torch.randn(E, 2 * N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+    w2 = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / N**0.5
+    a1 = torch.randn(E, R, K, device=dev, dtype=torch.bfloat16)
+    c1 = torch.empty(E, R, 2 * N, device=dev, dtype=torch.bfloat16)
+    a2 = torch.randn(E, R, N, device=dev, dtype=torch.bfloat16)
+    c2 = torch.empty(E, R, K, device=dev, dtype=torch.bfloat16)
+
+    def run(tile: dict, counts: torch.Tensor) -> float:
+        def both() -> None:
+            for a, b, c in ((a1, w1, c1), (a2, w2, c2)):
+                invoke_moe_batched_triton_kernel(
+                    A=a, B=b, C=c, expert_num_tokens=counts, compute_type=tl.bfloat16,
+                    A_scale=None, B_scale=None, B_zp=None, use_fp8_w8a8=False,
+                    use_int8_w8a16=False, use_int4_w4a16=False, config=tile,
+                    per_act_token_quant=False, block_shape=None,
+                )
+        return _time(both)
+
+    print(f"E={E} hidden={K} inter={N} top_k={args.top_k} buffer rows={R} "
+          f"({torch.cuda.get_device_name()})")
+    print("| tokens | active experts | tile | BLOCK MxNxK, warps, stages | us per layer | "
+          f"ms per step (x{args.layers}) | registers/spills (new variants) |")
+    print("|---|---|---|---|---|---|---|")
+    for tokens in (int(b) for b in args.batches.split(",")):
+        ids = torch.stack([torch.randperm(E, device=dev)[: args.top_k] for _ in range(tokens)])
+        counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
+        tiles = _sweep() if args.sweep else {
+            "vllm_256": try_get_optimal_moe_config(w1.size(), w2.size(), args.top_k, None, R),
+            "package": tile_for_rows(tokens, tuple(w1.shape), tuple(w2.shape), args.top_k,
+                                     None, None),
+            "table_rows": try_get_optimal_moe_config(
+                w1.size(), w2.size(), args.top_k, None, tokens),
+        }
+        for name, tile in tiles.items():
+            before = _compiled()
+            us = run(tile, counts)
+            new = [k for i, k in _compiled().items() if i not in before]
+            shape = (f"{tile['BLOCK_SIZE_M']}x{tile['BLOCK_SIZE_N']}x{tile['BLOCK_SIZE_K']}, "
+                     f"{tile.get('num_warps', 4)}, {tile.get('num_stages', 3)}")
+            print(f"| {tokens} | {int((counts > 0).sum())} | {name} | {shape} | {us:.1f} | "
+                  f"{us * args.layers / 1000:.2f} | {_regs_spills(new)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
