@@ -10,6 +10,7 @@ decode step) is measured by tests/engine/batched_tile_probe.py and the engine be
 from __future__ import annotations
 
 import pytest
+import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe import get_config, override_config
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -114,13 +115,80 @@ def test_small_and_large_batches_get_different_tiles():
     assert experts.tiles[0] != experts.tiles[1]
 
 
-def test_rows_scale_with_the_ep_world():
-    rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, world_size=4
+class RecordOnly(fused_batched_moe.BatchedTritonExperts):
+    """Records the tile vLLM's apply would use; computes nothing (direct calls)."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        self.tiles.append(try_get_optimal_moe_config(
+            w1.size(), w2.size(), topk_ids.size(1),
+            self.quant_config.config_name(hidden_states.dtype), hidden_states.size(1),
+            block_shape=self.block_shape,
+        ))
+
+
+def _wrapped(num_dispatchers: int, buffer_rows: int):
+    experts = RecordOnly(
+        _moe_config(2, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=buffer_rows // num_dispatchers, num_dispatchers=num_dispatchers,
     )
-    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
-    pf._tokens = 3  # what prepare records for a 3-token round
-    assert pf.rows_per_expert() == 12  # every rank may send its 3 tokens to one expert
+    experts.tiles = []
+    assert batched_tiles.install(experts)
+    return experts
+
+
+def _call(experts, tokens: int, buffer_rows: int, positional: bool = False):
+    bf16 = torch.bfloat16
+    args = dict(
+        output=None,
+        hidden_states=torch.empty(NUM_EXPERTS, buffer_rows, HIDDEN, dtype=bf16),
+        w1=torch.empty(NUM_EXPERTS, 2 * INTER, HIDDEN, dtype=bf16),
+        w2=torch.empty(NUM_EXPERTS, HIDDEN, INTER, dtype=bf16),
+        topk_weights=None, topk_ids=torch.zeros(tokens, 2, dtype=torch.int64),
+        activation=None, global_num_experts=NUM_EXPERTS, expert_map=None, a1q_scale=None,
+        a2_scale=None, workspace13=None, workspace2=None, expert_tokens_meta=None,
+        apply_router_weight_on_input=False,
+    )
+    if positional:
+        return experts.apply(*args.values())
+    return experts.apply(**args)
+
+
+def test_rows_scale_with_the_ep_world():
+    # 9 tokens on each of 4 ranks: one expert may receive 36 rows (a 32-row tile, where
+    # 9 rows alone would get 16).
+    experts = _wrapped(num_dispatchers=4, buffer_rows=1024)
+    _call(experts, tokens=9, buffer_rows=1024)
+    assert _default_tile(36) != _default_tile(9)
+    assert experts.tiles == [_default_tile(36)]
+
+
+def test_rows_are_capped_at_the_buffer():
+    experts = _wrapped(num_dispatchers=4, buffer_rows=64)
+    _call(experts, tokens=200, buffer_rows=64)
+    assert _default_tile(64) != _default_tile(800)
+    assert experts.tiles == [_default_tile(64)]
+
+
+def test_a_positional_call_reads_the_same_arguments():
+    experts = _wrapped(num_dispatchers=1, buffer_rows=256)
+    _call(experts, tokens=1, buffer_rows=256, positional=True)
+    assert experts.tiles == [_default_tile(1)]
+
+
+def test_installing_twice_wraps_once():
+    experts = _wrapped(num_dispatchers=1, buffer_rows=256)
+    wrapped = experts.apply
+    assert batched_tiles.install(experts) and experts.apply is wrapped
+
+
+def test_block_quantized_user_tables_are_found_by_vllm_s_file_name(tmp_path, monkeypatch):
+    name = get_config_file_name(NUM_EXPERTS, INTER, "fp8_w8a8", [128, 128])
+    (tmp_path / name).write_text("{}")
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))
+    assert batched_tiles._user_tables(NUM_EXPERTS, INTER, "fp8_w8a8", (128, 128))
+    assert not batched_tiles._user_tables(NUM_EXPERTS, INTER, None, None)
 
 
 def test_override_slot_restored_when_the_experts_fail():
@@ -160,7 +228,7 @@ def test_user_tuned_tables_are_left_in_charge(tmp_path, monkeypatch):
 def test_other_experts_are_not_touched():
     kernel, experts = _kernel(_runtime(), cls=TorchActNaiveBatchedExperts)
     assert "apply" not in vars(experts)
-    assert batched_tiles.install(experts, lambda: 1) is False
+    assert batched_tiles.install(experts) is False
 
 
 def test_a_changed_apply_signature_is_left_alone(caplog):
@@ -170,6 +238,6 @@ def test_a_changed_apply_signature_is_left_alone(caplog):
 
     _, experts = _kernel(_runtime(), cls=RecordingTritonExperts)
     moved = Moved.__new__(Moved)
-    assert batched_tiles.install(moved, lambda: 1) is False
+    assert batched_tiles.install(moved) is False
     assert "leaving its tile choice to vLLM" in caplog.text
     assert "apply" in vars(experts)  # the real 0.33.0 shape was wrapped

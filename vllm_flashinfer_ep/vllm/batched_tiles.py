@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable
 from typing import Any
 
 from vllm_flashinfer_ep.log import get_logger
@@ -55,20 +54,27 @@ def tile_for_rows(
     return get_default_config(max(1, rows), experts, n, w1_shape[2], top_k, dtype, block)
 
 
-def _user_tables(experts: int, n: int, dtype: str | None, block_shape) -> bool:
-    if not os.environ.get("VLLM_TUNED_CONFIG_FOLDER"):
+def _user_tables(experts: int, n: int, dtype: str | None, block: tuple[int, ...] | None) -> bool:
+    """Whether vLLM would read a table for this shape from VLLM_TUNED_CONFIG_FOLDER
+    (its `get_moe_configs`: the folder is used whenever the variable is set)."""
+    folder = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
+    if folder is None:
         return False
     from vllm.model_executor.layers.fused_moe.fused_moe import get_config_file_name
 
-    name = get_config_file_name(experts, n, dtype, block_shape)
-    return os.path.exists(os.path.join(os.environ["VLLM_TUNED_CONFIG_FOLDER"], name))
+    block_shape = [block[0], block[1]] if block and block[0] and block[1] else None
+    return os.path.exists(os.path.join(folder, get_config_file_name(experts, n, dtype, block_shape)))
 
 
-def install(fused_experts: Any, rows_fn: Callable[[], int]) -> bool:
+def install(fused_experts: Any) -> bool:
     """Make `fused_experts` (if it is vLLM's BatchedTritonExperts) pick its tile per batch.
 
-    `rows_fn()` gives the most rows one local expert can receive in the current forward.
-    Returns whether the instance now chooses per batch.
+    The most rows one local expert can receive in a forward: this rank's tokens (the
+    routing handed to the experts; the LL prepare leaves it as the router made it) times
+    the ranks that dispatch to it, at most the buffer's rows. Under CUDA graphs every
+    rank runs the padded common count; in eager DP steps with uneven counts a rank with
+    fewer tokens picks a smaller tile than the busiest sender would (speed only: the
+    kernel masks by the received counts). Returns whether the instance now chooses.
     """
     from vllm.model_executor.layers.fused_moe import get_config, override_config
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
@@ -77,6 +83,8 @@ def install(fused_experts: Any, rows_fn: Callable[[], int]) -> bool:
 
     if not ENABLED or not isinstance(fused_experts, BatchedTritonExperts):
         return False
+    if getattr(fused_experts.apply, "_flashinfer_ep_tiles", False):
+        return True  # already wrapped (the setup hook ran again)
     params = tuple(inspect.signature(type(fused_experts).apply).parameters)
     if params != APPLY_PARAMS:
         logger.warning(
@@ -98,19 +106,22 @@ def install(fused_experts: Any, rows_fn: Callable[[], int]) -> bool:
             if checked[key]:
                 logger.info("flashinfer_ep: batched experts use the tuned tables in "
                             "VLLM_TUNED_CONFIG_FOLDER for E=%d, N=%d", w2.shape[0], w2.shape[2])
-        if checked[key] or get_config() is not None:
+        if checked[key] or get_config():  # vLLM ignores an empty override too
             return original(**kw)
-        rows = min(rows_fn(), hidden.shape[1])
+        rows = min(kw["topk_ids"].shape[0] * fused_experts.num_dispatchers, hidden.shape[1])
         tile = tile_for_rows(
             rows, tuple(w1.shape), tuple(w2.shape), kw["topk_ids"].shape[1], dtype, block
         )
+        # vLLM's override_config has no try/finally: a `with` block would leave the tile
+        # in place after an exception; resuming the generator by hand always restores.
         scope = override_config(tile)
         scope.__enter__()
         try:
             return original(**kw)
         finally:
-            scope.__exit__(None, None, None)  # restores vLLM's config even on error
+            scope.__exit__(None, None, None)
 
+    apply._flashinfer_ep_tiles = True  # type: ignore[attr-defined]
     fused_experts.apply = apply
     global _logged
     if not _logged:

@@ -45,7 +45,6 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         self.runtime = runtime
         self._round = runtime.round
         self._uniform = uniform_fn or _always_uniform
-        self._tokens = 0  # tokens on this rank in the current round
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -70,7 +69,6 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         quant_config: FusedMoEQuantConfig,
         defer_input_quant: bool = False,
     ) -> mk.PrepareResultType:
-        self._tokens = a1.shape[0]
         out = self._round.dispatch(
             a1,
             topk_ids,
@@ -96,11 +94,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
-        batched_tiles.install(fused_experts, self.rows_per_expert)
-
-    def rows_per_expert(self) -> int:
-        """The most rows one local expert can receive in the current round."""
-        return self._tokens * self.runtime.world_size
+        batched_tiles.install(fused_experts)
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
