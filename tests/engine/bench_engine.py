@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from engine_models import QWEN3_30B_A3B, qwen3_moe_config, write_config_only, write_tiny_model  # noqa: E402
+from engine_run import bench_rows_from_log  # noqa: E402
 from engine_runner import EngineRunner  # noqa: E402
 
 LL = "flashinfer_ep_low_latency"
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[str, list[dict]] = {}
     meta: dict[str, dict] = {}
+    failed: list[str] = []
     for name in args.configs.split(","):
         base, env = CONFIGS[name]
         if "{tiles}" in env.values():
@@ -120,21 +123,33 @@ def main(argv: list[str] | None = None) -> int:
             }
         if args.profile_batch:
             spec["profile"] = {"batch": args.profile_batch, "output_len": 8}
-        res = runner.run(f"bench-{args.shape}-{name}", spec, env=env, timeout=900)
-        results[name] = res.get("bench", [])
-        probe = res["after_load"]
-        meta[name] = {
-            "cudagraph_mode": probe["cudagraph_mode"],
-            "startup_seconds": round(res["startup_seconds"], 1),
-            "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
-        }
+        try:
+            res = runner.run(f"bench-{args.shape}-{name}", spec, env=env, timeout=900)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            # Keep what the engine measured before it died (its progress lines).
+            log = runner.log_path(f"bench-{args.shape}-{name}")
+            text = log.read_text(errors="replace") if log.exists() else ""
+            results[name] = bench_rows_from_log(text, args.output_len)
+            meta[name] = {"error": str(exc).splitlines()[0], "partial": True}
+            failed.append(name)
+        else:
+            results[name] = res.get("bench", [])
+            probe = res["after_load"]
+            meta[name] = {
+                "cudagraph_mode": probe["cudagraph_mode"],
+                "startup_seconds": round(res["startup_seconds"], 1),
+                "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
+            }
         print(f"{name}: {meta[name]} {results[name]}", flush=True)
         if args.out:  # after each engine, so a cut-short run keeps what it measured
             args.out.write_text(
                 json.dumps({"shape": args.shape, "meta": meta, "results": results}, indent=1)
             )
-    if all(results.values()):
+    if not args.no_bench and all(len(r) == len(batches) for r in results.values()):
         print(table(args.shape, batches, results))
+    if failed:
+        print(f"engines that failed (partial rows kept): {', '.join(failed)}", flush=True)
+        return 1
     return 0
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import faulthandler
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -149,17 +150,33 @@ def _bench(llm: Any, batch_sizes: list[int], output_len: int, prompt_len: int, v
     for b in batch_sizes:
         first = min(_decode(llm, b, prompt_len, 1, vocab)["seconds"] for _ in range(2))
         full = min(_decode(llm, b, prompt_len, 1 + output_len, vocab)["seconds"] for _ in range(2))
-        decode_s = max(full - first, 1e-9)
         print(f"engine_run: bench batch={b} first={first:.3f}s full={full:.3f}s", flush=True)
-        rows.append(
-            {
-                "batch": b,
-                "output_len": output_len,
-                "decode_seconds": decode_s,
-                "output_tokens_per_s": b * output_len / decode_s,
-                "ms_per_step": 1000.0 * decode_s / output_len,
-            }
-        )
+        rows.append(bench_row(b, output_len, first, full))
+    return rows
+
+
+def bench_row(batch: int, output_len: int, first: float, full: float) -> dict[str, float]:
+    """One batch size's decode throughput from t(prefill + 1 token) and t(+ output_len)."""
+    decode_s = max(full - first, 1e-9)
+    return {
+        "batch": batch,
+        "output_len": output_len,
+        "decode_seconds": decode_s,
+        "output_tokens_per_s": batch * output_len / decode_s,
+        "ms_per_step": 1000.0 * decode_s / output_len,
+    }
+
+
+BENCH_LINE = re.compile(r"^engine_run: bench batch=(\d+) first=([\d.]+)s full=([\d.]+)s$")
+
+
+def bench_rows_from_log(text: str, output_len: int) -> list[dict[str, float]]:
+    """The rows an engine printed before it died (its progress lines are the same measure)."""
+    rows = []
+    for line in text.splitlines():
+        m = BENCH_LINE.match(line.strip())
+        if m:
+            rows.append(bench_row(int(m[1]), output_len, float(m[2]), float(m[3])))
     return rows
 
 

@@ -65,6 +65,9 @@ class EngineRunner:
         self.plugin_root = write_plugin_dist(work / "plugin")
         self._results: dict[str, dict[str, Any]] = {}
 
+    def log_path(self, name: str) -> Path:
+        return _log_dir(self.work) / f"engine-{name}.log"
+
     def run(
         self, name: str, spec: dict[str, Any], env: dict[str, str] | None = None, timeout: int = 900
     ) -> dict[str, Any]:
@@ -73,7 +76,7 @@ class EngineRunner:
             return self._results[key]
         spec_path = self.work / f"{name}-{key}.spec.json"
         out_path = self.work / f"{name}-{key}.result.json"
-        log_path = _log_dir(self.work) / f"engine-{name}.log"
+        log_path = self.log_path(name)
         spec_path.write_text(json.dumps(spec))
         with open(log_path, "w") as log:
             proc = subprocess.run(
