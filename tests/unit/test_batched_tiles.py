@@ -48,6 +48,15 @@ def no_capture_probe(monkeypatch, fake):
     return fake
 
 
+def _vllm_tile(experts, hidden_states, w1, w2, topk_ids) -> dict:
+    """The lookup of vLLM 0.33.0's BatchedTritonExperts.apply, verbatim in effect."""
+    return try_get_optimal_moe_config(
+        w1.size(), w2.size(), topk_ids.size(1),
+        experts.quant_config.config_name(hidden_states.dtype), hidden_states.size(1),
+        block_shape=experts.block_shape,
+    )
+
+
 class RecordingTritonExperts(fused_batched_moe.BatchedTritonExperts):
     """BatchedTritonExperts that records the tile vLLM's apply would launch with."""
 
@@ -56,12 +65,7 @@ class RecordingTritonExperts(fused_batched_moe.BatchedTritonExperts):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input):
-        # The lookup of vLLM 0.33.0's BatchedTritonExperts.apply, verbatim in effect.
-        self.tiles.append(try_get_optimal_moe_config(
-            w1.size(), w2.size(), topk_ids.size(1),
-            self.quant_config.config_name(hidden_states.dtype), hidden_states.size(1),
-            block_shape=self.block_shape,
-        ))
+        self.tiles.append(_vllm_tile(self, hidden_states, w1, w2, topk_ids))
         if self.fail:
             raise RuntimeError("planted experts failure")
         return TorchActNaiveBatchedExperts.apply(
@@ -121,11 +125,7 @@ class RecordOnly(fused_batched_moe.BatchedTritonExperts):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input):
-        self.tiles.append(try_get_optimal_moe_config(
-            w1.size(), w2.size(), topk_ids.size(1),
-            self.quant_config.config_name(hidden_states.dtype), hidden_states.size(1),
-            block_shape=self.block_shape,
-        ))
+        self.tiles.append(_vllm_tile(self, hidden_states, w1, w2, topk_ids))
 
 
 def _wrapped(num_dispatchers: int, buffer_rows: int):
