@@ -9,6 +9,12 @@ vLLM 0.33.0's `BatchedTritonExperts` (`invoke_moe_batched_triton_kernel`, the bu
   package    : the package's choice (vllm/batched_tiles.py: vLLM's generic rule at the
                rows an expert can receive in the forward)
   table_rows : the fused-MoE tables at M = those rows (an alternative considered)
+and, for the same buffer and counts:
+  compact    : the package's received-rows experts (vllm/compact_experts.py: vLLM's
+               fused-MoE kernel over a block list built from the counts; block-list
+               build included); its output is checked against the batched kernel's
+  no_ep      : vLLM's `fused_experts` on the tokens themselves (routing, both GEMMs,
+               activation, weighted sum): what the engine without EP runs per layer
 Median of CUDA-event timings; the per-step cost is x layers. Also the registers and
 spills Triton reports for each compiled variant. Diagnosis for docs/benchmarks.md.
 """
@@ -86,7 +92,10 @@ def main() -> int:
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
         invoke_moe_batched_triton_kernel,
     )
-    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import (
+        invoke_fused_moe_triton_kernel,
+        try_get_optimal_moe_config,
+    )
 
     from vllm_flashinfer_ep.vllm.batched_tiles import tile_for_rows
 
@@ -111,6 +120,30 @@ def main() -> int:
                 )
         return _time(both)
 
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks, max_blocks
+
+    def compact(tokens: int, counts: torch.Tensor, out1, out2) -> float:
+        cfg = try_get_optimal_moe_config(w1.size(), w2.size(), args.top_k, None, tokens)
+        bm = cfg["BLOCK_SIZE_M"]
+        bound = max_blocks(tokens * args.top_k, E, R, bm)
+
+        def both() -> None:
+            blocks = expert_blocks(counts, R, bm, bound)
+            for a, b, c in ((a1, w1, out1), (a2, w2, out2)):
+                invoke_fused_moe_triton_kernel(
+                    a.view(E * R, -1), b, c.view(E * R, 1, -1), None, None, None, *blocks,
+                    mul_routed_weight=False, top_k=1, config=cfg, compute_type=tl.bfloat16,
+                    use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+                    use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
+                )
+        return _time(both), cfg, bound
+
+    def max_diff(counts: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+        valid = torch.arange(R, device=dev)[None, :] < counts[:, None]
+        return float((x[valid].float() - y[valid].float()).abs().max())
+
     print(f"E={E} hidden={K} inter={N} top_k={args.top_k} buffer rows={R} "
           f"({torch.cuda.get_device_name()})")
     print("| tokens | active experts | tile | BLOCK MxNxK, warps, stages | us per layer | "
@@ -134,6 +167,29 @@ def main() -> int:
                      f"{tile.get('num_warps', 4)}, {tile.get('num_stages', 3)}")
             print(f"| {tokens} | {int((counts > 0).sum())} | {name} | {shape} | {us:.1f} | "
                   f"{us * args.layers / 1000:.2f} | {_regs_spills(new)} |", flush=True)
+            if name == "package":
+                ref1, ref2 = c1.clone(), c2.clone()
+        if args.sweep:
+            continue
+        o1, o2 = torch.empty_like(c1), torch.empty_like(c2)
+        us, cfg, bound = compact(tokens, counts, o1, o2)
+        diff = max(max_diff(counts, ref1, o1), max_diff(counts, ref2, o2))
+        scale = float(ref2.float().abs().max())
+        shape = (f"{cfg['BLOCK_SIZE_M']}x{cfg['BLOCK_SIZE_N']}x{cfg['BLOCK_SIZE_K']}, "
+                 f"{cfg.get('num_warps', 4)}, {cfg.get('num_stages', 3)}")
+        print(f"| {tokens} | {int((counts > 0).sum())} | compact ({bound} blocks; max diff vs "
+              f"package {diff:.3g} of {scale:.3g}) | {shape} | {us:.1f} | "
+              f"{us * args.layers / 1000:.2f} | - |", flush=True)
+        x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
+        weights = torch.rand(tokens, args.top_k, device=dev, dtype=torch.float32)
+        ids32 = ids.to(torch.int32)
+        us = _time(lambda x=x, wt=weights, i=ids32: fused_experts(x, w1, w2, wt, i))
+        print(f"| {tokens} | {int((counts > 0).sum())} | no_ep (fused_experts, whole MoE) | "
+              f"vLLM's lookup at M={tokens} | {us:.1f} | {us * args.layers / 1000:.2f} | - |",
+              flush=True)
+        if diff > 0.02 * scale + 1e-3:
+            print(f"MISMATCH at {tokens} tokens: compact differs from the batched kernel by {diff}")
+            return 1
     return 0
 
 

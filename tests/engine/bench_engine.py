@@ -40,9 +40,11 @@ CONFIGS = {
     "ll_graph": ({"backend": LL}, {}),
     "ll_pooloff": ({"backend": LL}, {"VLLM_FLASHINFER_EP_HANDLE_POOL": "0"}),
     # Diagnosis only (not in the default set): the pooled LL path without CUDA graphs;
-    # LL with vLLM's own batched-experts tile lookup (the package's per-batch choice off,
-    # vllm/batched_tiles.py); and that lookup fed a table whose tile does not spill.
+    # LL on vLLM's batched experts kernel with the package's per-batch tile (the
+    # received-rows experts of vllm/compact_experts.py off); LL with vLLM's own
+    # batched-experts path (both off); and that lookup fed a table whose tile does not spill.
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
+    "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
     "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
     "ll_graph_tiles": (
         {"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1", "VLLM_TUNED_CONFIG_FOLDER": "{tiles}"}

@@ -3,8 +3,10 @@
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
 #   bash tests/engine/device_suite.sh [step ...]
-#   steps: doctor tests (= engine-tests kernel-tests) probe profile
+#   steps: doctor tests (= engine-tests kernel-tests) compact probe sweep profile
 #          bench (= bench-tiny bench-30b) kbench
+# `compact` = the GPU tests of the LL experts path alone (a quick first check);
+# BENCH_CONFIGS overrides the engine benchmark's configurations.
 # One device call may run 600 s: engine-tests alone take about 8 minutes, so give the
 # steps to separate calls. Periodic stack dumps of engine processes are opt-in
 # (FLASHINFER_EP_TEST_STACK_DUMP_S=60): a 30B-shape engine died while one was written.
@@ -39,11 +41,16 @@ for step in "${steps[@]}"; do
       python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
-    probe)  # vLLM's batched experts kernel at the 30B shape, with each tile LL can get
-      python3 tests/engine/batched_tile_probe.py > "$out/probe.txt" 2>&1 || rc=1
-      grep "^|\|E=" "$out/probe.txt" ;;
+    compact)  # the LL experts (received rows, and vLLM's batched kernel) against vLLM
+      python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
+        -p no:cacheprovider -rs -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
+      tail -15 "$out/pytest-compact.txt" ;;
+    probe|sweep)  # the LL experts kernels at the 30B shape, side by side with no-EP's
+      flag=(); [ "$step" = sweep ] && flag=(--sweep)
+      python3 tests/engine/batched_tile_probe.py "${flag[@]}" > "$out/$step.txt" 2>&1 || rc=1
+      grep "^|\|E=\|MISMATCH\|Error" "$out/$step.txt" ;;
     profile)
-      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph,ll_graph_vllm_tiles \
+      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph \
         --profile-batch 1 --no-bench > "$out/profile.txt" 2>&1 || rc=1
       grep -h -A40 "engine_run: profile" "$out"/elogs/engine-bench-qwen3-30b-a3b-ll_*.log | head -90 ;;
     bench|bench-tiny|bench-30b)
@@ -52,7 +59,7 @@ for step in "${steps[@]}"; do
       [ "$step" = bench-30b ] && shapes=(qwen3-30b-a3b)
       for shape in "${shapes[@]}"; do
         python3 tests/engine/bench_engine.py --shape "$shape" --out "$out/engine_$shape.json" \
-          --configs no_ep,ll_graph,ll_pooloff \
+          --configs "${BENCH_CONFIGS:-no_ep,ll_graph,ll_pooloff}" \
           2>&1 | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
       done ;;
     kbench)  # transport-level benchmark: package modes vs raw FlashInfer (eager, fresh, graph)
@@ -60,7 +67,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress \
           --json "$out/bench_world1_h$hidden.json" 2>&1 | tail -12 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests probe profile bench bench-tiny bench-30b kbench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact probe sweep profile bench bench-tiny bench-30b kbench)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -46,6 +46,7 @@ import os
 _installed = False
 FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
 VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
+BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
 
 
 def _ours(backend: str | None) -> bool:
@@ -72,10 +73,12 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
-    if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts tile
-        from vllm_flashinfer_ep.vllm import batched_tiles
+    from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts
 
-        batched_tiles.ENABLED = False
+    if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts path
+        batched_tiles.ENABLED = compact_experts.ENABLED = False
+    if os.environ.get(BATCHED_KERNEL_ENV) == "1":  # vLLM's batched kernel, the package tile
+        compact_experts.ENABLED = False
     _installed = True
 
 

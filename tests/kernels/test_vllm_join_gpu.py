@@ -134,10 +134,18 @@ def _vllm_batched_reference(hidden: int, capacity: int):
     return mk.FusedMoEKernel(pf, experts)
 
 
+@pytest.mark.parametrize("experts_path", ["received_rows", "batched_kernel"])
 @pytest.mark.parametrize("hidden", [2048, 4096])
-def test_ll_join_eager_and_graph(vllm_env, hidden):
+def test_ll_join_eager_and_graph(vllm_env, hidden, experts_path, monkeypatch):
+    from vllm_flashinfer_ep.vllm import compact_experts
+
+    # received_rows: the package's experts over the received rows (vllm/compact_experts.py);
+    # batched_kernel: vLLM's batched kernel with the package's per-batch tile.
+    monkeypatch.setattr(compact_experts, "ENABLED", experts_path == "received_rows")
     capacity = max(POOL_SIZES)
     kernel, rt, cache = _ll_kernel(vllm_env, hidden, capacity, POOL_SIZES)
+    installed = getattr(kernel.fused_experts.apply, "_flashinfer_ep_compact", False)
+    assert installed == (experts_path == "received_rows")
     reference_kernel = _vllm_batched_reference(hidden, capacity)
     layers = [_weights(hidden, seed=10 + i) for i in range(LAYERS)]
     for num_tokens in POOL_SIZES:

@@ -35,7 +35,7 @@ from tests.unit.test_prepare_finalize_cpu import (
 )
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.vllm import batched_tiles
+from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts
 from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
 CAPACITY = 256  # vLLM's default LL capacity: the buffer's rows per expert at world 1
@@ -44,6 +44,9 @@ CAPACITY = 256  # vLLM's default LL capacity: the buffer's rows per expert at wo
 @pytest.fixture(autouse=True)
 def no_capture_probe(monkeypatch, fake):
     monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: False)
+    # The tile is what vLLM's batched kernel runs with: the path quantized experts take
+    # (unquantized ones go to vllm/compact_experts.py, tested in test_compact_experts.py).
+    monkeypatch.setattr(compact_experts, "ENABLED", False)
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     return fake
 

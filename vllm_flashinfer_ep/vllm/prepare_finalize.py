@@ -28,7 +28,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
-from vllm_flashinfer_ep.vllm import batched_tiles
+from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts
 
 UniformFn = Callable[[], bool]
 
@@ -86,8 +86,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
-        so the experts must leave weighting to the prepare/finalize; vLLM's batched Triton
-        experts get their tile per batch (vllm/batched_tiles.py)."""
+        so the experts must leave weighting to the prepare/finalize. vLLM's batched Triton
+        experts compute only the received rows when unquantized (vllm/compact_experts.py)
+        and otherwise get their tile per batch (vllm/batched_tiles.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
@@ -95,6 +96,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
         batched_tiles.install(fused_experts)
+        compact_experts.install(fused_experts)
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity

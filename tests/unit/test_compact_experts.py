@@ -1,0 +1,221 @@
+"""LL experts over the received rows only (vllm/compact_experts.py), on CPU.
+
+The block list is plain tensor code and is checked here against every routing property
+that matters (each received row once, in a block of its own expert, within the bound).
+The GEMM is vLLM's Triton fused-MoE kernel, absent on CPU: `emulate_fused_moe_kernel`
+follows its documented contract (and refuses the layouts its launcher refuses) so that
+the wiring (views, activation, which rows reach the output) runs through the real LL
+prepare/finalize and vLLM's FusedMoEKernel. The kernel itself is compared with vLLM's
+batched kernel on the GPU (tests/kernels/test_compact_experts_gpu.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.config import (
+    FUSED_MOE_UNQUANTIZED_CONFIG,
+    biased_moe_quant_config,
+)
+from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
+
+from tests.fakes.runtime import build_fake_runtime
+from tests.unit.test_prepare_finalize_cpu import (
+    HIDDEN,
+    INTER,
+    NUM_EXPERTS,
+    TorchActNaiveBatchedExperts,
+    _apply,
+    _assert_bf16_close,
+    _moe_config,
+    _problem,
+    reference_moe,
+)
+from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.vllm import compact_experts
+from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks, max_blocks, senders_tokens
+from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
+
+CAPACITY = 256
+
+
+def _routing_counts(tokens: int, experts: int, top_k: int, gen) -> torch.Tensor:
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    return torch.bincount(ids.flatten(), minlength=experts).to(torch.int32)
+
+
+def _listed_rows(counts, rows, block_m, num_blocks):
+    sorted_ids, expert_ids, blocks_rows = expert_blocks(counts, rows, block_m, num_blocks)
+    assert sorted_ids.dtype == expert_ids.dtype == blocks_rows.dtype == torch.int32
+    assert sorted_ids.shape == (num_blocks * block_m,) and expert_ids.shape == (num_blocks,)
+    used = int(blocks_rows) // block_m
+    listed = []
+    for b in range(used):
+        ids = sorted_ids[b * block_m : (b + 1) * block_m]
+        real = ids[ids < counts.numel() * rows]
+        e = int(expert_ids[b])
+        assert e >= 0 and bool(((real // rows) == e).all()), "a block mixes experts"
+        listed += real.tolist()
+    assert bool((sorted_ids[used * block_m :] == counts.numel() * rows).all())
+    return listed
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 256])
+def test_every_received_row_is_listed_once_in_its_experts_block(block_m, tokens):
+    gen = torch.Generator().manual_seed(tokens * block_m)
+    experts, rows, top_k = 32, CAPACITY, 4
+    counts = _routing_counts(tokens, experts, top_k, gen)
+    bound = max_blocks(tokens * top_k, experts, rows, block_m)
+    listed = _listed_rows(counts, rows, block_m, bound)
+    expected = [e * rows + r for e in range(experts) for r in range(int(counts[e]))]
+    assert sorted(listed) == expected
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
+def test_the_bound_holds_for_extreme_routings(block_m):
+    experts, rows, top_k = 64, CAPACITY, 8
+    for tokens in (1, 2, 3, 9, 31, 32, 100, 256):
+        bound = max_blocks(tokens * top_k, experts, rows, block_m)
+        spread = torch.zeros(experts, dtype=torch.int32)  # rows spread over most experts
+        for i in range(tokens * top_k):
+            spread[i % experts] += 1
+        packed = torch.zeros(experts, dtype=torch.int32)  # every token on the same top_k
+        packed[:top_k] = tokens
+        for counts in (spread, packed):
+            need = int(((counts + block_m - 1) // block_m).sum())
+            assert need <= bound, (tokens, block_m, need, bound)
+            assert sorted(_listed_rows(counts, rows, block_m, bound)) == sorted(
+                e * rows + r for e in range(experts) for r in range(int(counts[e])))
+
+
+def test_the_launch_follows_the_batch_not_the_buffer():
+    # The point: a decode token of a 128-expert model lists 8 blocks, not 128 x 16.
+    assert max_blocks(1 * 8, 128, CAPACITY, 16) == 8
+    # 2048 rows: 128 full blocks plus at most one partial block per expert.
+    assert max_blocks(256 * 8, 128, CAPACITY, 16) == 256 < 128 * CAPACITY // 16
+    assert max_blocks(10**6, 128, CAPACITY, 16) == 128 * CAPACITY // 16  # the buffer's own
+
+
+def test_a_short_list_leaves_rows_out():
+    # What the bound guards against (a planted undersized list drops received rows).
+    counts = torch.tensor([3, 0, 5], dtype=torch.int32)
+    assert len(_listed_rows(counts, 8, 2, 3)) < 8
+
+
+def test_senders_tokens_reads_the_dp_metadata_for_several_senders(monkeypatch):
+    import vllm.forward_context as fc
+
+    assert senders_tokens(5, 1, CAPACITY) == 5
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: False)
+    assert senders_tokens(5, 4, CAPACITY) == CAPACITY  # unknown: the buffer's bound
+    dp = types.SimpleNamespace(num_tokens_across_dp_cpu=torch.tensor([3, 9, 2, 5]))
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(dp_metadata=dp))
+    assert senders_tokens(5, 4, CAPACITY) == 9
+    assert senders_tokens(5, 4, 8) == 8
+
+
+# ------------------------------------------------------------ wiring, through the kernel
+calls: list[dict] = []
+
+
+def emulate_fused_moe_kernel(a, w, c, blocks, config, compute_type) -> None:
+    """vLLM's fused_moe_kernel with top_k=1 and a block list: for each used block,
+    c[row, 0] = a[row] @ w[expert].T over its listed rows; sentinel rows are masked."""
+    sorted_ids, expert_ids, blocks_rows = blocks
+    bm = config["BLOCK_SIZE_M"]
+    assert sorted_ids.dtype == torch.int32 and sorted_ids.stride(0) == 1
+    assert a.dim() == 2 and c.dim() == 3 and c.shape[1] == 1 and a.shape[0] == c.shape[0]
+    assert w.shape[2] == a.shape[1] and w.shape[1] == c.shape[2]
+    assert sorted_ids.numel() % bm == 0
+    calls.append({"blocks": sorted_ids.numel() // bm, "block_m": bm})
+    for b in range(sorted_ids.numel() // bm):
+        if b * bm >= int(blocks_rows):
+            break
+        ids = sorted_ids[b * bm : (b + 1) * bm].long()
+        ids = ids[ids < a.shape[0]]
+        e = int(expert_ids[b])
+        c[ids, 0] = (a[ids].float() @ w[e].float().T).to(c.dtype)
+
+
+class TorchActTritonExperts(fused_batched_moe.BatchedTritonExperts):
+    """vLLM's BatchedTritonExperts with a torch SiLU-and-mul (vllm._C is absent here).
+    Its own apply (vLLM's batched Triton kernel) would need a GPU: calls that reach it
+    are recorded and computed with vLLM's NaiveBatchedExperts loop."""
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        self.batched_calls += 1
+        return TorchActNaiveBatchedExperts.apply(
+            self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+            global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+            expert_tokens_meta, apply_router_weight_on_input,
+        )
+
+    def activation(self, activation, output, input, **kwargs) -> None:
+        TorchActNaiveBatchedExperts.activation(self, activation, output, input)
+
+
+def _kernel(top_k: int, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 13]
+    )
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
+    experts = TorchActTritonExperts(
+        _moe_config(top_k, LL_BACKEND), quant_config,
+        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+    )
+    experts.batched_calls = 0
+    return mk.FusedMoEKernel(pf, experts), experts
+
+
+@pytest.fixture
+def emulated(monkeypatch, fake):
+    monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: False)
+    monkeypatch.setattr(compact_experts, "_gemm", emulate_fused_moe_kernel)
+    calls.clear()
+    return fake
+
+
+@pytest.mark.parametrize("top_k", [2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_received_rows_experts_match_the_reference(emulated, top_k, num_tokens):
+    kernel, experts = _kernel(top_k)
+    x, w1, w2, ids, weights = _problem(num_tokens, top_k, seed=num_tokens + top_k)
+    out = _apply(kernel, x, w1, w2, ids, weights, False)
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
+    assert experts.batched_calls == 0
+    # Both GEMMs launched over at most the rows this batch can bring, not the buffer.
+    assert len(calls) == 2 and all(c["blocks"] <= num_tokens * top_k for c in calls)
+
+
+def test_a_disabled_switch_keeps_vllm_s_batched_kernel(emulated, monkeypatch):
+    monkeypatch.setattr(compact_experts, "ENABLED", False)
+    kernel, experts = _kernel(2)
+    x, w1, w2, ids, weights = _problem(3, 2, seed=1)
+    _assert_bf16_close(_apply(kernel, x, w1, w2, ids, weights, False),
+                       reference_moe(x, w1, w2, ids, weights, False))
+    assert experts.batched_calls == 1 and not calls
+
+
+def test_biased_experts_keep_vllm_s_batched_kernel(emulated):
+    bias1 = torch.zeros(NUM_EXPERTS, 2 * INTER, dtype=torch.bfloat16)
+    bias2 = torch.zeros(NUM_EXPERTS, HIDDEN, dtype=torch.bfloat16)
+    kernel, experts = _kernel(2, biased_moe_quant_config(bias1, bias2))
+    x, w1, w2, ids, weights = _problem(3, 2, seed=2)
+    _apply(kernel, x, w1, w2, ids, weights, False)
+    assert experts.batched_calls == 1 and not calls
+
+
+def test_installing_twice_wraps_once(emulated):
+    kernel, experts = _kernel(2)
+    x, w1, w2, ids, weights = _problem(1, 2, seed=4)
+    _apply(kernel, x, w1, w2, ids, weights, False)
+    wrapped = experts.apply
+    assert compact_experts.install(experts) and experts.apply is wrapped

@@ -1,0 +1,202 @@
+"""LL experts that launch work only for the rows that arrived, not for the whole buffer.
+
+The LL dispatch hands vLLM's batched experts an expert-major buffer: [local experts,
+rows per expert, hidden], rows per expert = the LL capacity times the EP world (256 at
+world 1). vLLM 0.33.0's `BatchedTritonExperts` launches one Triton program per (expert,
+BLOCK_M rows of that buffer, BLOCK_N columns) and lets the programs beyond an expert's
+received count return at once. At a real model's shape (128 local experts, 256 rows,
+N 1536) that is ~50k programs per GEMM for a decode step that carries a few rows per
+expert, and the empty programs, not the weights, set the time (measured on the H200:
+tests/engine/batched_tile_probe.py, docs/benchmarks.md).
+
+Here, for unquantized BF16/FP16 experts, the two GEMMs run through vLLM's fused-MoE
+kernel (`invoke_fused_moe_triton_kernel`, the kernel vLLM runs without EP) over a list of
+(expert, BLOCK_M rows) blocks built on the device from the received counts. Its length is
+bounded by the rows this rank can receive in the forward (tokens per sender x senders x
+top_k), so the launch shrinks with the batch; the list is built with fixed-shape tensor
+ops, so a captured CUDA graph replays it for any routing. The tile comes from vLLM's own
+lookup for that kernel at the forward's token count (tuned tables, a user's
+`VLLM_TUNED_CONFIG_FOLDER` and `override_config` included). Anything else (quantized
+experts, biases, other dtypes) keeps vLLM's batched kernel with the per-batch tile of
+vllm/batched_tiles.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
+
+logger = get_logger(__name__)
+
+ENABLED = True  # the test harness turns it off to measure vLLM's batched kernel
+_logged = False
+
+
+def max_blocks(rows_bound: int, experts: int, rows_per_expert: int, block_m: int) -> int:
+    """Most (expert, BLOCK_M rows) blocks a forward can need.
+
+    `rows_bound` is the most rows the rank can receive in total. Each expert with rows
+    needs ceil(rows / block_m) blocks: at most its rows, at most one partial block per
+    expert beyond rows_bound / block_m, at most the buffer's own block count."""
+    per_expert = -(-rows_per_expert // block_m)
+    return max(1, min(rows_bound, -(-rows_bound // block_m) + experts, experts * per_expert))
+
+
+def expert_blocks(
+    counts: torch.Tensor, rows_per_expert: int, block_m: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block list vLLM's fused-MoE kernel reads, from the received counts.
+
+    Row r of expert e's buffer slot is flat row e * rows_per_expert + r. Returns
+    (sorted_ids int32 [num_blocks * block_m]: flat rows block by block, the sentinel
+    experts * rows_per_expert where a block has no row; expert_ids int32 [num_blocks]:
+    the expert of each block, -1 past the last; blocks_rows int32 [1]: used blocks x
+    block_m, past which the kernel's programs return). Fixed shapes, no host sync."""
+    experts = counts.numel()
+    dev = counts.device
+    counts = counts.to(torch.int64)
+    blocks = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(blocks, 0)
+    index = torch.arange(num_blocks, device=dev, dtype=torch.int64)
+    owner = torch.searchsorted(ends, index, right=True)
+    live = owner < experts
+    expert = owner.clamp(max=experts - 1)
+    first_block = (ends - blocks)[expert]
+    row = (index - first_block)[:, None] * block_m + torch.arange(block_m, device=dev)
+    valid = live[:, None] & (row < counts[expert][:, None])
+    sentinel = experts * rows_per_expert
+    sorted_ids = torch.where(valid, expert[:, None] * rows_per_expert + row, sentinel)
+    expert_ids = torch.where(live, expert, -1)
+    blocks_rows = (ends[-1:] * block_m).clamp(max=num_blocks * block_m)
+    return (
+        sorted_ids.reshape(-1).to(torch.int32),
+        expert_ids.to(torch.int32),
+        blocks_rows.to(torch.int32),
+    )
+
+
+def senders_tokens(local_tokens: int, dispatchers: int, capacity: int) -> int:
+    """The most tokens any sender dispatches in this forward.
+
+    One sender (world 1): this rank's own count. Several: the largest count in vLLM's DP
+    metadata for the forward (every rank's tokens; CUDA graphs pad them to one size);
+    without it, the LL capacity per rank, the bound the buffer was sized for."""
+    if dispatchers == 1:
+        return local_tokens
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            dp = get_forward_context().dp_metadata
+            if dp is not None:
+                return min(int(dp.num_tokens_across_dp_cpu.max()), capacity)
+    except (ImportError, AttributeError):
+        pass
+    return capacity
+
+
+def _eligible(fused_experts: Any, kw: dict) -> bool:
+    """Unquantized weights without biases, 16-bit activations, contiguous buffers."""
+    qc = fused_experts.quant_config
+    hidden, output = kw["hidden_states"], kw["output"]
+    return (
+        qc.quant_dtype is None
+        and all(getattr(qc, name) is None for name in (
+            "w1_scale", "w2_scale", "w1_zp", "w2_zp", "w1_bias", "w2_bias"))
+        and hidden.dtype in (torch.bfloat16, torch.float16)
+        and kw["w1"].dtype == hidden.dtype and kw["w2"].dtype == hidden.dtype
+        and hidden.dim() == 3 and hidden.is_contiguous() and output.is_contiguous()
+        and kw["expert_tokens_meta"] is not None
+    )
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, blocks: tuple, config: dict,
+          compute_type: Any) -> None:
+    """c[row] = a[row] @ w[expert].T for the rows in the block list (vLLM's kernel)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import invoke_fused_moe_triton_kernel
+
+    sorted_ids, expert_ids, blocks_rows = blocks
+    invoke_fused_moe_triton_kernel(
+        a, w, c, None, None, None, sorted_ids, expert_ids, blocks_rows,
+        mul_routed_weight=False, top_k=1, config=config, compute_type=compute_type,
+        use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+        use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
+    )
+
+
+def compact_apply(fused_experts: Any, kw: dict) -> None:
+    """vLLM's batched experts computation (GEMM, activation, GEMM) on received rows only."""
+    import triton.language as tl
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
+    from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+
+    hidden, w1, w2, output = kw["hidden_states"], kw["w1"], kw["w2"], kw["output"]
+    counts = kw["expert_tokens_meta"].expert_num_tokens
+    topk_ids = kw["topk_ids"]
+    experts, rows, k = hidden.shape
+    n = w1.shape[1]
+    top_k = topk_ids.shape[1]
+    tokens = senders_tokens(topk_ids.shape[0], fused_experts.num_dispatchers, rows)
+    sent = min(tokens * fused_experts.num_dispatchers, rows * experts)
+    config = try_get_optimal_moe_config(
+        w1.size(), w2.size(), top_k, None, max(1, sent), block_shape=None
+    )
+    bound = max_blocks(sent * top_k, experts, rows, config["BLOCK_SIZE_M"])
+    blocks = expert_blocks(counts, rows, config["BLOCK_SIZE_M"], bound)
+    compute_type = tl.bfloat16 if hidden.dtype == torch.bfloat16 else tl.float16
+
+    act_n = fused_experts.adjust_N_for_activation(n, kw["activation"])
+    cache1 = _resize_cache(kw["workspace13"], (experts, rows, n))
+    cache2 = _resize_cache(kw["workspace2"], (experts, rows, act_n))
+    _gemm(hidden.view(experts * rows, k), w1, cache1.view(experts * rows, 1, n), blocks,
+          config, compute_type)
+    fused_experts.activation(kw["activation"], cache2, cache1, valid_token_counts=counts)
+    _gemm(cache2.view(experts * rows, act_n), w2, output.view(experts * rows, 1, k), blocks,
+          config, compute_type)
+
+
+def install(fused_experts: Any) -> bool:
+    """Make `fused_experts` (vLLM's BatchedTritonExperts) compute received rows only.
+
+    Wraps the instance's `apply` (vLLM 0.33.0's parameters, checked); calls that are not
+    eligible go to the apply it wrapped. Returns whether the instance now does so."""
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+        BatchedTritonExperts,
+    )
+
+    if not ENABLED or not isinstance(fused_experts, BatchedTritonExperts):
+        return False
+    if getattr(fused_experts.apply, "_flashinfer_ep_compact", False):
+        return True
+    params = tuple(inspect.signature(type(fused_experts).apply).parameters)
+    if params != APPLY_PARAMS:
+        logger.warning(
+            "flashinfer_ep: BatchedTritonExperts.apply has parameters %s, not vLLM 0.33.0's; "
+            "leaving the experts computation to vLLM", params,
+        )
+        return False
+    inner = fused_experts.apply
+
+    def apply(*args: Any, **kw: Any) -> Any:
+        kw.update(zip(APPLY_PARAMS[1:], args))
+        if not _eligible(fused_experts, kw):
+            return inner(**kw)
+        return compact_apply(fused_experts, kw)
+
+    apply._flashinfer_ep_compact = True  # type: ignore[attr-defined]
+    apply._flashinfer_ep_tiles = getattr(inner, "_flashinfer_ep_tiles", False)  # type: ignore[attr-defined]
+    fused_experts.apply = apply
+    global _logged
+    if not _logged:
+        _logged = True
+        logger.info(
+            "flashinfer_ep_low_latency: unquantized experts run vLLM's fused-MoE kernel over the "
+            "received rows only (not over the %d-row buffer of every expert)",
+            fused_experts.max_num_tokens,
+        )
+    return True
