@@ -15,8 +15,10 @@ and, for the same buffer and counts:
                build included); its output is checked against the batched kernel's
   no_ep      : vLLM's `fused_experts` on the tokens themselves (routing, both GEMMs,
                activation, weighted sum): what the engine without EP runs per layer
-Median of CUDA-event timings; the per-step cost is x layers. Also the registers and
-spills Triton reports for each compiled variant. Diagnosis for docs/benchmarks.md.
+Median GPU time per call, from CUDA-event timings of a CUDA graph holding 10 calls
+(as vLLM replays decode steps; host launch cost excluded); the per-step cost is x
+layers. Also the registers and spills Triton reports for each compiled variant.
+Diagnosis for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -27,18 +29,33 @@ import statistics
 import torch
 
 
-def _time(fn, reps: int = 40) -> float:
-    for _ in range(5):
+def _time(fn, reps: int = 20, inner: int = 10) -> float:
+    """Median GPU microseconds per call of `fn`, replayed from a CUDA graph of `inner` calls."""
+    for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    for _ in range(3):
+        g.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
+        times.append(a.elapsed_time(b) * 1000.0 / inner)
+    del g
     return statistics.median(times)
 
 
