@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FUSED_MOE_UNQUANTIZED_CONFIG,
     biased_moe_quant_config,
@@ -36,6 +37,7 @@ from tests.unit.test_prepare_finalize_cpu import (
 )
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.vllm import compact_experts
 from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks, max_blocks, senders_tokens
 from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
@@ -204,13 +206,48 @@ def test_a_disabled_switch_keeps_vllm_s_batched_kernel(emulated, monkeypatch):
     assert experts.batched_calls == 1 and not calls
 
 
-def test_biased_experts_keep_vllm_s_batched_kernel(emulated):
+def test_biased_experts_are_refused_at_load(emulated):
+    # Neither vLLM's batched kernel nor the received-rows path applies expert biases:
+    # building the kernel (vLLM's post_init_setup) refuses instead of dropping them.
     bias1 = torch.zeros(NUM_EXPERTS, 2 * INTER, dtype=torch.bfloat16)
     bias2 = torch.zeros(NUM_EXPERTS, HIDDEN, dtype=torch.bfloat16)
-    kernel, experts = _kernel(2, biased_moe_quant_config(bias1, bias2))
-    x, w1, w2, ids, weights = _problem(3, 2, seed=2)
-    _apply(kernel, x, w1, w2, ids, weights, False)
-    assert experts.batched_calls == 1 and not calls
+    with pytest.raises(FlashInferEPConfigError, match="--all2all-backend"):
+        _kernel(2, biased_moe_quant_config(bias1, bias2))
+
+
+def test_several_senders_without_dp_metadata_bound_by_the_per_rank_capacity(emulated):
+    # Two senders, no forward context: each may send the LL capacity per rank, so the
+    # list covers 2 x capacity x top_k rows (not the buffer's 2 x capacity rows per
+    # expert taken as a per-sender count).
+    top_k, senders = 2, 2
+    experts = TorchActTritonExperts(
+        _moe_config(top_k, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=CAPACITY, num_dispatchers=senders,
+    )
+    assert compact_experts.install(experts)
+    rows = CAPACITY * senders
+    counts = torch.zeros(NUM_EXPERTS, dtype=torch.int32)
+    counts[:top_k] = 3
+    hidden = torch.randn(NUM_EXPERTS, rows, HIDDEN).to(torch.bfloat16)
+    out = torch.empty(NUM_EXPERTS, rows, HIDDEN, dtype=torch.bfloat16)
+    _, w1, w2, _, _ = _problem(1, top_k, seed=9)
+    experts.apply(
+        output=out, hidden_states=hidden, w1=w1, w2=w2, topk_weights=None,
+        topk_ids=torch.zeros(3, top_k, dtype=torch.int64), activation=MoEActivation.SILU,
+        global_num_experts=NUM_EXPERTS, expert_map=None, a1q_scale=None, a2_scale=None,
+        workspace13=torch.empty(NUM_EXPERTS * rows * 2 * INTER, dtype=torch.bfloat16),
+        workspace2=torch.empty(NUM_EXPERTS * rows * INTER, dtype=torch.bfloat16),
+        expert_tokens_meta=mk.ExpertTokensMetadata(expert_num_tokens=counts,
+                                                   expert_num_tokens_cpu=None),
+        apply_router_weight_on_input=False,
+    )
+    bm = calls[0]["block_m"]
+    assert calls[0]["blocks"] == max_blocks(CAPACITY * senders * top_k, NUM_EXPERTS, rows, bm)
+    expected = hidden[0, :3].float() @ w1[0].float().T
+    d = INTER
+    act = (torch.nn.functional.silu(expected[:, :d]) * expected[:, d:]).to(torch.bfloat16)
+    torch.testing.assert_close(out[0, :3].float(), (act.float() @ w2[0].float().T),
+                               rtol=3e-2, atol=3e-2 * float(out[0, :3].abs().max()))
 
 
 def test_installing_twice_wraps_once(emulated):

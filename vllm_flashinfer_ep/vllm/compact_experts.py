@@ -17,8 +17,9 @@ top_k), so the launch shrinks with the batch; the list is built with fixed-shape
 ops, so a captured CUDA graph replays it for any routing. The tile comes from vLLM's own
 lookup for that kernel at the forward's token count (tuned tables, a user's
 `VLLM_TUNED_CONFIG_FOLDER` and `override_config` included). Anything else (quantized
-experts, biases, other dtypes) keeps vLLM's batched kernel with the per-batch tile of
-vllm/batched_tiles.py.
+experts, other dtypes) keeps vLLM's batched kernel with the per-batch tile of
+vllm/batched_tiles.py. Expert biases are refused at load (`refuse_biases`): neither
+path applies them.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def senders_tokens(local_tokens: int, dispatchers: int, capacity: int) -> int:
     """The most tokens any sender dispatches in this forward.
 
     One sender (world 1): this rank's own count. Several: the largest count in vLLM's DP
-    metadata for the forward (every rank's tokens; CUDA graphs pad them to one size);
-    without it, the LL capacity per rank, the bound the buffer was sized for."""
+    metadata for the forward (every rank's tokens; CUDA graphs pad them to one size),
+    at most `capacity`, the LL capacity per rank (the bound the buffer was sized for,
+    which the transport enforces); without the metadata, that capacity."""
     if dispatchers == 1:
         return local_tokens
     try:
@@ -98,6 +100,21 @@ def senders_tokens(local_tokens: int, dispatchers: int, capacity: int) -> int:
     except (ImportError, AttributeError):
         pass
     return capacity
+
+
+def refuse_biases(fused_experts: Any) -> None:
+    """Expert biases (e.g. gpt-oss): vLLM 0.33.0's batched kernel has no bias term and
+    this package's received-rows path does not pass them yet, so the model would be
+    computed without them. Refuse at load, naming the alternatives."""
+    from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+
+    qc = fused_experts.quant_config
+    if getattr(qc, "w1_bias", None) is not None or getattr(qc, "w2_bias", None) is not None:
+        raise FlashInferEPConfigError(
+            "flashinfer_ep_low_latency does not support MoE expert biases yet (vLLM's batched "
+            "experts have no bias term, the model would run without them); serve this model "
+            "with another --all2all-backend or without --enable-expert-parallel"
+        )
 
 
 def _eligible(fused_experts: Any, kw: dict) -> bool:
@@ -141,7 +158,9 @@ def compact_apply(fused_experts: Any, kw: dict) -> None:
     experts, rows, k = hidden.shape
     n = w1.shape[1]
     top_k = topk_ids.shape[1]
-    tokens = senders_tokens(topk_ids.shape[0], fused_experts.num_dispatchers, rows)
+    # Each sender dispatches at most the LL capacity per rank (the experts' max_num_tokens).
+    capacity = fused_experts.max_num_tokens or rows
+    tokens = senders_tokens(topk_ids.shape[0], fused_experts.num_dispatchers, capacity)
     sent = min(tokens * fused_experts.num_dispatchers, rows * experts)
     config = try_get_optimal_moe_config(
         w1.size(), w2.size(), top_k, None, max(1, sent), block_shape=None

@@ -86,7 +86,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
-        so the experts must leave weighting to the prepare/finalize. vLLM's batched Triton
+        so the experts must leave weighting to the prepare/finalize; expert biases are
+        refused (neither experts path applies them). vLLM's batched Triton
         experts compute only the received rows when unquantized (vllm/compact_experts.py)
         and otherwise get their tile per batch (vllm/batched_tiles.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
@@ -95,6 +96,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
+        compact_experts.refuse_biases(fused_experts)
         batched_tiles.install(fused_experts)
         compact_experts.install(fused_experts)
 
