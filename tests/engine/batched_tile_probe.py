@@ -30,20 +30,13 @@ import torch
 
 
 def _time(fn, reps: int = 20, inner: int = 10) -> float:
-    """Median GPU microseconds per call of `fn`, replayed from a CUDA graph of `inner` calls."""
+    """Median GPU microseconds per call of `fn`, replayed from a CUDA graph of `inner` calls
+    (captured the way vLLM captures, runtime/capture.py: one eager warm-up first)."""
+    from vllm_flashinfer_ep.runtime.capture import capture_graph
+
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
+    g = capture_graph(lambda: [fn() for _ in range(inner)])
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -109,10 +102,7 @@ def main() -> int:
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
         invoke_moe_batched_triton_kernel,
     )
-    from vllm.model_executor.layers.fused_moe.fused_moe import (
-        invoke_fused_moe_triton_kernel,
-        try_get_optimal_moe_config,
-    )
+    from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
     from vllm_flashinfer_ep.vllm.batched_tiles import tile_for_rows
 
@@ -139,7 +129,7 @@ def main() -> int:
 
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
 
-    from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks, max_blocks
+    from vllm_flashinfer_ep.vllm.compact_experts import _gemm, expert_blocks, max_blocks
 
     def compact(tokens: int, counts: torch.Tensor, out1, out2) -> float:
         cfg = try_get_optimal_moe_config(w1.size(), w2.size(), args.top_k, None, tokens)
@@ -149,12 +139,7 @@ def main() -> int:
         def both() -> None:
             blocks = expert_blocks(counts, R, bm, bound)
             for a, b, c in ((a1, w1, out1), (a2, w2, out2)):
-                invoke_fused_moe_triton_kernel(
-                    a.view(E * R, -1), b, c.view(E * R, 1, -1), None, None, None, *blocks,
-                    mul_routed_weight=False, top_k=1, config=cfg, compute_type=tl.bfloat16,
-                    use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
-                    use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
-                )
+                _gemm(a.view(E * R, -1), b, c.view(E * R, 1, -1), blocks, cfg, tl.bfloat16)
         return _time(both), cfg, bound
 
     def max_diff(counts: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -13,26 +13,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_vllm_join_gpu import _modules, vllm_env  # noqa: F401 - fixture
+from tests.kernels.test_vllm_join_gpu import INTERMEDIATE as INTER
+from tests.kernels.test_vllm_join_gpu import (
+    TOP_K,
+    _modules,
+    _moe_config,
+    vllm_env,  # noqa: F401 - fixture
+)
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 
 pytestmark = pytest.mark.gpu
 
-EXPERTS, HIDDEN, INTER, ROWS, TOP_K = 64, 2048, 512, 256, 8
+EXPERTS, HIDDEN, ROWS = 64, 2048, 256  # INTER 512, TOP_K 8: the join test's
 
 
 def _experts(compact: bool):
-    cfg, mk, act, batched_experts, *_ = _modules()
+    cfg, _, _, batched_experts, *_ = _modules()
     from vllm_flashinfer_ep.vllm import compact_experts
 
-    moe = cfg.FusedMoEConfig(
-        num_experts=EXPERTS, experts_per_token=TOP_K, hidden_dim=HIDDEN,
-        intermediate_size=INTER, num_local_experts=EXPERTS, num_logical_experts=EXPERTS,
-        activation=act.SILU, device=torch.device("cuda", 0),
-        routing_method=cfg.RoutingMethodType.Renormalize,
-        moe_parallel_config=cfg.FusedMoEParallelConfig.make_no_parallel(),
-        in_dtype=torch.bfloat16, max_num_tokens=ROWS,
-    )
+    moe = _moe_config(HIDDEN, ROWS, num_experts=EXPERTS)
     experts = batched_experts(moe_config=moe, quant_config=cfg.FUSED_MOE_UNQUANTIZED_CONFIG,
                               max_num_tokens=ROWS, num_dispatchers=1)
     if compact:

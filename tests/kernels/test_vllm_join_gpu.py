@@ -53,11 +53,11 @@ def _modules():
     return cfg, mk, MoEActivation, BatchedTritonExperts, TritonExperts, BatchedPrepareAndFinalize
 
 
-def _moe_config(hidden: int, max_num_tokens: int):
+def _moe_config(hidden: int, max_num_tokens: int, num_experts: int = NUM_EXPERTS):
     cfg, _, act, *_ = _modules()
     return cfg.FusedMoEConfig(
-        num_experts=NUM_EXPERTS, experts_per_token=TOP_K, hidden_dim=hidden,
-        intermediate_size=INTERMEDIATE, num_local_experts=NUM_EXPERTS, num_logical_experts=NUM_EXPERTS,
+        num_experts=num_experts, experts_per_token=TOP_K, hidden_dim=hidden,
+        intermediate_size=INTERMEDIATE, num_local_experts=num_experts, num_logical_experts=num_experts,
         activation=act.SILU, device=torch.device("cuda", 0),
         routing_method=cfg.RoutingMethodType.Renormalize,
         moe_parallel_config=cfg.FusedMoEParallelConfig.make_no_parallel(),

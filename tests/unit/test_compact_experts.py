@@ -24,11 +24,11 @@ from vllm.model_executor.layers.fused_moe.config import (
 from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
 
 from tests.fakes.runtime import build_fake_runtime
+from tests.unit.test_batched_tiles import RecordingTritonExperts
 from tests.unit.test_prepare_finalize_cpu import (
     HIDDEN,
     INTER,
     NUM_EXPERTS,
-    TorchActNaiveBatchedExperts,
     _apply,
     _assert_bf16_close,
     _moe_config,
@@ -145,35 +145,17 @@ def emulate_fused_moe_kernel(a, w, c, blocks, config, compute_type) -> None:
         c[ids, 0] = (a[ids].float() @ w[e].float().T).to(c.dtype)
 
 
-class TorchActTritonExperts(fused_batched_moe.BatchedTritonExperts):
-    """vLLM's BatchedTritonExperts with a torch SiLU-and-mul (vllm._C is absent here).
-    Its own apply (vLLM's batched Triton kernel) would need a GPU: calls that reach it
-    are recorded and computed with vLLM's NaiveBatchedExperts loop."""
-
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-              expert_tokens_meta, apply_router_weight_on_input):
-        self.batched_calls += 1
-        return TorchActNaiveBatchedExperts.apply(
-            self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-            global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-            expert_tokens_meta, apply_router_weight_on_input,
-        )
-
-    def activation(self, activation, output, input, **kwargs) -> None:
-        TorchActNaiveBatchedExperts.activation(self, activation, output, input)
-
-
 def _kernel(top_k: int, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
     rt, _ = build_fake_runtime(
         Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 13]
     )
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
-    experts = TorchActTritonExperts(
+    # Calls that reach vLLM's own apply (its batched kernel) are recorded in `tiles`.
+    experts = RecordingTritonExperts(
         _moe_config(top_k, LL_BACKEND), quant_config,
         max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
     )
-    experts.batched_calls = 0
+    experts.tiles, experts.fail = [], False
     return mk.FusedMoEKernel(pf, experts), experts
 
 
@@ -192,7 +174,7 @@ def test_received_rows_experts_match_the_reference(emulated, top_k, num_tokens):
     x, w1, w2, ids, weights = _problem(num_tokens, top_k, seed=num_tokens + top_k)
     out = _apply(kernel, x, w1, w2, ids, weights, False)
     _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
-    assert experts.batched_calls == 0
+    assert experts.tiles == []
     # Both GEMMs launched over at most the rows this batch can bring, not the buffer.
     assert len(calls) == 2 and all(c["blocks"] <= num_tokens * top_k for c in calls)
 
@@ -203,7 +185,7 @@ def test_a_disabled_switch_keeps_vllm_s_batched_kernel(emulated, monkeypatch):
     x, w1, w2, ids, weights = _problem(3, 2, seed=1)
     _assert_bf16_close(_apply(kernel, x, w1, w2, ids, weights, False),
                        reference_moe(x, w1, w2, ids, weights, False))
-    assert experts.batched_calls == 1 and not calls
+    assert len(experts.tiles) == 1 and not calls
 
 
 def test_biased_experts_are_refused_at_load(emulated):
@@ -220,10 +202,11 @@ def test_several_senders_without_dp_metadata_bound_by_the_per_rank_capacity(emul
     # list covers 2 x capacity x top_k rows (not the buffer's 2 x capacity rows per
     # expert taken as a per-sender count).
     top_k, senders = 2, 2
-    experts = TorchActTritonExperts(
+    experts = RecordingTritonExperts(
         _moe_config(top_k, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
         max_num_tokens=CAPACITY, num_dispatchers=senders,
     )
+    experts.tiles, experts.fail = [], False
     assert compact_experts.install(experts)
     rows = CAPACITY * senders
     counts = torch.zeros(NUM_EXPERTS, dtype=torch.int32)

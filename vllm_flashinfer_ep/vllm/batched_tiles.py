@@ -37,6 +37,25 @@ ENABLED = True  # the test harness turns it off to measure vLLM's own lookup
 _logged = False
 
 
+def matches_vllm_apply(fused_experts: Any, leaving: str) -> bool:
+    """Whether the experts' `apply` has vLLM 0.33.0's parameters (the wrappers here and in
+    compact_experts.py forward them by name); if not, log what is left to vLLM."""
+    params = tuple(inspect.signature(type(fused_experts).apply).parameters)
+    if params == APPLY_PARAMS:
+        return True
+    logger.warning(
+        "flashinfer_ep: BatchedTritonExperts.apply has parameters %s, not vLLM 0.33.0's; "
+        "leaving %s to vLLM", params, leaving,
+    )
+    return False
+
+
+def named_args(args: tuple, kw: dict) -> dict:
+    """A wrapped `apply` call's arguments by name (vLLM passes some positionally)."""
+    kw.update(zip(APPLY_PARAMS[1:], args))
+    return kw
+
+
 @functools.lru_cache(maxsize=128)
 def tile_for_rows(
     rows: int,
@@ -85,18 +104,13 @@ def install(fused_experts: Any) -> bool:
         return False
     if getattr(fused_experts.apply, "_flashinfer_ep_tiles", False):
         return True  # already wrapped (the setup hook ran again)
-    params = tuple(inspect.signature(type(fused_experts).apply).parameters)
-    if params != APPLY_PARAMS:
-        logger.warning(
-            "flashinfer_ep: BatchedTritonExperts.apply has parameters %s, not vLLM 0.33.0's; "
-            "leaving its tile choice to vLLM", params,
-        )
+    if not matches_vllm_apply(fused_experts, "its tile choice"):
         return False
     original = fused_experts.apply
     checked: dict[tuple, bool] = {}
 
     def apply(*args: Any, **kw: Any) -> Any:
-        kw.update(zip(APPLY_PARAMS[1:], args))
+        kw = named_args(args, kw)
         w1, w2, hidden = kw["w1"], kw["w2"], kw["hidden_states"]
         dtype = fused_experts.quant_config.config_name(hidden.dtype)
         block = None if fused_experts.block_shape is None else tuple(fused_experts.block_shape)

@@ -24,13 +24,12 @@ path applies them.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
+from vllm_flashinfer_ep.vllm.batched_tiles import matches_vllm_apply, named_args
 
 logger = get_logger(__name__)
 
@@ -192,17 +191,12 @@ def install(fused_experts: Any) -> bool:
         return False
     if getattr(fused_experts.apply, "_flashinfer_ep_compact", False):
         return True
-    params = tuple(inspect.signature(type(fused_experts).apply).parameters)
-    if params != APPLY_PARAMS:
-        logger.warning(
-            "flashinfer_ep: BatchedTritonExperts.apply has parameters %s, not vLLM 0.33.0's; "
-            "leaving the experts computation to vLLM", params,
-        )
+    if not matches_vllm_apply(fused_experts, "the experts computation"):
         return False
     inner = fused_experts.apply
 
     def apply(*args: Any, **kw: Any) -> Any:
-        kw.update(zip(APPLY_PARAMS[1:], args))
+        kw = named_args(args, kw)
         if not _eligible(fused_experts, kw):
             return inner(**kw)
         return compact_apply(fused_experts, kw)
