@@ -133,12 +133,17 @@ def model_checks(model: str) -> list[Check]:
         )
     dtype = text.get("torch_dtype") or cfg.get("torch_dtype") or text.get("dtype")
     quant = cfg.get("quantization_config") or text.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    carried = not quant or (method == "fp8" and (block is None or list(block)[-1:] == [128]))
     checks.append(
         Check(
-            "BF16 checkpoint",
-            not quant,
-            f"dtype {dtype}, quantization {quant.get('quant_method') if isinstance(quant, dict) else quant}",
-            "NCCL-EP dispatch is BF16-only: serve a BF16 checkpoint",
+            "checkpoint precision",
+            carried,
+            f"dtype {dtype}, quantization {method}"
+            + (f", weight_block_size {block}" if block is not None else ""),
+            "the backends run BF16 and FP8 checkpoints (per-tensor or 128x128 blocks): serve "
+            "one of those, or pick another --all2all-backend",
         )
     )
     return checks

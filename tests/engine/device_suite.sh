@@ -3,8 +3,8 @@
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
 #   bash tests/engine/device_suite.sh [step ...]
-#   steps: doctor tests (= engine-tests kernel-tests) compact probe sweep profile
-#          bench (= bench-tiny bench-30b) kbench
+#   steps: doctor tests (= engine-tests kernel-tests) compact fp8-kernels fp8-engine probe
+#          sweep profile bench (= bench-tiny bench-30b) kbench
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations.
 # One device call may run 600 s: engine-tests alone take about 8 minutes, so give the
@@ -45,6 +45,14 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
         -p no:cacheprovider -rs -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
       tail -15 "$out/pytest-compact.txt" ;;
+    fp8-kernels)  # FP8 layers through both backends against vLLM without EP (kernel level)
+      python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
+        -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
+      grep -E "vs no-EP|moved by|passed|failed|Error" "$out/pytest-fp8-kernels.txt" | tail -40 ;;
+    fp8-engine)  # FP8 models (online, block, static) through the engine, against no EP
+      python3 -m pytest tests/engine/test_engine_fp8_world1.py -p no:cacheprovider -rs -s -q \
+        -o addopts="" > "$out/pytest-fp8-engine.txt" 2>&1 || rc=1
+      grep -E "floor|vs no EP|passed|failed|Error" "$out/pytest-fp8-engine.txt" | tail -20 ;;
     probe|sweep)  # the LL experts kernels at the 30B shape, side by side with no-EP's
       flag=(); [ "$step" = sweep ] && flag=(--sweep)
       python3 tests/engine/batched_tile_probe.py "${flag[@]}" > "$out/$step.txt" 2>&1 || rc=1
@@ -67,7 +75,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress \
           --json "$out/bench_world1_h$hidden.json" 2>&1 | tail -12 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact probe sweep profile bench bench-tiny bench-30b kbench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact fp8-kernels fp8-engine probe sweep profile bench bench-tiny bench-30b kbench)"; rc=2 ;;
   esac
 done
 exit "$rc"

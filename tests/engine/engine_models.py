@@ -150,3 +150,65 @@ def token_sequences(count: int, vocab: int, seed: int = 1234, lo: int = 16, hi: 
     return [
         torch.randint(FIRST_WORD_ID, vocab, (n,), generator=g).tolist() for n in lengths
     ]
+
+
+FP8_MAX = 448.0  # float8_e4m3fn
+FP8_INPUT_SCALE = 16.0 / FP8_MAX  # static activation scale of the per-tensor checkpoints
+
+
+def _quantized_names(cfg: dict[str, Any]) -> list[str]:
+    """The expert projections: what an FP8 MoE checkpoint of this package's tests quantizes
+    (attention and the router stay BF16, listed in `ignored_layers`)."""
+    return [
+        f"model.layers.{i}.mlp.experts.{x}.{proj}"
+        for i in range(cfg["num_hidden_layers"])
+        for x in range(cfg["num_experts"])
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+def fp8_weights(cfg: dict[str, Any], scheme: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`random_weights` with the experts in FP8, as vLLM's `fp8` checkpoints store them:
+    "block": 128x128 blocks with `weight_scale_inv`; "static": per-tensor `weight_scale`
+    and a static `input_scale`."""
+    w = random_weights(cfg, seed)
+    for name in _quantized_names(cfg):
+        weight = w.pop(name + ".weight").float()
+        if scheme == "block":
+            n, k = weight.shape
+            blocks = weight.view(n // 128, 128, k // 128, 128)
+            scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+            q = (blocks / scale[:, None, :, None]).view(n, k)
+            w[name + ".weight_scale_inv"] = scale.float().contiguous()
+        elif scheme == "static":
+            scale = weight.abs().amax() / FP8_MAX
+            q = weight / scale
+            w[name + ".weight_scale"] = scale.float().reshape(())
+            w[name + ".input_scale"] = torch.tensor(FP8_INPUT_SCALE, dtype=torch.float32)
+        else:
+            raise ValueError(scheme)
+        w[name + ".weight"] = q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return w
+
+
+def write_fp8_model(root: Path, hidden: int, scheme: str, seed: int = 0, **arch: Any) -> str:
+    """A tiny Qwen3-MoE checkpoint with FP8 experts (vLLM's `fp8` quantization method)."""
+    from safetensors.torch import save_file
+
+    cfg = qwen3_moe_config(hidden, **arch)
+    if (root / "model.safetensors").exists():
+        return str(root)
+    ignored = [
+        f"model.layers.{i}.{name}"
+        for i in range(cfg["num_hidden_layers"])
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate")
+    ]
+    quant: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "ignored_layers": ignored}
+    if scheme == "block":
+        quant |= {"activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    else:
+        quant |= {"activation_scheme": "static"}
+    write_config_only(root, cfg | {"quantization_config": quant})
+    save_file(fp8_weights(cfg, scheme, seed), str(root / "model.safetensors"))
+    return str(root)

@@ -72,6 +72,9 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         {f"{type(k.prepare_finalize).__name__}+{type(k.fused_experts).__name__}" for k in impls.values()}
     )
     out["num_kernels"] = len(impls)
+    out["quant_dtypes"] = sorted(
+        {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
+    )
     out["kernel_runtimes"] = len(
         {id(k.prepare_finalize.runtime) for k in impls.values() if hasattr(k.prepare_finalize, "runtime")}
     )
@@ -99,6 +102,9 @@ def _build(spec: dict[str, Any]) -> Any:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     if spec.get("compilation_config"):
         kwargs["compilation_config"] = spec["compilation_config"]
+    for key in ("quantization", "moe_backend"):
+        if spec.get(key):
+            kwargs[key] = spec[key]
     if spec.get("backend"):
         kwargs.update(enable_expert_parallel=True, all2all_backend=spec["backend"])
     return LLM(**kwargs)

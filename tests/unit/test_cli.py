@@ -28,8 +28,14 @@ def test_doctor_model_checks(tmp_path):
     many = doctor.model_checks(write_model(tmp_path / "k", num_experts_per_tok=20))
     topk = next(c for c in many if c.name == "top_k")
     assert not topk.ok and "high_throughput only" in topk.fix
-    quant = doctor.model_checks(write_model(tmp_path / "q", quantization_config={"quant_method": "fp8"}))
-    assert not next(c for c in quant if c.name == "BF16 checkpoint").ok
+    def precision(name, quant):
+        checks = doctor.model_checks(write_model(tmp_path / name, quantization_config=quant))
+        return next(c for c in checks if c.name == "checkpoint precision").ok
+
+    assert precision("fp8", {"quant_method": "fp8"})
+    assert precision("block", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert not precision("block64", {"quant_method": "fp8", "weight_block_size": [64, 64]})
+    assert not precision("awq", {"quant_method": "awq"})
     assert not doctor.model_checks(str(tmp_path / "missing"))[0].ok
 
 

@@ -107,7 +107,8 @@ def test_policy_applies_outside_vllm_compile(monkeypatch):
 BAD = [
     (dict(enable_dbo=True), LOW_LATENCY, "Remove --enable-dbo"),
     (dict(dtype="float16"), LOW_LATENCY, "--dtype bfloat16"),
-    (dict(quantization="fp8"), HIGH_THROUGHPUT, "BF16 only"),
+    (dict(quantization="int8_per_channel_weight_only"), HIGH_THROUGHPUT, "Serve a BF16 or FP8 checkpoint"),
+    (dict(quantization="fp8_per_block", moe_backend="deep_gemm"), LOW_LATENCY, "Pass --moe-backend triton"),
     (
         dict(enable_fault_tolerance=True, data_parallel_external_lb=True, data_parallel_rank=0),
         HIGH_THROUGHPUT,
@@ -232,3 +233,72 @@ def test_policy_is_idle_at_dp_1(tiny_moe):
     vllm_mode = _mode_without_plugin(tiny_moe)
     cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, data_parallel_size=1)
     assert cfg.compilation_config.cudagraph_mode.name == vllm_mode
+
+
+# ---------------------------------------------------------------- FP8 models
+@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block", "fp8_per_channel"])
+def test_online_fp8_is_accepted_and_runs_vllm_s_triton_experts(tiny_moe, quantization, caplog):
+    with caplog.at_level("INFO"):
+        cfg = engine_config(tiny_moe, LOW_LATENCY, quantization=quantization)
+    assert cfg.model_config.quantization == quantization
+    assert cfg.kernel_config.moe_backend == "triton"  # auto was pinned, and it says so
+    assert "--moe-backend auto -> triton" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "quant,ok",
+    [
+        ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, True),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, True),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, False),
+    ],
+    ids=["block-128", "per-tensor-static", "block-64"],
+)
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_fp8_checkpoints(tmp_path, quant, ok, backend):
+    model = write_model(tmp_path / "m", quantization_config=quant)
+    if ok:
+        cfg = engine_config(model, backend, moe_backend="triton")  # explicit triton is kept
+        assert cfg.model_config.quantization == "fp8"
+        assert cfg.kernel_config.moe_backend == "triton"
+        return
+    with pytest.raises(FlashInferEPConfigError, match="weight_block_size is \\[64, 64\\]"):
+        engine_config(model, LOW_LATENCY)
+
+
+@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block", "fp8_per_channel"])
+def test_high_throughput_refuses_online_fp8(tiny_moe, quantization):
+    with pytest.raises(FlashInferEPConfigError, match="serve an FP8 checkpoint"):
+        engine_config(tiny_moe, HIGH_THROUGHPUT, quantization=quantization)
+
+
+def test_bf16_models_keep_the_user_s_moe_backend(tiny_moe):
+    assert engine_config(tiny_moe, LOW_LATENCY).kernel_config.moe_backend == "auto"
+
+
+# ------------------------------------------------------ EPLB and expert placement
+@pytest.fixture
+def eplb_platform(monkeypatch):
+    """vLLM refuses --enable-eplb unless the platform is CUDA-like; say it is (config only)."""
+    import vllm.config.parallel as parallel
+
+    monkeypatch.setattr(parallel.current_platform, "is_cuda_alike", lambda: True)
+
+
+@pytest.mark.usefixtures("eplb_platform")
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_eplb_with_redundant_experts_is_accepted(tmp_path, backend):
+    from vllm_flashinfer_ep.vllm.config_validation import _ll_fleet_shape
+
+    model = write_model(tmp_path / "m", num_experts=8)
+    cfg = engine_config(model, backend, enable_eplb=True, eplb_config={"num_redundant_experts": 2})
+    assert cfg.parallel_config.enable_eplb
+    # The LL buffers are sized for the physical experts (logical + redundant), the count
+    # vLLM's MoE layers hand the manager (FusedMoEConfig.num_experts) for the fleet.
+    assert _ll_fleet_shape(cfg)[1] == 10
+
+
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_round_robin_expert_placement_is_refused(tiny_moe, backend):
+    with pytest.raises(FlashInferEPConfigError, match="--expert-placement-strategy linear"):
+        engine_config(tiny_moe, backend, expert_placement_strategy="round_robin")

@@ -134,8 +134,8 @@ def test_prepare_finalize_selection_builds_ours(backend):
 def test_prepare_finalize_selection_refuses_quantized_and_monolithic():
     from vllm.model_executor.layers.fused_moe import all2all_utils
 
-    quant = SimpleNamespace(quant_dtype=torch.float8_e4m3fn)
-    with pytest.raises(FlashInferEPConfigError, match="BF16 only"):
+    quant = SimpleNamespace(quant_dtype=torch.int8, block_shape=None)
+    with pytest.raises(FlashInferEPConfigError, match="Serve a BF16 or FP8 checkpoint"):
         all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), quant, all2all_manager=_manager())
     with pytest.raises(FlashInferEPConfigError, match="--moe-backend triton"):
         all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, None, False, True, _manager())

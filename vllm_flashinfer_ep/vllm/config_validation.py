@@ -62,9 +62,18 @@ def validate(vllm_config: Any) -> None:
         if not check.ok:
             raise FlashInferEPConfigError(f"{flag} cannot run: {check.detail}; {check.fix}.")
 
+    placement = getattr(par, "expert_placement_strategy", "linear")
+    if placement != "linear":
+        raise FlashInferEPConfigError(
+            f"{flag} needs each rank's experts to be one contiguous range of expert ids "
+            f"(NCCL-EP routes by it); --expert-placement-strategy {placement} places them "
+            "otherwise. Pass --expert-placement-strategy linear."
+        )
     model = vllm_config.model_config
     if model is not None:
         _validate_model(model, backend, flag)
+        if par.use_all2all:
+            _pin_fp8_experts(vllm_config, flag)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)
     if backend == backends.LOW_LATENCY and par.use_all2all:
@@ -230,19 +239,87 @@ def _lower_step_budget(vllm_config: Any, flag: str, limit: int, why: str, log_wh
     )
 
 
+# Quantization methods whose MoE layers this package runs (BF16 wire, FP8 after receive):
+# FP8 checkpoints (vLLM's `fp8` method) and vLLM 0.33.0's online FP8 shorthands.
+CHECKPOINT_FP8 = ("fp8",)
+ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
+FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
+
+
+def _check_quantization(model: Any, backend: str, flag: str) -> None:
+    """BF16, FP8 checkpoints (per-tensor scales or 128x128 blocks) and, under low latency,
+    online FP8 (--quantization fp8_per_tensor / fp8_per_block / fp8_per_channel on a
+    BF16 checkpoint). Anything else is refused."""
+    quant = getattr(model, "quantization", None)
+    if not quant:
+        return
+    if quant in ONLINE_FP8 and backend == backends.HIGH_THROUGHPUT:
+        # Measured on the H200 (docs/device_vllm.md): the engine with this backend and
+        # --quantization fp8_per_tensor stops at its warm-up forward with a CUDA "invalid
+        # argument" error, while the same MoE layers from an FP8 checkpoint match the
+        # engine without EP exactly. Refused until the cause is found.
+        raise FlashInferEPConfigError(
+            f"{flag} does not run online FP8 quantization (--quantization {quant}) yet; serve "
+            "an FP8 checkpoint, or use --all2all-backend flashinfer_ep_low_latency."
+        )
+    if quant not in FP8_METHODS:
+        raise FlashInferEPConfigError(
+            f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "
+            f"quantized with {quant}. Serve a BF16 or FP8 checkpoint, or pick another "
+            "--all2all-backend (e.g. deepep_low_latency)."
+        )
+    block = checkpoint_block_shape(model)
+    if block is not None and (len(block) != 2 or block[1] != 128):
+        raise FlashInferEPConfigError(
+            f"{flag} carries FP8 activations in groups of 128 (128x128 block checkpoints); "
+            f"this checkpoint's weight_block_size is {block}. Pick another --all2all-backend."
+        )
+
+
+def checkpoint_block_shape(model: Any) -> list[int] | None:
+    """The checkpoint's FP8 `weight_block_size`, or None (per-tensor or online)."""
+    hf = getattr(model, "hf_config", None)
+    qc = getattr(hf, "quantization_config", None)
+    if not isinstance(qc, dict):
+        qc = getattr(getattr(model, "hf_text_config", None), "quantization_config", None)
+    return qc.get("weight_block_size") if isinstance(qc, dict) else None
+
+
+def _pin_fp8_experts(vllm_config: Any, flag: str) -> None:
+    """FP8 MoE layers run with vLLM's Triton experts (the activation scale layouts the
+    package quantizes into after receive): --moe-backend auto becomes triton, logged;
+    another explicit choice is refused."""
+    model, kernel = vllm_config.model_config, getattr(vllm_config, "kernel_config", None)
+    if model is None or not getattr(model, "quantization", None) or kernel is None:
+        return
+    if getattr(model, "is_moe", True) is False:
+        return
+    asked = kernel.moe_backend
+    if asked == "triton":
+        return
+    if asked != "auto":
+        raise FlashInferEPConfigError(
+            f"{flag} runs FP8 MoE layers with vLLM's Triton experts; --moe-backend {asked} "
+            "quantizes or lays out activations otherwise. Pass --moe-backend triton (or leave "
+            "it at auto)."
+        )
+    kernel.moe_backend = "triton"
+    logger.info(
+        "%s: FP8 MoE layers use vLLM's Triton experts (--moe-backend auto -> triton); "
+        "activations travel in BF16 and are quantized to FP8 after receive.",
+        flag,
+    )
+
+
 def _validate_model(model: Any, backend: str, flag: str) -> None:
     if getattr(model, "is_moe", True) is False:
         return
-    quant = getattr(model, "quantization", None)
-    if quant:
-        raise FlashInferEPConfigError(
-            f"{flag} dispatches BF16 only, but the model is quantized ({quant}). Serve a BF16 "
-            "checkpoint, or pick another --all2all-backend (e.g. deepep_low_latency)."
-        )
+    _check_quantization(model, backend, flag)
     dtype = getattr(model, "dtype", None)
     if isinstance(dtype, torch.dtype) and dtype != torch.bfloat16:
         raise FlashInferEPConfigError(
-            f"{flag} dispatches BF16 only, but the model dtype is {dtype}. Pass --dtype bfloat16."
+            f"{flag} dispatches BF16 activations, but the model dtype is {dtype}. Pass "
+            "--dtype bfloat16."
         )
     hf = model.hf_text_config
     top_k = model_top_k(hf)

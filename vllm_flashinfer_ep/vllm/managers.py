@@ -99,12 +99,11 @@ class _FlashInferEPManager(All2AllManagerBase):
                 f"{flag} works with modular MoE kernels only; the selected MoE backend is "
                 "monolithic. Pass --moe-backend triton."
             )
-        if quant_config is not None and getattr(quant_config, "quant_dtype", None) is not None:
-            raise FlashInferEPConfigError(
-                f"{flag} dispatches BF16 only, but this MoE layer is quantized "
-                f"({quant_config.quant_dtype}). Serve a BF16 checkpoint or pick another "
-                "--all2all-backend."
-            )
+        from vllm_flashinfer_ep.vllm.receive_quant import refusal
+
+        reason = refusal(quant_config, flag)
+        if reason is not None:
+            raise FlashInferEPConfigError(reason)
         from vllm_flashinfer_ep.vllm.forward_state import tokens_uniform_across_ranks
         from vllm_flashinfer_ep.vllm.prepare_finalize import PREPARE_FINALIZE
 

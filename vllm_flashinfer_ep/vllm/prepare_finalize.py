@@ -5,6 +5,8 @@
   Combine applies the routing weights bound to the handle and writes straight into
   vLLM's `output`. Nothing is allocated between dispatch and combine; CUDA-graph
   capturable through the persistent handle pool.
+- Both dispatch BF16; FP8 layers get their activations quantized after receive, as
+  their experts expect (vllm/receive_quant.py).
 - High throughput: flat dispatch -> vLLM's Standard format with global expert ids;
   the received row count is read on the host (not capturable); the experts'
   per-(row, k) output is weighted and reduced per received row before combine.
@@ -28,7 +30,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
-from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts
+from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, receive_quant
 
 UniformFn = Callable[[], bool]
 
@@ -76,7 +78,10 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
             uniform=self._uniform(),
             apply_router_weight_on_input=apply_router_weight_on_input,
         )
-        return self._prepare_result(out)
+        return self._prepare_result(out, quant_config, defer_input_quant)
+
+    def _prepare_result(self, out, quant_config, defer: bool) -> mk.PrepareResultType:
+        raise NotImplementedError
 
 
 class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
@@ -97,17 +102,21 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
         compact_experts.refuse_biases(fused_experts)
+        receive_quant.check_experts(fused_experts, "--all2all-backend flashinfer_ep_low_latency", True)
         batched_tiles.install(fused_experts)
         compact_experts.install(fused_experts)
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
 
-    def _prepare_result(self, out) -> mk.PrepareResultType:
+    def _prepare_result(self, out, quant_config, defer: bool) -> mk.PrepareResultType:
         meta = mk.ExpertTokensMetadata(
             expert_num_tokens=out.expert_num_tokens, expert_num_tokens_cpu=None
         )
-        return out.expert_x, None, meta, None, None
+        x, scales = receive_quant.quantize_expert_buffer(
+            out.expert_x, out.expert_num_tokens, quant_config, defer
+        )
+        return x, scales, meta, None, None
 
     def finalize(
         self,
@@ -129,8 +138,15 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
-    def _prepare_result(self, out) -> mk.PrepareResultType:
-        return out.x, None, None, out.topk_ids, out.topk_weights
+    def post_init_setup(self, fused_experts) -> None:
+        """FP8 layers need vLLM's Triton experts (the scale layout quantized here)."""
+        receive_quant.check_experts(
+            fused_experts, "--all2all-backend flashinfer_ep_high_throughput", False
+        )
+
+    def _prepare_result(self, out, quant_config, defer: bool) -> mk.PrepareResultType:
+        x, scales = receive_quant.quantize_received_rows(out.x, quant_config, defer)
+        return x, scales, None, out.topk_ids, out.topk_weights
 
     def finalize(
         self,

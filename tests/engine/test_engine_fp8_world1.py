@@ -1,0 +1,107 @@
+"""FP8 MoE models through the real vLLM 0.33.0 engine with the plugin (world 1).
+
+Three FP8 forms of the tiny Qwen3-MoE of test_engine_world1.py (hidden 2048, 4 MoE
+layers, 64 experts, top_k 8):
+- online: the BF16 checkpoint with `--quantization fp8_per_tensor` (per-tensor weights,
+  dynamic per-tensor activations; vLLM 0.33.0's `fp8` method no longer quantizes online),
+  LL only (HT refuses online FP8 at config time);
+- block: an FP8 checkpoint with 128x128 block scales (dynamic 128-element activation
+  groups, as DeepSeek-V3 and the Qwen3 FP8 checkpoints);
+- static: an FP8 checkpoint with per-tensor weight scales and static input scales.
+Every engine, with EP or without, runs vLLM's Triton experts (`--moe-backend triton`,
+what the package selects for FP8 layers under its backends), so an EP run differs from
+the no-EP run only by the transport and where the activations are quantized.
+Tolerance: the rule of test_engine_world1.py, with the floor measured on the FP8 model
+itself (no-EP, CUDA graphs vs --enforce-eager).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_engine_world1 import HT, LAYERS, LL, _assert_close, _diff, _spec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+ONLINE = "fp8_per_tensor"
+LL_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedTritonExperts"]
+FP8_LAYERS = ["torch.float8_e4m3fn"]  # every MoE layer's activations, EP or not
+
+
+@pytest.fixture(scope="module")
+def fp8_models(models, tmp_path_factory):
+    from engine_models import write_fp8_model
+
+    root = tmp_path_factory.mktemp("fp8-models")
+    return {
+        "online": models(2048),
+        "block": write_fp8_model(root / "block", 2048, "block"),
+        "static": write_fp8_model(root / "static", 2048, "static"),
+    }
+
+
+def _fp8_spec(model: str, backend: str | None = None, online: bool = False, **kw) -> dict:
+    extra = {"moe_backend": "triton"} if backend is None else {}
+    if online:
+        extra["quantization"] = ONLINE
+    return _spec(model, backend, **extra, **kw)
+
+
+@pytest.fixture(scope="module")
+def online_no_ep(engines, fp8_models):
+    run = engines.run("noep-fp8online-graph", _fp8_spec(fp8_models["online"], online=True))
+    assert run["after_load"]["quant_dtypes"] == FP8_LAYERS
+    return run
+
+
+@pytest.fixture(scope="module")
+def fp8_floor(engines, fp8_models, online_no_ep):
+    eager = engines.run(
+        "noep-fp8online-eager", _fp8_spec(fp8_models["online"], online=True, enforce_eager=True)
+    )
+    stats = _diff(online_no_ep["prompt_logprobs"], eager["prompt_logprobs"])
+    print(f"FP8 floor (no EP, graphs vs eager): {stats}")
+    return stats
+
+
+def _check_ll(run: dict) -> None:
+    load = run["after_load"]
+    assert load["kernels"] == LL_KERNELS and load["num_kernels"] == LAYERS
+    assert load["quant_dtypes"] == FP8_LAYERS
+    assert load["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # FP8 LL stays capturable
+    [rt] = load["runtimes"]
+    assert rt["hidden_size"] == 2048 and rt["counters"]["created_during_capture"] == 0
+    after = run["after_decode"]["runtimes"][0]["counters"]
+    before = run["after_prefill"]["runtimes"][0]["counters"]
+    assert after["fresh_created"] == before["fresh_created"]  # decode replays the graphs
+
+
+def test_ll_online_fp8_with_cuda_graphs_matches_the_engine_without_ep(
+    engines, fp8_models, online_no_ep, fp8_floor
+):
+    run = engines.run("ll-fp8online-graph", _fp8_spec(fp8_models["online"], LL, online=True))
+    _check_ll(run)
+    _assert_close(run["prompt_logprobs"], online_no_ep["prompt_logprobs"], fp8_floor,
+                  "LL FP8 (online) graphs vs no EP")
+
+
+def test_ht_block_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp8_floor):
+    # HT refuses online FP8 at config time (config_validation.py: the engine stopped at
+    # its warm-up with it on the H200); checkpoints run.
+    reference = engines.run("noep-block-graph", _fp8_spec(fp8_models["block"]))
+    run = engines.run("ht-block", _fp8_spec(fp8_models["block"], HT))
+    load = run["after_load"]
+    assert load["kernels"] == ["FlashInferEPHighThroughputPrepareAndFinalize+TritonExperts"]
+    assert load["quant_dtypes"] == FP8_LAYERS
+    assert load["cudagraph_mode"] == "NONE" and load["max_num_batched_tokens"] == 8192
+    _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
+                  "HT FP8 (block checkpoint) vs no EP")
+
+
+@pytest.mark.parametrize("scheme", ["block", "static"])
+def test_ll_fp8_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp8_floor, scheme):
+    reference = engines.run(f"noep-{scheme}-graph", _fp8_spec(fp8_models[scheme]))
+    assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
+    run = engines.run(f"ll-{scheme}-graph", _fp8_spec(fp8_models[scheme], LL))
+    _check_ll(run)
+    _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
+                  f"LL FP8 ({scheme} checkpoint) graphs vs no EP")

@@ -1,0 +1,129 @@
+"""FP8 MoE layers over a BF16 wire: quantize what arrived, as the selected experts expect.
+
+Both backends dispatch BF16 (FlashInfer 0.7.2.post1's NCCL-EP handle sets no dispatch
+quantization recipe) and hand the experts FP8 activations with the scales their quant
+config describes: per tensor (static from the checkpoint, or dynamic), per token, or per
+128-element group (128x128 block checkpoints). The quantization is vLLM's own
+(`moe_kernel_quantize_input`); only what it is applied to is this module's business:
+
+- High throughput: the received rows, exactly (their count is known on the host).
+- Low latency: the expert-major buffer [local experts, rows per expert, hidden] with
+  rows past each expert's received count left over from earlier forwards (or never
+  written). Per-token and per-group scales are per row, so those rows cannot reach a
+  received row's scale. A dynamic per-tensor scale would: it is taken here over the
+  received rows only (a masked max, fixed shapes, so CUDA graphs capture it), then applied
+  as a static scale. Without that, a decode step's scale would depend on what earlier
+  batches left in the buffer.
+
+Which FP8 layouts are accepted is `refusal()`, used when the MoE layers are built; the
+engine-config check (config_validation.py) refuses non-FP8 quantization methods earlier.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+
+GROUP = 128  # the activation group size of 128x128 block checkpoints
+
+
+def fp8_dtype() -> torch.dtype:
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform.fp8_dtype()
+    except Exception:  # noqa: BLE001 - no platform (CPU tests): the CUDA type
+        return torch.float8_e4m3fn
+
+
+def refusal(quant_config: Any, flag: str) -> str | None:
+    """Why this package cannot carry the layer's quantization (None: it can)."""
+    if quant_config is None or getattr(quant_config, "quant_dtype", None) is None:
+        return None
+    dtype = quant_config.quant_dtype
+    if dtype != fp8_dtype():
+        return (
+            f"{flag} supports BF16 and FP8 MoE layers; this layer quantizes activations to "
+            f"{dtype}. Serve a BF16 or FP8 checkpoint, or pick another --all2all-backend."
+        )
+    block = quant_config.block_shape
+    if block is not None and (len(block) != 2 or block[1] != GROUP):
+        return (
+            f"{flag} carries FP8 activation groups of {GROUP} elements (128x128 block "
+            f"checkpoints); this layer uses blocks {list(block)}. Pick another --all2all-backend."
+        )
+    return None
+
+
+def quantize_received_rows(
+    x: torch.Tensor, quant_config: Any, defer: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """High throughput: x [received, hidden] BF16 -> (activations, scales) for the experts."""
+    if defer or quant_config is None or quant_config.quant_dtype is None:
+        return x, None
+    return _vllm_quantize(x, quant_config.a1_scale, quant_config)
+
+
+def quantize_expert_buffer(
+    x: torch.Tensor, counts: torch.Tensor, quant_config: Any, defer: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Low latency: x [experts, rows, hidden] BF16, counts [experts] -> (activations in the
+    same layout, scales shaped as vLLM's batched experts read them)."""
+    if defer or quant_config is None or quant_config.quant_dtype is None:
+        return x, None
+    experts, rows, hidden = x.shape
+    scale = quant_config.a1_scale
+    if scale is None and not quant_config.per_act_token_quant and quant_config.block_shape is None:
+        scale = received_amax(x, counts) / torch.finfo(fp8_dtype()).max
+        scale = scale.clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    xq, xs = _vllm_quantize(x.view(experts * rows, hidden), scale, quant_config)
+    from vllm.model_executor.layers.fused_moe.utils import normalize_batched_scales_shape
+
+    return xq.view(experts, rows, hidden), normalize_batched_scales_shape(xs, experts)
+
+
+def received_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """max |x| over the rows each expert received (fp32 scalar tensor, no host sync).
+
+    Unreceived rows may hold anything, NaN included: they are masked, not multiplied."""
+    rows = x.shape[1]
+    row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)  # [experts, rows]
+    received = torch.arange(rows, device=x.device)[None, :] < counts.to(torch.int64)[:, None]
+    return torch.where(received, row_max, torch.zeros_like(row_max)).amax().float()
+
+
+def _vllm_quantize(
+    x: torch.Tensor, scale: torch.Tensor | None, quant_config: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    return moe_kernel_quantize_input(
+        x,
+        scale,
+        quant_dtype=quant_config.quant_dtype,
+        per_act_token_quant=quant_config.per_act_token_quant,
+        block_shape=quant_config.block_shape,
+    )
+
+
+def check_experts(fused_experts: Any, flag: str, batched: bool) -> None:
+    """FP8 layers run with vLLM's Triton experts (what `--moe-backend triton` selects): the
+    scale layouts above are theirs. Others (DeepGEMM, CUTLASS, FlashInfer) expect other
+    layouts or quantize themselves; refuse them at load rather than compute wrong."""
+    qc = fused_experts.quant_config
+    if qc is None or qc.quant_dtype is None:
+        return
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+        BatchedTritonExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+
+    want = BatchedTritonExperts if batched else TritonExperts
+    if not isinstance(fused_experts, want):
+        raise FlashInferEPConfigError(
+            f"{flag} runs FP8 MoE layers with vLLM's Triton experts; the selected experts are "
+            f"{type(fused_experts).__name__}. Pass --moe-backend triton."
+        )
