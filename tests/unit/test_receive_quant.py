@@ -37,6 +37,7 @@ FLAG = "--all2all-backend flashinfer_ep_low_latency"
 def emulated_quantize(x, scale, quant_config):
     """What vLLM's FP8 activation quantization computes, in torch (see module doc)."""
     assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16, (x.shape, x.dtype)
+    assert x.shape[0] > 0, "vLLM's per-tensor FP8 kernels launch an empty grid on zero rows"
     xf = x.float()
     if quant_config.block_shape is not None:
         group = quant_config.block_shape[1]
@@ -145,6 +146,21 @@ def test_high_throughput_quantizes_exactly_the_received_rows():
     xq, scale = receive_quant.quantize_received_rows(x, _qc("tensor"), defer=False)
     assert torch.equal(scale, (x.float().abs().max() / FMAX).reshape(1))
     assert xq.shape == x.shape and xq.dtype == FP8
+
+
+def test_high_throughput_with_no_rows_received_skips_quantization():
+    x = torch.empty(0, HIDDEN, dtype=torch.bfloat16)
+    for kind in ("tensor", "token", "block"):
+        got, scales = receive_quant.quantize_received_rows(x, _qc(kind), defer=False)
+        assert got is x and scales is None  # vLLM's kernel returns before the experts
+
+
+def test_a_nan_in_one_received_row_leaves_the_others_a_finite_scale():
+    x, counts, received = _buffer([4, 4, 0, 2], seed=8, garbage=None)
+    x[0, 1, 5] = float("nan")
+    _, scales = receive_quant.quantize_expert_buffer(x, counts, _qc("tensor"), defer=False)
+    finite = x[received].float().nan_to_num(0.0).abs().max() / FMAX
+    torch.testing.assert_close(scales.flatten(), finite.expand(EXPERTS), rtol=0, atol=0)
 
 
 def test_refusal_names_the_flag_for_what_cannot_be_carried():

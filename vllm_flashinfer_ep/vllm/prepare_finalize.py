@@ -3,8 +3,9 @@
 - Low latency: expert-major dispatch -> vLLM's BatchedExperts format
   ([local experts, max_tokens_per_rank * ep_world, hidden] + per-expert counts).
   Combine applies the routing weights bound to the handle and writes straight into
-  vLLM's `output`. Nothing is allocated between dispatch and combine; CUDA-graph
-  capturable through the persistent handle pool.
+  vLLM's `output`. For BF16 layers nothing is allocated between dispatch and combine
+  (FP8 layers allocate their quantized activations); CUDA-graph capturable through the
+  persistent handle pool.
 - Both dispatch BF16; FP8 layers get their activations quantized after receive, as
   their experts expect (vllm/receive_quant.py).
 - High throughput: flat dispatch -> vLLM's Standard format with global expert ids;

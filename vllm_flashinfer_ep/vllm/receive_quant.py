@@ -61,8 +61,12 @@ def refusal(quant_config: Any, flag: str) -> str | None:
 def quantize_received_rows(
     x: torch.Tensor, quant_config: Any, defer: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """High throughput: x [received, hidden] BF16 -> (activations, scales) for the experts."""
-    if defer or quant_config is None or quant_config.quant_dtype is None:
+    """High throughput: x [received, hidden] BF16 -> (activations, scales) for the experts.
+
+    No rows received (another rank holds every routed expert): nothing to quantize, and
+    vLLM's per-tensor kernels would launch an empty grid; vLLM's modular kernel returns
+    before the experts when there are no rows."""
+    if defer or quant_config is None or quant_config.quant_dtype is None or x.shape[0] == 0:
         return x, None
     return _vllm_quantize(x, quant_config.a1_scale, quant_config)
 
@@ -88,9 +92,12 @@ def quantize_expert_buffer(
 def received_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """max |x| over the rows each expert received (fp32 scalar tensor, no host sync).
 
-    Unreceived rows may hold anything, NaN included: they are masked, not multiplied."""
+    Unreceived rows may hold anything, NaN included: they are masked, not multiplied. A
+    NaN inside a received row is skipped, as vLLM's dynamic per-tensor kernel skips it
+    (an fmax reduction): the other tokens keep a finite scale."""
     rows = x.shape[1]
     row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)  # [experts, rows]
+    row_max = torch.nan_to_num(row_max, nan=0.0)
     received = torch.arange(rows, device=x.device)[None, :] < counts.to(torch.int64)[:, None]
     return torch.where(received, row_max, torch.zeros_like(row_max)).amax().float()
 
