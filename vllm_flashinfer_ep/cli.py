@@ -1,4 +1,4 @@
-"""`vllm-flashinfer-ep` command line: doctor, bench, eval."""
+"""`vllm-flashinfer-ep` command line: doctor, bench, bench-ht, eval."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm_flashinfer_ep import __version__, doctor
+    from vllm_flashinfer_ep.bench import ht_run as bench_ht
     from vllm_flashinfer_ep.bench import run as bench
     from vllm_flashinfer_ep.evals import cli as evals
 
@@ -19,11 +20,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     doctor.add_parser(sub)
     bench_parser = sub.add_parser(
-        "bench", help="decode-step all2all benchmark (needs a GPU)", description=bench.__doc__,
+        "bench", help="decode-step LL all2all benchmark (needs a GPU)", description=bench.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=bench.main)
+    bench_ht_parser = sub.add_parser(
+        "bench-ht", help="prefill-step HT all2all benchmark vs raw FlashInfer, and LL vs HT (needs a GPU)",
+        description=bench_ht.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_ht.add_arguments(bench_ht_parser)
+    bench_ht_parser.set_defaults(func=bench_ht.main)
     evals.add_parser(sub)
     return parser
 

@@ -4,9 +4,10 @@
 #
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests) compact fp8-kernels fp8-engine probe
-#          sweep profile bench (= bench-tiny bench-30b) kbench
+#          sweep profile bench (= bench-tiny bench-30b) kbench htbench
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
-# BENCH_CONFIGS overrides the engine benchmark's configurations.
+# BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
+# arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
 # One device call may run 600 s: engine-tests alone take about 8 minutes, so give the
 # steps to separate calls. Periodic stack dumps of engine processes are opt-in
 # (FLASHINFER_EP_TEST_STACK_DUMP_S=60): a 30B-shape engine died while one was written.
@@ -75,7 +76,13 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress \
           --json "$out/bench_world1_h$hidden.json" 2>&1 | tail -12 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact fp8-kernels fp8-engine probe sweep profile bench bench-tiny bench-30b kbench)"; rc=2 ;;
+    htbench)  # HT transport benchmark: the package's HT round vs raw FlashInfer, and LL vs HT (eager)
+      read -ra htargs <<< "${HTBENCH_ARGS:-}"
+      for hidden in 4096 7168; do
+        python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
+          --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
+      done ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact fp8-kernels fp8-engine probe sweep profile bench bench-tiny bench-30b kbench htbench)"; rc=2 ;;
   esac
 done
 exit "$rc"

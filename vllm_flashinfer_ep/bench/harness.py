@@ -20,20 +20,25 @@ from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
 
+def torchrun_fleets() -> tuple[FleetCache, torch.device]:
+    """The fleet cache and GPU of this torchrun rank (world 1 without torchrun)."""
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return FleetCache(rank, world_size, dist.group.WORLD), device
+
+
 class Harness:
     def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
         """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
         self.args = args
         if fleets is None:
-            rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-            if not dist.is_initialized():
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", "29517")
-                dist.init_process_group("gloo", rank=rank, world_size=world_size)
-            fleets = FleetCache(rank, world_size, dist.group.WORLD)
+            fleets, device = torchrun_fleets()
         self.fleets, self.device = fleets, torch.device(device)
         self.rank, self.world_size = fleets.rank, fleets.world_size
         capacity = max(args.tokens)

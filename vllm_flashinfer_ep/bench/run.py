@@ -59,14 +59,14 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("bench: --layers and --tokens must be positive")
 
 
-def gpu_refusal() -> str | None:
+def gpu_refusal(command: str = "bench", module: str = "vllm_flashinfer_ep.bench.run") -> str | None:
     import torch
 
     if not torch.cuda.is_available():
         return (
-            "bench: needs a CUDA GPU (sm_90+) with NCCL-EP; none is visible here. Run it on a "
-            "GPU host, e.g. `vllm-flashinfer-ep bench` (world 1) or "
-            "`torchrun --nproc-per-node N -m vllm_flashinfer_ep.bench.run` (world N)."
+            f"{command}: needs a CUDA GPU (sm_90+) with NCCL-EP; none is visible here. Run it on a "
+            f"GPU host, e.g. `vllm-flashinfer-ep {command}` (world 1) or "
+            f"`torchrun --nproc-per-node N -m {module}` (world N)."
         )
     return None
 
