@@ -93,3 +93,45 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
         r = harness_result[name]
         assert not r["use_all2all"] and not r["use_ep"] and not r["all2all_kernels"], name
         assert not r["decided"], name
+
+
+DIAGNOSIS_SCRIPT = r"""
+import sys
+import world1_harness
+world1_harness.install()
+from tiny_models import write_model
+from pathlib import Path
+from vllm.engine.arg_utils import EngineArgs
+
+model = write_model(Path(sys.argv[1]))
+for quant in ("fp8_per_tensor", "int8_per_channel_weight_only"):
+    try:
+        EngineArgs(model=model, skip_tokenizer_init=True, enable_expert_parallel=True,
+                   all2all_backend="flashinfer_ep_high_throughput",
+                   quantization=quant).create_engine_config()
+        print("RESULT", quant, "built")
+    except Exception as exc:
+        print("RESULT", quant, type(exc).__name__)
+"""
+
+
+@pytest.mark.parametrize("switch", ["1", ""])
+def test_diagnosis_switch_lifts_only_ht_s_online_fp8_refusal(tmp_path, switch):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "tests" / "engine"), str(REPO / "tests" / "unit"), str(REPO)]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env["VLLM_CONFIGURE_LOGGING"] = "0"
+    env["FLASHINFER_EP_TEST_HT_ONLINE_FP8"] = switch
+    proc = subprocess.run(
+        [sys.executable, "-c", DIAGNOSIS_SCRIPT, str(tmp_path / "model")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    results = dict(line.split()[1:3] for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want_online = "built" if switch == "1" else "FlashInferEPConfigError"
+    assert results == {
+        "fp8_per_tensor": want_online,
+        "int8_per_channel_weight_only": "FlashInferEPConfigError",
+    }
