@@ -147,7 +147,7 @@ def test_ratio_columns_use_the_named_modes(tmp_path):
         "fresh_over_graph": 2.0 / 5.0,
     }
     assert row.ratios == pytest.approx(want)
-    args = cli.build_parser().parse_args(["bench"])
+    args = cli.build_parser().parse_args(["bench", "--json", "/somewhere/b.json"])
     table = results.format_table([row], args, 1, results.PoolMemory()).splitlines()
     header, cells = table[-3].split(" | "), table[-1].split(" | ")
     by_column = dict(zip(header, cells, strict=True))
@@ -158,7 +158,9 @@ def test_ratio_columns_use_the_named_modes(tmp_path):
     assert by_column["raw_eager"].startswith("11.000") and by_column["raw_fresh"].startswith("7.000")
     path = tmp_path / "b.json"
     results.write_json([row], args, 1, results.PoolMemory(), str(path))
-    data = json.loads(path.read_text())["rows"][0]
+    payload = json.loads(path.read_text())
+    assert "json_path" not in payload["config"]  # results carry no machine paths
+    data = payload["rows"][0]
     assert {k: data[k] for k in want} == pytest.approx(want)
     assert data["median_ms"] == medians
 

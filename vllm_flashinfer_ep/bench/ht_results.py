@@ -68,7 +68,7 @@ def format_table(rows: list[HtRow], args: Any, world_size: int, ll_skipped: str 
 def write_json(rows: list[HtRow], args: Any, world_size: int, ll_skipped: str | None, path: str) -> None:
     payload = {
         "benchmark": "high_throughput",
-        "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")},
         "world_size": world_size,
         "modes": [m for m in modes(True) if rows and m in rows[0].median_ms],
         "ll_skipped": ll_skipped,

@@ -111,7 +111,7 @@ def format_table(rows: list[Row], args: Any, world_size: int, memory: PoolMemory
 
 def write_json(rows: list[Row], args: Any, world_size: int, memory: PoolMemory, path: str) -> None:
     payload = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")},
         "world_size": world_size,
         "memory": asdict(memory),
         "rows": [{**asdict(r), **r.ratios} for r in rows],
