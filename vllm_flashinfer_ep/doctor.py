@@ -135,7 +135,9 @@ def model_checks(model: str) -> list[Check]:
     quant = cfg.get("quantization_config") or text.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
     block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-    carried = not quant or (method == "fp8" and (block is None or list(block)[-1:] == [128]))
+    from vllm_flashinfer_ep.vllm.receive_quant import carries_block
+
+    carried = not quant or (method == "fp8" and carries_block(block))
     checks.append(
         Check(
             "checkpoint precision",

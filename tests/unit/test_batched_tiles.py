@@ -81,10 +81,11 @@ class RecordingTritonExperts(fused_batched_moe.BatchedTritonExperts):
         TorchActNaiveBatchedExperts.activation(self, activation, output, input)
 
 
-def _kernel(rt, top_k=2, cls=RecordingTritonExperts, fail=False):
+def _kernel(rt, top_k=2, cls=RecordingTritonExperts, fail=False,
+            quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     experts = cls(
-        _moe_config(top_k, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
+        _moe_config(top_k, LL_BACKEND), quant_config,
         max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
     )
     experts.tiles, experts.fail = [], fail

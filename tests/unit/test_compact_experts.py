@@ -25,6 +25,7 @@ from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
 
 from tests.fakes.runtime import build_fake_runtime
 from tests.unit.test_batched_tiles import RecordingTritonExperts
+from tests.unit.test_batched_tiles import _kernel as batched_tiles_kernel
 from tests.unit.test_prepare_finalize_cpu import (
     HIDDEN,
     INTER,
@@ -40,7 +41,6 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.vllm import compact_experts
 from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks, max_blocks, senders_tokens
-from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
 CAPACITY = 256
 
@@ -149,14 +149,8 @@ def _kernel(top_k: int, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
     rt, _ = build_fake_runtime(
         Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[1, 13]
     )
-    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     # Calls that reach vLLM's own apply (its batched kernel) are recorded in `tiles`.
-    experts = RecordingTritonExperts(
-        _moe_config(top_k, LL_BACKEND), quant_config,
-        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
-    )
-    experts.tiles, experts.fail = [], False
-    return mk.FusedMoEKernel(pf, experts), experts
+    return batched_tiles_kernel(rt, top_k, quant_config=quant_config)
 
 
 @pytest.fixture

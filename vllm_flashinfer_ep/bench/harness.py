@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,8 @@ from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.handle_pool import memory_snapshot
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 from vllm_flashinfer_ep.runtime.transport import moe_ep
+
+R = TypeVar("R", bound=Row)
 
 
 def torchrun_fleets() -> tuple[FleetCache, torch.device]:
@@ -33,7 +35,47 @@ def torchrun_fleets() -> tuple[FleetCache, torch.device]:
     return FleetCache(rank, world_size, dist.group.WORLD), device
 
 
-class Harness:
+class TimedModes:
+    """Timing shared by the LL and HT benchmark harnesses: warm-up, then every mode once
+    per step in rotated order, medians into the row. Needs `args`, `world_size`, `device`."""
+
+    args: Any
+    world_size: int
+    device: torch.device
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _time(self, step) -> float:
+        """Milliseconds of one step, by CUDA events (all ranks start together)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self.world_size > 1:
+            dist.barrier()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def _measure(self, row: R, modes: tuple[str, ...], steps, progress: _Progress) -> R:
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(self.args.warmup):
+            for m in modes:
+                steps[m]()
+        self._sync()
+        n = len(modes)
+        for i in range(self.args.steps):
+            for m in modes[i % n:] + modes[: i % n]:  # rotate the order
+                samples[m].append(self._time(steps[m]))
+        for _ in modes:
+            progress.update()
+        for m in modes:
+            row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
+        return row
+
+
+class Harness(TimedModes):
     def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
         """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
         self.args = args
@@ -135,10 +177,6 @@ class Harness:
             finally:
                 handle.destroy()
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
     # -------------------------------------------------------------- run
     def run(self) -> list[Row]:
         rows = []
@@ -171,31 +209,7 @@ class Harness:
     def _run_size(self, num_tokens: int, progress: _Progress) -> Row:
         sets, steps = self._steps(num_tokens)
         self._check_equal(num_tokens, sets, steps)
-        samples: dict[str, list[float]] = {m: [] for m in MODES}
-        for _ in range(self.args.warmup):
-            for m in MODES:
-                steps[m]()
-        self._sync()
-        for i in range(self.args.steps):
-            for m in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:  # rotate the order
-                samples[m].append(self._time(steps[m]))
-        for _ in MODES:
-            progress.update()
-        row = Row(num_tokens)
-        for m in MODES:
-            row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
-        return row
-
-    def _time(self, step) -> float:
-        """Milliseconds of one step, by CUDA events (all ranks start together)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self.world_size > 1:
-            dist.barrier()
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return self._measure(Row(num_tokens), MODES, steps, progress)
 
     def _check_equal(self, num_tokens: int, sets, steps) -> None:
         for m in MODES:

@@ -6,13 +6,11 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.harness import _Progress, torchrun_fleets
+from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress, torchrun_fleets
 from vllm_flashinfer_ep.bench.ht_results import HtRow, modes
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
-from vllm_flashinfer_ep.bench.results import summarize
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.limits import (
@@ -26,7 +24,7 @@ from vllm_flashinfer_ep.runtime.transport import moe_ep
 Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class HtHarness:
+class HtHarness(TimedModes):
     def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
         """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
         self.args = args
@@ -130,10 +128,6 @@ class HtHarness:
             d = rnd.dispatch(x, ids, w)
             rnd.combine(d.expert_x, out)
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
     # -------------------------------------------------------------- run
     def run(self) -> list[HtRow]:
         rows = []
@@ -154,32 +148,7 @@ class HtHarness:
     def _run_size(self, num_tokens: int, progress: _Progress) -> HtRow:
         layers, outs, steps = self._steps(num_tokens)
         self._check_equal(num_tokens, layers, outs, steps)
-        samples: dict[str, list[float]] = {m: [] for m in self.modes}
-        for _ in range(self.args.warmup):
-            for m in self.modes:
-                steps[m]()
-        self._sync()
-        n = len(self.modes)
-        for i in range(self.args.steps):
-            for m in self.modes[i % n:] + self.modes[: i % n]:  # rotate the order
-                samples[m].append(self._time(steps[m]))
-        for _ in self.modes:
-            progress.update()
-        row = HtRow(num_tokens)
-        for m in self.modes:
-            row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
-        return row
-
-    def _time(self, step) -> float:
-        """Milliseconds of one step, by CUDA events (all ranks start together)."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self.world_size > 1:
-            dist.barrier()
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return self._measure(HtRow(num_tokens), self.modes, steps, progress)
 
     def _check_equal(self, num_tokens: int, layers: list[Layer], outs, steps) -> None:
         """Every mode must give every token back as itself (identity experts, weights

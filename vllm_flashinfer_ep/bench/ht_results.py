@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from vllm_flashinfer_ep.bench.results import Row
 
 HT_MODES = ("ht", "raw_ht_fresh")
 LL_MODE = "ll_pooled"
@@ -22,11 +24,8 @@ def modes(with_ll: bool) -> tuple[str, ...]:
 
 
 @dataclass
-class HtRow:
-    num_tokens: int
-    median_ms: dict[str, float] = field(default_factory=dict)
-    min_ms: dict[str, float] = field(default_factory=dict)
-    max_ms: dict[str, float] = field(default_factory=dict)
+class HtRow(Row):
+    """One token count of the HT benchmark (results.Row with the HT ratio columns)."""
 
     @property
     def ratios(self) -> dict[str, float]:

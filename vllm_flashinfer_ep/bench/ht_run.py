@@ -25,7 +25,7 @@ import os
 import sys
 
 from vllm_flashinfer_ep.bench.ht_results import format_table, write_json
-from vllm_flashinfer_ep.bench.run import gpu_refusal
+from vllm_flashinfer_ep.bench.run import run_harness
 
 COMMAND = "bench-ht"
 MODULE = "vllm_flashinfer_ep.bench.ht_run"
@@ -82,22 +82,18 @@ def validate_arguments(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     validate_arguments(args)
-    refusal = gpu_refusal(COMMAND, MODULE)
-    if refusal:
-        print(refusal, file=sys.stderr)
-        return 2
-    from vllm_flashinfer_ep.bench.ht_harness import HtHarness
 
-    harness = HtHarness(args)
-    try:
-        rows = harness.run()
-    finally:
-        harness.close()
-    if harness.rank == 0:
+    def make_harness():
+        from vllm_flashinfer_ep.bench.ht_harness import HtHarness
+
+        return HtHarness(args)
+
+    def report(harness, rows) -> None:
         print(format_table(rows, args, harness.world_size, harness.ll_skipped))
         if args.json_path:
             write_json(rows, args, harness.world_size, harness.ll_skipped, args.json_path)
-    return 0
+
+    return run_harness(make_harness, report, COMMAND, MODULE)
 
 
 def cli() -> int:

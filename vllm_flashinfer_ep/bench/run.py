@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from vllm_flashinfer_ep.bench.results import format_table, write_json
 
@@ -71,20 +73,33 @@ def gpu_refusal(command: str = "bench", module: str = "vllm_flashinfer_ep.bench.
     return None
 
 
-def main(args: argparse.Namespace) -> int:
-    validate_arguments(args)
-    refusal = gpu_refusal()
+def run_harness(make_harness: Callable[[], Any], report: Callable[[Any, list], None],
+                command: str = "bench", module: str = "vllm_flashinfer_ep.bench.run") -> int:
+    """Both benchmarks' driver: refuse without a GPU (exit 2), build the harness, run it,
+    always close it, and let rank 0 report the rows."""
+    refusal = gpu_refusal(command, module)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    from vllm_flashinfer_ep.bench.harness import Harness
-
-    harness = Harness(args)
+    harness = make_harness()
     try:
         rows = harness.run()
     finally:
         harness.close()
     if harness.rank == 0:
+        report(harness, rows)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    validate_arguments(args)
+
+    def make_harness():
+        from vllm_flashinfer_ep.bench.harness import Harness
+
+        return Harness(args)
+
+    def report(harness, rows) -> None:
         print(format_table(rows, args, harness.world_size, harness.memory))
         if args.json_path:
             write_json(rows, args, harness.world_size, harness.memory, args.json_path)
@@ -92,7 +107,8 @@ def main(args: argparse.Namespace) -> int:
             from vllm_flashinfer_ep.bench.plot import plot
 
             plot(rows, args, harness.world_size, args.plot_path)
-    return 0
+
+    return run_harness(make_harness, report)
 
 
 def cli() -> int:

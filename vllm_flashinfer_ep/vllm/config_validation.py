@@ -268,8 +268,10 @@ def _check_quantization(model: Any, backend: str, flag: str) -> None:
             f"quantized with {quant}. Serve a BF16 or FP8 checkpoint, or pick another "
             "--all2all-backend (e.g. deepep_low_latency)."
         )
+    from vllm_flashinfer_ep.vllm.receive_quant import carries_block
+
     block = checkpoint_block_shape(model)
-    if block is not None and (len(block) != 2 or block[1] != 128):
+    if not carries_block(block):
         raise FlashInferEPConfigError(
             f"{flag} carries FP8 activations in groups of 128 (128x128 block checkpoints); "
             f"this checkpoint's weight_block_size is {block}. Pick another --all2all-backend."

@@ -30,6 +30,12 @@ from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 GROUP = 128  # the activation group size of 128x128 block checkpoints
 
 
+def carries_block(block: Any) -> bool:
+    """Whether a layer's FP8 block shape (None: not block-quantized) has the activation
+    groups this package quantizes into: [*, 128]. One rule for load, config and doctor."""
+    return block is None or (len(block) == 2 and block[1] == GROUP)
+
+
 def fp8_dtype() -> torch.dtype:
     try:
         from vllm.platforms import current_platform
@@ -50,7 +56,7 @@ def refusal(quant_config: Any, flag: str) -> str | None:
             f"{dtype}. Serve a BF16 or FP8 checkpoint, or pick another --all2all-backend."
         )
     block = quant_config.block_shape
-    if block is not None and (len(block) != 2 or block[1] != GROUP):
+    if not carries_block(block):
         return (
             f"{flag} carries FP8 activation groups of {GROUP} elements (128x128 block "
             f"checkpoints); this layer uses blocks {list(block)}. Pick another --all2all-backend."
