@@ -1,4 +1,4 @@
-"""`vllm-flashinfer-ep` command line: doctor, bench, bench-ht, eval."""
+"""`vllm-flashinfer-ep` command line: doctor, bench, bench-ht, bench-memory, eval."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from vllm_flashinfer_ep import __version__, doctor
     from vllm_flashinfer_ep.bench import ht_run as bench_ht
+    from vllm_flashinfer_ep.bench import memory as bench_memory
     from vllm_flashinfer_ep.bench import run as bench
     from vllm_flashinfer_ep.evals import cli as evals
 
@@ -31,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_ht.add_arguments(bench_ht_parser)
     bench_ht_parser.set_defaults(func=bench_ht.main)
+    memory_parser = sub.add_parser(
+        "bench-memory", help="device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)",
+        description=bench_memory.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_memory.add_arguments(memory_parser)
+    memory_parser.set_defaults(func=bench_memory.main)
     evals.add_parser(sub)
     return parser
 

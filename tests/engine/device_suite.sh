@@ -3,8 +3,8 @@
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
 #   bash tests/engine/device_suite.sh [step ...]
-#   steps: doctor tests (= engine-tests kernel-tests) compact fp8-kernels fp8-engine ht-fp8-probe probe
-#          sweep profile bench (= bench-tiny bench-30b) kbench htbench
+#   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine ht-fp8-probe
+#          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -46,6 +46,13 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
         -p no:cacheprovider -rs -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
       tail -15 "$out/pytest-compact.txt" ;;
+    padding)  # eager rounds padded onto pooled handles, and the pool under graphs (real NCCL-EP)
+      python3 -m pytest tests/kernels/test_transport_gpu.py -k "pad or pool_cuda_graph or unwarmed" \
+        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-padding.txt" 2>&1 || rc=1
+      grep -E "POOL_MEMORY|passed|failed|Error" "$out/pytest-padding.txt" | tail -12 ;;
+    memory)  # device-wide memory of the LL fleet + served pool (capture sizes + eager buckets)
+      python3 -m vllm_flashinfer_ep.bench.memory --capacity 512,4096 \
+        --json "$out/bench_memory_world1.json" 2>&1 | tail -12 || rc=1 ;;
     fp8-kernels)  # FP8 layers through both backends against vLLM without EP (kernel level)
       python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
@@ -76,8 +83,10 @@ for step in "${steps[@]}"; do
       done ;;
     kbench)  # transport-level benchmark: package modes vs raw FlashInfer (eager, fresh, graph)
       for hidden in 2048 7168; do
-        python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress \
-          --json "$out/bench_world1_h$hidden.json" 2>&1 | tail -12 || rc=1
+        prof=(); [ "$hidden" = 2048 ] && prof=(--host-profile)  # where the eager host time goes
+        python3 -m vllm_flashinfer_ep.bench.run --hidden "$hidden" --no-progress "${prof[@]}" \
+          --json "$out/bench_world1_h$hidden.json" > "$out/kbench_h$hidden.txt" 2>&1 || rc=1
+        tail -17 "$out/kbench_h$hidden.txt"
       done ;;
     htbench)  # HT transport benchmark: the package's HT round vs raw FlashInfer, and LL vs HT (eager)
       read -ra htargs <<< "${HTBENCH_ARGS:-}"
@@ -85,7 +94,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact fp8-kernels fp8-engine ht-fp8-probe probe sweep profile bench bench-tiny bench-30b kbench htbench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine ht-fp8-probe probe sweep profile bench bench-tiny bench-30b kbench htbench memory)"; rc=2 ;;
   esac
 done
 exit "$rc"

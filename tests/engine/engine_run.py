@@ -55,6 +55,8 @@ def worker_probe(worker: Any) -> dict[str, Any]:
             "top_k": rt.pool.top_k,
             "pool_sizes": rt.pool.sizes,
             "pool_memory_bytes": rt.pool.memory_bytes,
+            "pool_first_handle_bytes": rt.pool.first_handle_bytes,
+            "pool_average_handle_bytes": rt.pool.average_handle_bytes,
             "counters": dataclasses.asdict(rt.pool.counters),
         }
         for rt in runtimes

@@ -27,6 +27,8 @@ import statistics
 import pytest
 from engine_models import qwen3_moe_config, token_sequences
 
+from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 LL = "flashinfer_ep_low_latency"
@@ -129,6 +131,18 @@ def test_ll_eager_matches_the_engine_without_ep_eager(ll_eager, no_ep_eager, flo
     )
 
 
+def test_eager_engine_runs_every_step_on_pooled_handles(ll_eager):
+    """--enforce-eager: the pool holds only the eager buckets 1..capacity; prefills and
+    decode steps of any size pad to one of them, and no forward creates a handle."""
+    [rt] = ll_eager["after_load"]["runtimes"]
+    assert rt["pool_sizes"] == bucket_sizes(0, rt["capacity"])
+    after = ll_eager["after_decode"]["runtimes"][0]["counters"]
+    before = ll_eager["after_prefill"]["runtimes"][0]["counters"]
+    assert after["fresh_created"] == 0 and after["pooled_created"] == len(rt["pool_sizes"])
+    assert after["pooled_rounds"] - before["pooled_rounds"] >= DECODE["max_tokens"] * LAYERS
+    assert after["padded_rounds"] > 0  # counts between buckets were padded (outputs: above)
+
+
 def test_ll_with_cuda_graphs_matches_its_eager_run(ll_graph, ll_eager, floor):
     _assert_close(
         ll_graph["prompt_logprobs"], ll_eager["prompt_logprobs"], floor, "LL graphs vs LL eager"
@@ -140,10 +154,13 @@ def test_handle_pool_inside_the_engine(ll_graph):
     [rt] = load["runtimes"]
     capture = [s for s in load["capture_sizes"] if s <= rt["capacity"]]
     assert capture, load
-    # Handles created at load = the engine's capture sizes for this rank, none in capture.
-    assert rt["pool_sizes"] == capture
-    assert rt["counters"]["pooled_created"] == len(capture)
+    # Handles created at load = the engine's capture sizes for this rank plus the eager
+    # buckets above them up to the capacity; none in capture.
+    assert rt["pool_sizes"] == sorted(set(capture) | set(bucket_sizes(max(capture), rt["capacity"])))
+    assert rt["counters"]["pooled_created"] == len(rt["pool_sizes"])
     assert rt["counters"]["created_during_capture"] == 0
+    # Eager steps (profile run, prefills) ran on pooled handles: none created per forward.
+    assert ll_graph["after_prefill"]["runtimes"][0]["counters"]["fresh_created"] == 0
     # Decode steps replay the captured graphs: no handle created, and the package's Python
     # round never runs (its counters do not move) while outputs stay right (tests above).
     before = ll_graph["after_prefill"]["runtimes"][0]["counters"]

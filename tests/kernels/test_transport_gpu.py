@@ -22,6 +22,7 @@ from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
 from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 
@@ -148,6 +149,41 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
             torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
         assert pool.counters.fresh_created == fresh_before
         del graph
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
+    """Eager counts between pooled sizes run on the next pooled handle (capture sizes
+    1..8, then the buckets up to the capacity), on torch's default stream and on a side
+    stream as vLLM's warm-ups do; outputs match the reference, nothing is created, and a
+    captured size still replays exactly afterwards."""
+    sizes = [1, 2, 4, 8, *bucket_sizes(8, CAPACITY)]
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
+    pool, rnd = rt.pool, LowLatencyRound(rt)
+    assert pool.sizes == sizes
+    print(f"POOL_MEMORY hidden={hidden} {pool.memory_summary()}")
+    created = pool.counters.pooled_created
+    for num_tokens in (3, 5, 13, 100, 200, 255):
+        for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+            with torch.cuda.stream(stream):
+                layers = [_inputs(num_tokens, hidden, seed=num_tokens * 10 + i) for i in range(3)]
+                for x, ids, w, s in layers:
+                    out = torch.full_like(x, float("nan"))
+                    _ll_step(rnd, x, ids, w, s, out)
+                    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+            torch.cuda.synchronize()
+    c = pool.counters
+    assert c.fresh_created == 0 and c.pooled_created == created
+    assert c.padded_rounds == 6 * 2 * 3
+    x, ids, w, s = _inputs(8, hidden, seed=99)
+    out = torch.empty_like(x)
+    graph = capture_graph(lambda: _ll_step(rnd, x, ids, w, s, out))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+    assert pool.counters.fresh_created == 0
+    del graph
 
 
 @pytest.mark.parametrize(

@@ -108,10 +108,10 @@ def test_run_times_every_mode_and_reports_memory(bench, monkeypatch):
     order: list[str] = []
     names = {}
 
-    def fake_time(step) -> float:
+    def fake_time(step) -> tuple[float, float]:
         step()
         order.append(names.get(step, "?"))
-        return 1.0
+        return 1.0, 0.5
 
     real_steps = Harness._steps
 
@@ -126,7 +126,8 @@ def test_run_times_every_mode_and_reports_memory(bench, monkeypatch):
     bench.args.steps = 2
     rows = bench.run()
     assert [r.num_tokens for r in rows] == list(TOKENS)
-    assert all(set(r.median_ms) == set(results.MODES) for r in rows)
+    assert all(set(r.median_ms) == set(results.MODES) == set(r.host_ms) for r in rows)
+    assert all(v == 0.5 for r in rows for v in r.host_ms.values())
     n = len(results.MODES)
     assert order[:n] == list(results.MODES) and order[n:2 * n] == list(results.MODES[1:] + results.MODES[:1])
     assert bench.memory.handles == len(TOKENS)  # CPU: no memory to read, but the handle count is real
@@ -175,3 +176,12 @@ def test_pool_memory_totals_and_average():
     single = results.PoolMemory.from_snapshots((0, 0), (5, 5), (5, 5), handles=1,
                                                median_handle_bytes=0, first_handle_bytes=5)
     assert single.avg_handle_device_bytes == 0.0
+
+
+def test_host_profile_names_the_package_round_and_flashinfer_calls(bench):
+    _, steps = bench._steps(4)
+    report = bench.host_profile(steps, ("pooled", "raw_eager"), repeats=2, top=40)
+    pooled, raw = report.split("=== host profile: raw_eager")
+    assert "=== host profile: pooled, 2 steps ===" in pooled
+    assert "handle_pool.py" in pooled and "rounds.py" in pooled  # the package's round
+    assert "handle_pool.py" not in raw and "rounds.py" not in raw  # FlashInfer alone

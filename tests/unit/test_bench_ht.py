@@ -152,10 +152,10 @@ def test_run_times_every_mode_in_rotated_order(bench, monkeypatch):
         names.update({step: mode for mode, step in steps.items()})
         return layers, outs, steps
 
-    def fake_time(step) -> float:
+    def fake_time(step) -> tuple[float, float]:
         step()
         order.append(names[step])
-        return float(len(order))
+        return float(len(order)), 0.0
 
     monkeypatch.setattr(HtHarness, "_steps", steps_named)
     monkeypatch.setattr(bench, "_time", fake_time)

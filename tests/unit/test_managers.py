@@ -87,7 +87,8 @@ def test_layers_of_one_shape_share_one_runtime_and_fleet(build):
     first = mgr.get_handle(_kwargs())
     assert all(mgr.get_handle(_kwargs()) is first for _ in range(5))
     assert mgr.runtimes == [first]
-    assert first.fleet.handles_created == 4  # one pool, warmed once
+    # One pool, warmed once: capture sizes 1, 2, 4, 8 and eager buckets 12..32.
+    assert first.fleet.handles_created == 8
 
 
 def test_other_shapes_get_their_own_runtime(build):
@@ -125,14 +126,15 @@ def test_destroy_releases_handles_and_fleets(build):
 
 
 # ------------------------------------------------------------------ pool sizes
-def test_pool_warms_exactly_the_capture_sizes(build):
+def test_pool_warms_the_capture_sizes_and_eager_buckets_up_to_capacity(build):
     mgr = build(backends.LOW_LATENCY, _vllm_config(sizes=(8, 1, 4, 2)))
-    assert mgr.get_handle(_kwargs()).pool.sizes == [1, 2, 4, 8]
+    # Capture sizes exactly; above the largest, buckets to the fleet capacity (32).
+    assert mgr.get_handle(_kwargs()).pool.sizes == [1, 2, 4, 8, 12, 16, 24, 32]
 
 
 def test_pool_sizes_above_capacity_are_dropped(build):
     mgr = build(backends.LOW_LATENCY, _vllm_config(sizes=(1, 16, 64)))
-    assert mgr.get_handle(_kwargs(max_num_tokens_per_rank=32)).pool.sizes == [1, 16]
+    assert mgr.get_handle(_kwargs(max_num_tokens_per_rank=32)).pool.sizes == [1, 16, 24, 32]
 
 
 def test_sequence_parallel_adds_the_per_tp_rank_sizes():
@@ -145,12 +147,12 @@ def test_sequence_parallel_adds_the_per_tp_rank_sizes():
 
 
 @pytest.mark.parametrize("mode", ["NONE"])
-def test_no_pool_without_cuda_graphs(build, mode):
+def test_without_cuda_graphs_the_pool_holds_only_eager_buckets(build, mode):
     assert managers.pool_sizes_from_config(_vllm_config(mode=mode)) == []
     assert managers.pool_sizes_from_config(_vllm_config(sizes=())) == []
     assert managers.pool_sizes_from_config(None) == []
     mgr = build(backends.LOW_LATENCY, _vllm_config(mode=mode))
-    assert mgr.get_handle(_kwargs()).pool.sizes == []
+    assert mgr.get_handle(_kwargs()).pool.sizes == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
 
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])

@@ -225,7 +225,9 @@ def _assert_bf16_close(out, expected):
 
 
 def _ll_kernel(rt, top_k, experts_cls=TorchActNaiveBatchedExperts, uniform=True):
-    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, uniform_fn=lambda: uniform)
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(
+        rt, agreement_fn=lambda n: "local" if uniform else None
+    )
     # Built the way vLLM's oracle builds batched experts (oracle/unquantized.py).
     experts = experts_cls(
         _moe_config(top_k, LL_BACKEND),
@@ -277,6 +279,28 @@ def test_ll_modular_kernel_matches_torch_moe(top_k, on_input, num_tokens, unifor
     assert {c.tokens for c in fleet.log[-len(tail) :]} == {num_tokens}
     assert rt.pool._current is None  # round ended
     assert fleet.handles_alive == 2  # the two pooled sizes; a fresh handle is gone
+
+
+def test_ll_modular_kernel_on_a_padded_pooled_handle_matches_torch_moe():
+    """An eager step of 5 tokens whose ranks agreed on 7 runs on the pooled 8-token handle;
+    the padded rows reach the experts (as zeros) and leave vLLM's output untouched."""
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[4, 8]
+    )
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, agreement_fn=lambda n: 7)
+    experts = TorchActNaiveBatchedExperts(
+        _moe_config(2, LL_BACKEND),
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
+    )
+    kernel = mk.FusedMoEKernel(pf, experts)
+    x, w1, w2, ids, weights = _problem(5, 2, seed=3)
+    out = _apply(kernel, x, w1, w2, ids, weights, False)
+    assert out.shape == x.shape
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
+    assert [(c.op, c.tokens) for c in fleet.log[-3:]] == [("update", 8), ("dispatch", 8), ("combine", 8)]
+    assert rt.pool.counters.padded_rounds == 1 and rt.pool.counters.fresh_created == 0
 
 
 def test_ll_combine_ignores_padding_rows_the_experts_compute(monkeypatch):

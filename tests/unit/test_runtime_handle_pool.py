@@ -21,7 +21,7 @@ from vllm_flashinfer_ep.errors import (
 )
 from vllm_flashinfer_ep.runtime import transport
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
-from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
+from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, HandlePool
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 
@@ -43,7 +43,7 @@ def _layer(num_tokens: int, seed: int, top_k: int = 2, num_experts: int = NUM_EX
 
 def _ll_round(rt, x, ids, weights, scales, *, uniform=True):
     rnd = LowLatencyRound(rt)
-    d = rnd.dispatch(x, ids, weights, uniform=uniform)
+    d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None)
     out = torch.empty_like(x)
     result = rnd.combine(scale_expert_rows(d.expert_x, scales), out)
     assert result is out
@@ -207,7 +207,7 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
         assert "[4]" in str(exc.value)
         # Non-uniform counts cannot take a pooled handle either.
         with pytest.raises(HandlePoolError, match="no warmed flashinfer_ep handle for 4 tokens"):
-            rt.pool.begin(ids, weights, uniform=False)
+            rt.pool.begin(ids, weights, agreed_tokens=None)
     assert rt.pool.counters.created_during_capture == 2
     assert fleet.handles_created == 1
     assert fleet.log[len(log_before) :] == [
@@ -223,7 +223,7 @@ def test_non_uniform_round_uses_a_fresh_handle_destroyed_at_end():
     n_before = len(fleet.log)
     x, ids, weights, scales = _layer(8, seed=6)
     rnd = LowLatencyRound(rt)
-    d = rnd.dispatch(x, ids, weights, uniform=False)
+    d = rnd.dispatch(x, ids, weights, agreed_tokens=None)
     assert fleet.handles_created == 2 and fleet.handles_alive == 2
     fresh = fleet.handles[-1]
     # The fresh handle also binds the static weights buffer.
@@ -242,19 +242,20 @@ def test_non_uniform_round_uses_a_fresh_handle_destroyed_at_end():
     assert (c.fresh_created, c.fresh_rounds, c.pooled_rounds) == (1, 1, 0)
 
 
-def test_unwarmed_size_runs_eagerly_on_a_fresh_handle():
+def test_size_above_every_pooled_size_runs_eagerly_on_a_fresh_handle():
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[8])
-    x, ids, weights, scales = _layer(5, seed=7)
+    x, ids, weights, scales = _layer(9, seed=7)
     out = _ll_round(rt, x, ids, weights, scales)
     _assert_close_to_reference(out, x, ids, weights, scales)
     assert fleet.handles_created == 2 and fleet.handles_alive == 1
     assert rt.pool.sizes == [8]  # a fresh round does not grow the pool
+    assert rt.pool.counters.fresh_created == 1
 
 
 def test_fresh_handle_is_destroyed_by_end_without_combine():
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN)
     x, ids, weights, _ = _layer(6, seed=8)
-    rt.pool.begin(ids, weights, uniform=False)
+    rt.pool.begin(ids, weights, agreed_tokens=None)
     assert fleet.handles_alive == 1
     rt.pool.end()
     assert fleet.handles_alive == 0

@@ -11,6 +11,7 @@ from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 
 HIDDEN = 2048
 NUM_EXPERTS = 8
@@ -35,7 +36,7 @@ def _close(out, expected):
 
 def run_ll(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
     rnd = rt.round
-    d = rnd.dispatch(x, ids, weights, uniform=uniform, apply_router_weight_on_input=on_input)
+    d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None, apply_router_weight_on_input=on_input)
     out = torch.empty_like(x)
     assert rnd.combine(scale_expert_rows(d.expert_x, scales), out) is out
     return d, out
@@ -43,7 +44,7 @@ def run_ll(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
 
 def run_ht(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
     rnd = rt.round
-    d = rnd.dispatch(x, ids, weights, uniform=uniform, apply_router_weight_on_input=on_input)
+    d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None, apply_router_weight_on_input=on_input)
     received = d.x.shape[0]
     reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(received))
     out = torch.empty_like(x)

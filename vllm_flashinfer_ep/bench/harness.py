@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, TypeVar
 
 import torch
@@ -47,19 +48,22 @@ class TimedModes:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def _time(self, step) -> float:
-        """Milliseconds of one step, by CUDA events (all ranks start together)."""
+    def _time(self, step) -> tuple[float, float]:
+        """(GPU ms by CUDA events, host ms to issue) of one step (all ranks start together)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if self.world_size > 1:
             dist.barrier()
         start.record()
+        t0 = time.perf_counter()
         step()
+        host = (time.perf_counter() - t0) * 1e3
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host
 
     def _measure(self, row: R, modes: tuple[str, ...], steps, progress: _Progress) -> R:
         samples: dict[str, list[float]] = {m: [] for m in modes}
+        host: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(self.args.warmup):
             for m in modes:
                 steps[m]()
@@ -67,12 +71,36 @@ class TimedModes:
         n = len(modes)
         for i in range(self.args.steps):
             for m in modes[i % n:] + modes[: i % n]:  # rotate the order
-                samples[m].append(self._time(steps[m]))
+                gpu_ms, host_ms = self._time(steps[m])
+                samples[m].append(gpu_ms)
+                host[m].append(host_ms)
         for _ in modes:
             progress.update()
         for m in modes:
             row.median_ms[m], row.min_ms[m], row.max_ms[m] = summarize(samples[m])
+            row.host_ms[m] = summarize(host[m])[0]
         return row
+
+    def host_profile(self, steps, modes: tuple[str, ...], repeats: int = 20, top: int = 14) -> str:
+        """cProfile of `repeats` steps of each mode: where the host time of a step goes."""
+        import cProfile
+        import io
+        import pstats
+
+        report = []
+        for m in modes:
+            steps[m]()
+            self._sync()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(repeats):
+                steps[m]()
+            prof.disable()
+            self._sync()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+            report.append(f"=== host profile: {m}, {repeats} steps ===\n{buf.getvalue()}")
+        return "\n".join(report)
 
 
 class Harness(TimedModes):
@@ -209,7 +237,10 @@ class Harness(TimedModes):
     def _run_size(self, num_tokens: int, progress: _Progress) -> Row:
         sets, steps = self._steps(num_tokens)
         self._check_equal(num_tokens, sets, steps)
-        return self._measure(Row(num_tokens), MODES, steps, progress)
+        row = self._measure(Row(num_tokens), MODES, steps, progress)
+        if getattr(self.args, "host_profile", False) and num_tokens == self.args.tokens[0] and self.rank == 0:
+            print(self.host_profile(steps, ("pooled", "raw_eager")), file=sys.stderr)
+        return row
 
     def _check_equal(self, num_tokens: int, sets, steps) -> None:
         for m in MODES:

@@ -82,6 +82,9 @@ class Row:
     median_ms: dict[str, float] = field(default_factory=dict)
     min_ms: dict[str, float] = field(default_factory=dict)
     max_ms: dict[str, float] = field(default_factory=dict)
+    # Median host time to issue one step (before the GPU is waited on): eager modes are
+    # host-bound, so this is where their time goes.
+    host_ms: dict[str, float] = field(default_factory=dict)
 
     def ratio(self, numerator: str, denominator: str) -> float:
         return self.median_ms[numerator] / self.median_ms[denominator]
@@ -106,6 +109,11 @@ def format_table(rows: list[Row], args: Any, world_size: int, memory: PoolMemory
             cells.append(f"{r.median_ms[m]:.3f} ({r.min_ms[m]:.3f}-{r.max_ms[m]:.3f})")
         cells += [fmt.format(r.ratio(a, b)) for a, b, fmt in RATIOS]
         lines.append(" | ".join(cells))
+    eager = [m for m in ("pooled", "raw_eager", "fresh", "raw_fresh") if rows and m in rows[0].host_ms]
+    if eager:
+        lines += ["", "host time to issue one step, median ms (eager modes; per layer: / layers)",
+                  " | ".join(["T", *eager]), " | ".join("---" for _ in range(len(eager) + 1))]
+        lines += [" | ".join([str(r.num_tokens), *(f"{r.host_ms[m]:.3f}" for m in eager)]) for r in rows]
     return "\n".join(lines)
 
 

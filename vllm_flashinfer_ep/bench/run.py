@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", help="write results as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG plot here")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--host-profile", action="store_true",
+        help="print a cProfile of the pooled and raw_eager steps at the first token count (stderr)",
+    )
 
 
 def validate_arguments(args: argparse.Namespace) -> None:

@@ -56,15 +56,14 @@ def build_runtime(
             f"{spec.num_experts} experts cannot be split evenly over {fleets.world_size} EP ranks"
         )
     fleet = fleets.get(spec)
-    pool = HandlePool(fleet, spec, top_k, device)
+    pool = HandlePool(fleet, spec, top_k, device, rank=fleets.rank, world_size=fleets.world_size)
     if pool_sizes:
         pool.warm(pool_sizes)
         logger.info(
-            "flashinfer_ep: %s handle pool warmed for %d token counts (%s), %.1f MB GPU memory",
+            "flashinfer_ep: %s handle pool warmed for token counts %s: %s",
             spec.algorithm,
-            len(pool.sizes),
             _compact(pool.sizes),
-            pool.memory_bytes / 1e6,
+            pool.memory_summary(),
         )
     return EPRuntime(spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size)
 

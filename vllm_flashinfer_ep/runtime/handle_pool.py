@@ -8,11 +8,19 @@ any capture (model load), warms each with one eager `update`, and re-targets it 
 buffers (`topk_ids` int64, `topk_weights` fp32) that each layer copies its routing
 into, so memory grows with the number of captured sizes, not layers x sizes.
 
+Eager steps: besides the captured sizes the pool holds a bounded set of bucket sizes up
+to the fleet capacity (`bucket_sizes`), so every eager step also runs on a pooled handle.
+A round whose token count is not pooled is padded to the next pooled size: padded rows
+carry zero activations, weight 0 and routing to this rank's own experts, and their
+combined rows are dropped, so no output changes (zero rows cannot raise a per-tensor
+FP8 scale, and experts without biases map them to zero).
+
 Collective discipline: handle creation, update, dispatch and combine are collective
-over the EP group. The pool only uses a pooled handle when every rank runs the same
-token count (`uniform=True`, always the case under DP padding with CUDA graphs);
-otherwise every rank creates a fresh handle for the round, so ranks never pair
-different handles.
+over the EP group. Every rank must pick the same handle, so the pooled size comes from
+the token count all ranks agreed on for the forward (`agreed_tokens`: the largest
+rank's count, from vLLM's DP metadata; a rank with fewer tokens pads more). Without an
+agreement every rank creates a fresh handle for the round (counted, logged once), so
+ranks never pair different handles.
 """
 
 from __future__ import annotations
@@ -35,6 +43,27 @@ from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
 logger = get_logger(__name__)
 
 T = TypeVar("T")
+
+# `agreed_tokens` for callers that drive every rank with the same token count (benchmarks,
+# kernel tests, a single rank): the agreed count is this rank's own.
+LOCAL = "local"
+
+
+def bucket_sizes(above: int, capacity: int) -> list[int]:
+    """Pooled sizes for eager steps above `above` (the largest captured size, 0 without
+    graphs) up to `capacity`: 2^k and 3*2^(k-1), plus the capacity itself.
+
+    Any count in (above, capacity] pads by less than half its size, with at most
+    2*log2(capacity) + 1 handles.
+    """
+    sizes: set[int] = set()
+    power = 1
+    while power <= capacity:
+        sizes |= {s for s in (power, 3 * power // 2) if s >= 1 and above < s <= capacity}
+        power *= 2
+    if capacity > above:
+        sizes.add(capacity)
+    return sorted(sizes)
 
 
 def unavailable_reason() -> str | None:
@@ -61,6 +90,7 @@ class PoolCounters:
     fresh_created: int = 0
     updates: int = 0
     pooled_rounds: int = 0
+    padded_rounds: int = 0  # pooled rounds padded up to the next pooled size
     fresh_rounds: int = 0
     created_during_capture: int = 0
 
@@ -76,6 +106,8 @@ class HandlePool:
         device: torch.device | int | str,
         *,
         bind_ids: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         limit = max_top_k(spec.algorithm == Algorithm.LOW_LATENCY)
         if not 1 <= top_k <= limit:
@@ -97,11 +129,22 @@ class HandlePool:
         self.num_received = (
             torch.zeros(1, dtype=torch.int32, device=self.device) if self.is_ht else None
         )
+        # Routing of padded rows: this rank's own experts where top_k distinct ones exist
+        # (padding then never crosses ranks), else spread over all experts.
+        self.pad_ids = _pad_routing(self.capacity, top_k, spec.num_experts, rank, world_size, self.device)
         self.counters = PoolCounters()
+        self._fi = moe_ep()  # looked up once: eager rounds are host-bound
+        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._join = False  # this round's handle work is joined with torch's current stream
+        self._padded: tuple[int, int] | None = None  # (real rows, pooled size) of this round
+        self._fresh_logged = False
         # GPU memory each warm-up creation added (torch allocator or device-wide, whichever
         # grew more). The first handle of a fleet also triggers NCCL-EP's lazy buffer
         # allocation, so `per_handle_bytes` excludes it.
         self.handle_bytes: dict[int, int] = {}
+        # Device-wide (and torch-allocator) use before the first and after the last warm-up.
+        self.warm_before: tuple[int, int] | None = None
+        self.warm_after: tuple[int, int] | None = None
         self._handles: dict[int, Any] = {}
         self._current: Any = None
         self._current_is_fresh = False
@@ -110,12 +153,26 @@ class HandlePool:
     # ------------------------------------------------------------------ sizes
     @property
     def memory_bytes(self) -> int:
-        """All memory the pool's warm-up added (fleet buffers included)."""
-        return sum(self.handle_bytes.values())
+        """Memory the pool's warm-up added, device-wide: NCCL-EP's lazy fleet buffers
+        (allocated at the first handle) plus every handle. The larger of the device-wide
+        and the torch-allocator growth (NCCL-EP allocates through both)."""
+        if self.warm_before is None or self.warm_after is None:
+            return 0
+        return max(0, *(a - b for a, b in zip(self.warm_after, self.warm_before)))
+
+    @property
+    def average_handle_bytes(self) -> float:
+        """Average memory per handle beyond the first (whose growth includes the fleet
+        buffers): (total - first) / (handles - 1), device-wide."""
+        if len(self.handle_bytes) < 2:
+            return 0.0
+        return max(0, self.memory_bytes - self.first_handle_bytes) / (len(self.handle_bytes) - 1)
 
     @property
     def per_handle_bytes(self) -> float:
-        """Median memory of a pooled handle, excluding the first (fleet buffers)."""
+        """Median growth around one creation, excluding the first. NCCL-EP reserves some
+        handle memory in larger steps than one handle, so this can read far below
+        `average_handle_bytes`; the average is the figure to plan with."""
         values = sorted(list(self.handle_bytes.values())[1:])  # dicts keep creation order
         return float(values[len(values) // 2]) if values else 0.0
 
@@ -127,6 +184,14 @@ class HandlePool:
     @property
     def sizes(self) -> list[int]:
         return sorted(self._handles)
+
+    def memory_summary(self) -> str:
+        """One line for the logs: what the pool holds and what it costs, device-wide."""
+        return (
+            f"{len(self._handles)} handles, {self.memory_bytes / 1e6:.1f} MB device memory in "
+            f"all (first handle with NCCL-EP's fleet buffers {self.first_handle_bytes / 1e6:.1f} "
+            f"MB, {self.average_handle_bytes / 1e6:.2f} MB per further handle on average)"
+        )
 
     def warm(self, sizes: Iterable[int]) -> list[int]:
         """Create and warm one handle per size (outside capture, same order on all ranks).
@@ -145,27 +210,45 @@ class HandlePool:
                 too_big,
                 self.capacity,
             )
+        if self.warm_before is None:
+            self.warm_before = memory_snapshot(self.device)
         for size in (s for s in wanted if s <= self.capacity):
             if size in self._handles:
                 continue
             self._fill_dummy_routing(size)
             before = memory_snapshot(self.device)
+            self._join = self._needs_join()
             handle = self._create(size)
-            self._ordered(lambda h=handle, n=size: h.update(self._params(n)))
+            self._ordered(handle.update, self._params(size))
             self.handle_bytes[size] = _memory_delta(self.device, before)
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
+        self.warm_after = memory_snapshot(self.device)
         return self.sizes
+
+    def pooled_size(self, agreed_tokens: int) -> int | None:
+        """The pooled handle size a round of `agreed_tokens` runs on (the smallest pooled
+        size that fits), or None if none fits."""
+        if agreed_tokens in self._handles:
+            return agreed_tokens
+        fits = [s for s in self._handles if s >= agreed_tokens]
+        return min(fits) if fits else None
 
     # ----------------------------------------------------------------- rounds
     def begin(
-        self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, uniform: bool = True
+        self,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        agreed_tokens: int | None | str = LOCAL,
     ) -> Any:
         """Bind this layer's routing to a handle; returns the handle for the round.
 
-        `uniform` must be True only when every EP rank runs the same token count in
-        this forward; under CUDA-graph capture it always is.
+        `agreed_tokens`: the token count every EP rank agreed on for this forward (the
+        largest rank's), LOCAL when every rank runs this rank's count, None when no
+        agreement is available (every rank then creates a fresh handle). Under CUDA-graph
+        capture the count is uniform and must be pooled exactly.
         """
         num_tokens, top_k = topk_ids.shape
         if top_k != self.top_k:
@@ -181,57 +264,74 @@ class HandlePool:
         if num_tokens < 1:
             raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
         self._end_fresh()
-        # Weights are bound to the handle at creation: always copy them. Ids can be
-        # bound per call (`update` takes any int64 contiguous CUDA tensor), which saves
-        # one copy kernel per layer; other ids are copied into the static buffer.
-        self.topk_weights[:num_tokens].copy_(topk_weights, non_blocking=True)
-        ids = self._bindable_ids(topk_ids)
-        if ids is None:
-            self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
-            ids = self.topk_ids[:num_tokens]
-
-        handle = self._handles.get(num_tokens) if uniform else None
-        if handle is not None:
-            params = moe_ep().HandleParams(topk_ids=ids)
-            self._ordered(lambda: handle.update(params))
-            self.counters.updates += 1
-            self.counters.pooled_rounds += 1
-            self._current, self._current_is_fresh = handle, False
-            return handle
-        if is_capturing():
-            self.counters.created_during_capture += 1  # attempts; each is refused below
+        # One capture query per round (is_capturing() also asks torch.cuda.is_available()).
+        capturing = torch.cuda.is_current_stream_capturing() if self._cuda else is_capturing()
+        self._join = not capturing and self._needs_join()
+        agreed = num_tokens if agreed_tokens == LOCAL else agreed_tokens
+        size = None
+        if isinstance(agreed, int) and agreed >= num_tokens:
+            size = self.pooled_size(agreed)
+        if capturing and size != num_tokens:
+            self.counters.created_during_capture += 1  # attempts; each is refused here
             raise HandlePoolError(
                 f"no warmed flashinfer_ep handle for {num_tokens} tokens (pooled sizes: "
                 f"{self.sizes}); a handle cannot be created inside CUDA-graph capture. The "
                 "pool is warmed with vLLM's cudagraph capture sizes; if you changed them after "
                 "model load, restart, or run with --enforce-eager."
             )
-        if ids.data_ptr() != self.topk_ids.data_ptr():
-            self.topk_ids[:num_tokens].copy_(ids, non_blocking=True)
-        handle = self._create(num_tokens)
-        self.counters.fresh_created += 1
-        self.counters.fresh_rounds += 1
-        self._current, self._current_is_fresh = handle, True
+        if size is None:
+            return self._begin_fresh(topk_ids, topk_weights, agreed)
+        handle = self._handles[size]
+        # Weights are bound to the handle at creation: always copy them. Ids can be
+        # bound per call (`update` takes any int64 contiguous CUDA tensor), which saves
+        # one copy kernel per layer; other ids, and padded rounds, use the static buffer.
+        self.topk_weights[:num_tokens].copy_(topk_weights, non_blocking=True)
+        ids = self._bindable_ids(topk_ids) if size == num_tokens else None
+        if ids is None:
+            self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
+            ids = self.topk_ids[:size]
+        if size != num_tokens:
+            self.topk_ids[num_tokens:size].copy_(self.pad_ids[num_tokens:size], non_blocking=True)
+            self.topk_weights[num_tokens:size].zero_()
+            self._padded = (num_tokens, size)
+            self.counters.padded_rounds += 1
+        self._ordered(handle.update, self._fi.HandleParams(topk_ids=ids))
+        self.counters.updates += 1
+        self.counters.pooled_rounds += 1
+        self._current, self._current_is_fresh = handle, False
         return handle
 
     def dispatch(self, x: torch.Tensor) -> Any:
         handle = self._require_current()
-        fi = moe_ep()
-        return self._ordered(lambda: handle.dispatch(fi.DispatchInputParams(x=[x])))
+        if self._padded is not None:
+            real, size = self._padded
+            padded = x.new_empty(size, x.shape[1])
+            padded[:real].copy_(x)
+            padded[real:].zero_()
+            x = padded
+        return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Combine into `out` (written in place when given) and end the round."""
         handle = self._require_current()
-        fi = moe_ep()
-        result = self._ordered(
-            lambda: handle.combine(fi.CombineInputParams(x=[expert_out], out=out))
-        )
-        return result.x
+        if self._padded is None:
+            params = self._fi.CombineInputParams(x=[expert_out], out=out)
+            return self._ordered(handle.combine, params).x
+        real, size = self._padded
+        dtype = out.dtype if out is not None else expert_out.dtype
+        staging = expert_out.new_empty(size, self.spec.hidden_size, dtype=dtype)
+        params = self._fi.CombineInputParams(x=[expert_out], out=staging)
+        self._ordered(handle.combine, params)
+        if out is None:
+            return staging[:real]
+        out.copy_(staging[:real])  # the padded rows' output is dropped
+        return out
 
     def end(self) -> None:
         """End the round; a fresh handle is destroyed once its work is ordered."""
         self._end_fresh()
         self._current = None
+        self._padded = None
 
     # ---------------------------------------------------------------- cleanup
     def destroy(self) -> None:
@@ -244,8 +344,32 @@ class HandlePool:
         self._handles.clear()
 
     # ---------------------------------------------------------------- helpers
+    def _begin_fresh(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, agreed: Any) -> Any:
+        """A handle for this round only (destroyed at its end), on every rank alike."""
+        num_tokens = topk_ids.shape[0]
+        if not self._fresh_logged and self._handles:
+            self._fresh_logged = True
+            why = (
+                "no token count agreed across EP ranks for this forward"
+                if not isinstance(agreed, int)
+                else f"no pooled size fits the agreed {agreed} tokens (pooled: {self.sizes})"
+            )
+            logger.info(
+                "flashinfer_ep: a round of %d tokens runs on a per-forward handle: %s "
+                "(logged once; PoolCounters.fresh_created counts them)",
+                num_tokens,
+                why,
+            )
+        self.topk_weights[:num_tokens].copy_(topk_weights, non_blocking=True)
+        self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
+        handle = self._create(num_tokens)
+        self.counters.fresh_created += 1
+        self.counters.fresh_rounds += 1
+        self._current, self._current_is_fresh = handle, True
+        return handle
+
     def _params(self, num_tokens: int) -> Any:
-        return moe_ep().HandleParams(topk_ids=self.topk_ids[:num_tokens])
+        return self._fi.HandleParams(topk_ids=self.topk_ids[:num_tokens])
 
     def _bindable_ids(self, topk_ids: torch.Tensor) -> torch.Tensor | None:
         if (
@@ -258,11 +382,11 @@ class HandlePool:
         return None
 
     def _create(self, num_tokens: int) -> Any:
-        fi = moe_ep()
+        fi = self._fi
         knobs: list[Any] = [fi.HandleAlgoKnobTopKWeights(weights=self.topk_weights[:num_tokens])]
         if self.num_received is not None:
             knobs.append(fi.HandleAlgoKnobNumReceivedTokens(target=self.num_received))
-        return self._ordered(lambda: self.fleet.create_handle(self._params(num_tokens), algo_knobs=knobs))
+        return self._ordered(self.fleet.create_handle, self._params(num_tokens), algo_knobs=knobs)
 
     def _fill_dummy_routing(self, num_tokens: int) -> None:
         rows = torch.arange(num_tokens, device=self.device).unsqueeze(1) * self.top_k
@@ -283,29 +407,43 @@ class HandlePool:
             # NCCL-EP orders the release after the handle's queued work.
             handle.destroy()
 
-    def _stream(self) -> torch.cuda.Stream | None:
-        if self._handle_stream is None and self.device.type == "cuda" and torch.cuda.is_available():
-            # Handles run on the fleet's stream outside capture: stream 0 (see fleet.py).
-            self._handle_stream = torch.cuda.default_stream(self.device)
-        return self._handle_stream
+    def _needs_join(self) -> bool:
+        """Whether handle work must be joined with torch's current stream this round.
 
-    def _ordered(self, op: Callable[[], T]) -> T:
-        """Run a handle op, ordered against torch's current stream.
-
-        Outside capture FlashInfer issues handle work on the handle's own stream, not
-        on torch's current one (vLLM's capture warmups run on a side stream), so the
-        two are joined explicitly. Under capture FlashInfer uses the capturing stream.
+        Outside capture FlashInfer issues handle work on the handle's own stream (stream
+        0, see fleet.py), not on torch's current one (vLLM's capture warmups run on a side
+        stream). Decided once per round: eager rounds are host-bound, and the streams do
+        not change between a layer's dispatch and its combine.
         """
-        if is_capturing() or self.device.type != "cuda" or not torch.cuda.is_available():
-            return op()
-        handle_stream = self._stream()
-        current = torch.cuda.current_stream(self.device)
-        if handle_stream is None or current.cuda_stream == handle_stream.cuda_stream:
-            return op()
-        handle_stream.wait_stream(current)
-        result = op()
-        current.wait_stream(handle_stream)
+        if not self._cuda:
+            return False
+        if self._handle_stream is None:
+            self._handle_stream = torch.cuda.default_stream(self.device)
+        return torch.cuda.current_stream().cuda_stream != self._handle_stream.cuda_stream
+
+    def _ordered(self, op: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a handle op, ordered against torch's current stream when this round needs it
+        (under capture FlashInfer uses the capturing stream itself)."""
+        if not self._join:
+            return op(*args, **kwargs)
+        assert self._handle_stream is not None
+        current = torch.cuda.current_stream()
+        self._handle_stream.wait_stream(current)
+        result = op(*args, **kwargs)
+        current.wait_stream(self._handle_stream)
         return result
+
+
+def _pad_routing(
+    capacity: int, top_k: int, num_experts: int, rank: int, world_size: int, device: torch.device
+) -> torch.Tensor:
+    """[capacity, top_k] routing for padded rows: top_k distinct experts per row, this
+    rank's own when it has that many (padding then stays on the rank)."""
+    local = num_experts // max(1, world_size)
+    first, span = (rank * local, local) if top_k <= local else (0, num_experts)
+    rows = torch.arange(capacity, device=device).unsqueeze(1) * top_k
+    cols = torch.arange(top_k, device=device).unsqueeze(0)
+    return first + (rows + cols) % span
 
 
 def memory_snapshot(device: torch.device) -> tuple[int, int]:

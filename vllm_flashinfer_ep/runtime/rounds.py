@@ -14,6 +14,7 @@ import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 
 if TYPE_CHECKING:
     from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
@@ -69,16 +70,16 @@ class Round:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         *,
-        uniform: bool = True,
+        agreed_tokens: int | None | str = LOCAL,
         apply_router_weight_on_input: bool = False,
     ) -> Any:
         """Bind this layer's routing to a handle and dispatch; the algorithm's view of
-        what arrived (`_received`)."""
+        what arrived (`_received`). `agreed_tokens`: see HandlePool.begin."""
         check_activations(a1, self.runtime)
         if not a1.is_contiguous():  # NCCL-EP reads rows by pointer arithmetic
             a1 = a1.contiguous()
         a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
-        self.runtime.pool.begin(topk_ids, weights, uniform=uniform)
+        self.runtime.pool.begin(topk_ids, weights, agreed_tokens=agreed_tokens)
         return self._received(self.runtime.pool.dispatch(a1))
 
     def _received(self, out: Any) -> Any:

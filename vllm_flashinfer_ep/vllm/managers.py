@@ -78,7 +78,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         key = (spec, top_k)
         runtime = self._runtimes.get(key)
         if runtime is None:
-            sizes = self._pool_sizes()
+            sizes = self._pool_sizes(spec.effective_max_tokens_per_rank)
             runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes)
             self._runtimes[key] = runtime
             if self._fault_tolerance:
@@ -104,7 +104,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         reason = refusal(quant_config, flag)
         if reason is not None:
             raise FlashInferEPConfigError(reason)
-        from vllm_flashinfer_ep.vllm.forward_state import tokens_uniform_across_ranks
+        from vllm_flashinfer_ep.vllm.forward_state import agreed_token_count
         from vllm_flashinfer_ep.vllm.prepare_finalize import PREPARE_FINALIZE
 
         runtime = self.get_handle(
@@ -115,16 +115,19 @@ class _FlashInferEPManager(All2AllManagerBase):
                 top_k=moe.experts_per_token,
             )
         )
-        return PREPARE_FINALIZE[self.algorithm](runtime, uniform_fn=tokens_uniform_across_ranks)
+        return PREPARE_FINALIZE[self.algorithm](runtime, agreement_fn=agreed_token_count)
 
-    def _pool_sizes(self) -> list[int]:
+    def _pool_sizes(self, capacity: int) -> list[int]:
+        """vLLM's capture sizes, plus buckets that cover every eager step up to the fleet
+        capacity (handle_pool.bucket_sizes), so no forward creates a handle."""
         if self.algorithm != Algorithm.LOW_LATENCY:
-            return []  # HT is never captured; eager rounds use fresh handles
+            return []  # HT is never captured; its eager rounds use fresh handles
         reason = handle_pool.unavailable_reason()
         if reason is not None:
             logger.info("%s: no persistent handle pool: %s", self.backend_name, reason)
             return []
-        return pool_sizes_from_config(self._vllm_config)
+        captured = [s for s in pool_sizes_from_config(self._vllm_config) if s <= capacity]
+        return sorted(set(captured) | set(handle_pool.bucket_sizes(max(captured, default=0), capacity)))
 
     # ------------------------------------------------------ fault tolerance
     def _require_ft(self) -> FaultToleranceAdapter:

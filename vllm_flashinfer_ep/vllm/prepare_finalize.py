@@ -31,23 +31,26 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
+from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, receive_quant
 
-UniformFn = Callable[[], bool]
+AgreementFn = Callable[[int], "int | str | None"]
 
 
-def _always_uniform() -> bool:
-    return True
+def _local(num_tokens: int) -> str:
+    return LOCAL
 
 
 class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     """What both backends declare to vLLM; the runtime's round does the transport."""
 
-    def __init__(self, runtime: EPRuntime, uniform_fn: UniformFn | None = None) -> None:
+    def __init__(self, runtime: EPRuntime, agreement_fn: AgreementFn | None = None) -> None:
+        """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for the
+        current forward (vllm/forward_state.py); by default every rank runs its own."""
         super().__init__()
         self.runtime = runtime
         self._round = runtime.round
-        self._uniform = uniform_fn or _always_uniform
+        self._agreed = agreement_fn or _local
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -76,7 +79,7 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
             a1,
             topk_ids,
             topk_weights,
-            uniform=self._uniform(),
+            agreed_tokens=self._agreed(a1.shape[0]),
             apply_router_weight_on_input=apply_router_weight_on_input,
         )
         return self._prepare_result(out, quant_config, defer_input_quant)

@@ -1,0 +1,209 @@
+"""Eager rounds on pooled handles: bucket sizes, padding to the agreed size, agreement.
+
+The fake transport refuses what NCCL-EP refuses (an `update` or `dispatch` whose row
+count differs from the handle's), and fills the LL receive buffer's unused rows with NaN,
+so a padded row that leaked into an output, or a pad of the wrong size, fails here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from vllm.forward_context import DPMetadata, ForwardContext, override_forward_context
+
+from tests.fakes.fake_moe_ep import Call
+from tests.fakes.runtime import build_fake_runtime
+from tests.fakes.world import run_ranks
+from tests.helpers import scale_expert_rows
+from vllm_flashinfer_ep.backends import Algorithm
+from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
+from vllm_flashinfer_ep.errors import HandlePoolError
+from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, bucket_sizes
+from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.vllm.forward_state import agreed_token_count
+
+HIDDEN = 2048
+NUM_EXPERTS = 8
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("fake")
+
+
+def _layer(num_tokens: int, seed: int, top_k: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids, weights = random_routing(num_tokens, NUM_EXPERTS, top_k, CPU, gen)
+    scales = torch.rand(NUM_EXPERTS, generator=gen) + 0.5
+    return x, ids, weights, scales
+
+
+def _round(rt, x, ids, weights, scales, agreed=LOCAL, out=True):
+    rnd = LowLatencyRound(rt)
+    d = rnd.dispatch(x, ids, weights, agreed_tokens=agreed)
+    target = torch.full_like(x, float("nan")) if out else None
+    result = rnd.combine(scale_expert_rows(d.expert_x, scales), target)
+    return result, d
+
+
+def _close(out, x, ids, weights, scales):
+    torch.testing.assert_close(
+        out.float(), reference_moe(x, ids, weights, scales).float(), rtol=2e-2, atol=2e-2
+    )
+
+
+# ----------------------------------------------------------------- buckets
+@pytest.mark.parametrize(("above", "capacity"), [(0, 32), (0, 100), (512, 8192), (256, 256), (8, 33)])
+def test_buckets_cover_every_count_up_to_capacity_with_less_than_half_padding(above, capacity):
+    sizes = bucket_sizes(above, capacity)
+    assert sizes == sorted(set(sizes)) and all(above < s <= capacity for s in sizes)
+    assert len(sizes) <= 2 * capacity.bit_length() + 1
+    for n in range(above + 1, capacity + 1):
+        fit = min(s for s in sizes if s >= n)
+        assert fit - n < max(1, n / 2) or fit == capacity, (n, fit)
+
+
+def test_bucket_examples():
+    assert bucket_sizes(512, 8192) == [768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert bucket_sizes(0, 32) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert bucket_sizes(0, 100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert bucket_sizes(256, 256) == []
+
+
+# ----------------------------------------------------------------- padding
+@pytest.mark.parametrize("num_tokens", [1, 5, 7])
+@pytest.mark.parametrize("with_out", [True, False])
+def test_a_count_between_pooled_sizes_pads_to_the_next_and_matches_the_reference(num_tokens, with_out):
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[4, 8])
+    before = len(fleet.log)
+    x, ids, weights, scales = _layer(num_tokens, seed=num_tokens)
+    out, _ = _round(rt, x, ids, weights, scales, out=with_out)
+    assert out.shape == x.shape
+    _close(out, x, ids, weights, scales)
+    size = 4 if num_tokens <= 4 else 8
+    handle = 0 if size == 4 else 1
+    assert fleet.log[before:] == [
+        Call("update", handle, size), Call("dispatch", handle, size), Call("combine", handle, size)
+    ]
+    c = rt.pool.counters
+    assert (c.fresh_created, c.pooled_rounds) == (0, 1)
+    assert c.padded_rounds == (0 if num_tokens == size else 1)
+    assert fleet.handles_created == 2
+
+
+def test_padded_rows_carry_zeros_weight_zero_and_this_rank_s_experts():
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
+    x, ids, weights, scales = _layer(3, seed=3)
+    _, d = _round(rt, x, ids, weights, scales)
+    pool = rt.pool
+    # Rows 3..7 of the bound routing are the pad pattern, with weight 0.
+    assert torch.equal(pool.topk_ids[:3], ids)
+    assert torch.equal(pool.topk_ids[3:8], pool.pad_ids[3:8])
+    assert torch.all(pool.topk_weights[3:8] == 0)
+    # Every padded (token, slot) reached an expert as a zero row: the received rows of
+    # the experts hold 3 real tokens x top_k 2 + 5 pad tokens x 2 = 16 rows.
+    assert int(d.expert_num_tokens.sum()) == 16
+    rows = [d.expert_x[e, : int(d.expert_num_tokens[e])] for e in range(NUM_EXPERTS)]
+    zero_rows = sum(int((r.float().abs().sum(dim=1) == 0).sum()) for r in rows)
+    assert zero_rows == 10
+
+
+def test_pad_routing_stays_on_the_rank_when_it_has_top_k_experts():
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=16, num_experts=8, top_k=2, world_size=2, rank=1
+    )
+    pad = rt.pool.pad_ids
+    assert pad.min() >= 4 and pad.max() <= 7  # rank 1 owns experts 4..7
+    assert all(len(set(row.tolist())) == 2 for row in pad)  # distinct experts per row
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=16, num_experts=8, top_k=6, world_size=2, rank=1
+    )
+    pad = rt.pool.pad_ids  # 4 local experts < top_k 6: spread over all experts, still distinct
+    assert all(len(set(row.tolist())) == 6 for row in pad) and pad.max() <= 7
+
+
+def test_a_later_smaller_padded_round_is_not_touched_by_an_earlier_larger_one():
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[16])
+    big = _layer(15, seed=1)
+    _round(rt, *big)
+    small = _layer(2, seed=2)
+    out, _ = _round(rt, *small)
+    _close(out, *small)
+
+
+def test_under_capture_a_size_must_be_pooled_exactly(monkeypatch):
+    from tests.fakes.runtime import install_capture_switch
+
+    switch = install_capture_switch(monkeypatch)
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
+    x, ids, weights, _ = _layer(5, seed=5)
+    with switch.capturing(), pytest.raises(HandlePoolError, match="no warmed flashinfer_ep handle for 5"):
+        rt.pool.begin(ids, weights)
+    assert fleet.handles_created == 1
+
+
+# --------------------------------------------------------------- agreement
+def test_ranks_with_different_counts_share_the_handle_of_the_agreed_count():
+    """Two simulated EP ranks with 3 and 6 tokens and the agreed count 6 both run on the
+    pooled 8-token handle (the fake checks they pair the same collective)."""
+    counts = [3, 6]
+
+    def rank_fn(rank, group):
+        rt, fleet = build_fake_runtime(
+            Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, capacity=16, sizes=[4, 8],
+            world_size=2, rank=rank, process_group=group,
+        )
+        x, ids, weights, _ = _layer(counts[rank], seed=10 + rank)
+        out, _ = _round(rt, x, ids, weights, torch.ones(NUM_EXPERTS // 2), agreed=max(counts))
+        _close(out, x, ids, weights, torch.ones(NUM_EXPERTS))
+        c = rt.pool.counters
+        return c.fresh_created, c.padded_rounds, [op.tokens for op in fleet.log[-3:]]
+
+    results = run_ranks(2, rank_fn, timeout_s=30)
+    assert results == [(0, 1, [8, 8, 8]), (0, 1, [8, 8, 8])]
+
+
+def test_without_agreement_every_rank_creates_a_fresh_handle_logged_once(caplog):
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
+    ours = logging.getLogger("vllm.flashinfer_ep")  # vLLM's `vllm` logger does not propagate
+    ours.addHandler(caplog.handler)
+    level, ours.level = ours.level, logging.INFO
+    for seed in range(3):
+        x, ids, weights, scales = _layer(5, seed=seed)
+        out, _ = _round(rt, x, ids, weights, scales, agreed=None)
+        _close(out, x, ids, weights, scales)
+    ours.level = level
+    assert rt.pool.counters.fresh_created == 3 and fleet.handles_alive == 1
+    ours.removeHandler(caplog.handler)
+    # One record (it may reach the capture handler twice, directly and through the root).
+    said = {id(r): r for r in caplog.records if "per-forward handle" in r.getMessage()}
+    assert len(said) == 1
+    assert "no token count agreed" in next(iter(said.values())).getMessage()
+
+
+def test_an_agreed_count_above_every_pooled_size_runs_fresh():
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
+    x, ids, weights, scales = _layer(5, seed=5)
+    out, _ = _round(rt, x, ids, weights, scales, agreed=20)
+    _close(out, x, ids, weights, scales)
+    assert rt.pool.counters.fresh_created == 1 and rt.pool.counters.pooled_rounds == 0
+
+
+def _context(dp_sizes=None, local_sizes=None):
+    dp = None
+    if dp_sizes is not None:
+        dp = DPMetadata(num_tokens_across_dp_cpu=torch.tensor(dp_sizes, dtype=torch.int32))
+        dp.local_sizes = local_sizes
+    return ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}, dp_metadata=dp)
+
+
+def test_agreement_is_the_largest_rank_count_from_vllm_s_forward_context():
+    assert agreed_token_count(5) == LOCAL  # outside a vLLM forward
+    with override_forward_context(_context()):
+        assert agreed_token_count(5) == LOCAL  # one DP rank: every EP rank has these tokens
+    with override_forward_context(_context([3, 7, 5])):
+        assert agreed_token_count(3) == 7 and agreed_token_count(7) == 7
+        assert agreed_token_count(9) is None  # this rank has more than vLLM agreed: none
+    with override_forward_context(_context([16, 16], local_sizes=[8, 6])):
+        assert agreed_token_count(6) == 8  # sequence-parallel chunk sizes win
