@@ -89,7 +89,7 @@ for step in "${steps[@]}"; do
         tail -17 "$out/kbench_h$hidden.txt"
       done ;;
     htbench)  # HT transport benchmark: the package's HT round vs raw FlashInfer, and LL vs HT (eager)
-      read -ra htargs <<< "${HTBENCH_ARGS:-}"
+      read -ra htargs <<< "${HTBENCH_ARGS:-}"  # e.g. --ht-pooled (HT on pooled handles)
       for hidden in 4096 7168; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1

@@ -230,3 +230,21 @@ def test_module_entry_validates_and_refuses_without_gpu(monkeypatch, capsys):
         ht_run.cli()
     assert cli.main(["bench-ht", "--tokens", "512"]) == 2
     assert "bench-ht: needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_ht_pooled_mode_gives_the_input_back_on_pooled_handles():
+    h = _harness(_args("--ht-pooled"))
+    try:
+        assert h.modes == ("ht", "raw_ht_fresh", "ht_pooled", "ll_pooled")
+        pool = h.pooled_rt.pool
+        assert pool.sizes == list(TOKENS) and h.pooled_rt.fleet is h.fleet  # same HT fleet
+        for num_tokens in TOKENS:
+            layers, outs, steps = h._steps(num_tokens)
+            h._check_equal(num_tokens, layers, outs, steps)
+            for li in range(LAYERS):
+                assert torch.equal(outs["ht_pooled"][li], outs["ht"][li])
+        created = h.fleet.handles_created
+        steps["ht_pooled"]()
+        assert h.fleet.handles_created == created and pool.counters.fresh_created == 0
+    finally:
+        h.close()

@@ -49,7 +49,11 @@ class HtHarness(TimedModes):
             self.ll_rt = build_runtime(self.fleets, ll_spec, args.top_k, self.device, list(args.tokens))
         elif not args.no_ll and self.rank == 0:
             print(f"bench-ht: ll_pooled skipped: {self.ll_skipped}", file=sys.stderr)
-        self.modes = modes(self.ll_rt is not None)
+        self.pooled_rt = None
+        if getattr(args, "ht_pooled", False):
+            # One HT handle per token count on the same fleet, re-targeted per layer.
+            self.pooled_rt = build_runtime(self.fleets, spec, args.top_k, self.device, list(args.tokens))
+        self.modes = modes(self.ll_rt is not None, self.pooled_rt is not None)
 
     def _ll_skip_reason(self) -> str | None:
         if self.args.no_ll:
@@ -79,9 +83,10 @@ class HtHarness(TimedModes):
         caller so a test can break one mode alone."""
         return torch.mul(x, weights.sum(dim=1, keepdim=True), out=out)
 
-    def _ht_step(self, layers: list[Layer], outs: list[torch.Tensor]) -> None:
-        """The package's HT path, as FlashInferEPHighThroughputPrepareAndFinalize drives it."""
-        rnd = self.ht_rt.round
+    def _ht_step(self, layers: list[Layer], outs: list[torch.Tensor], pooled: bool = False) -> None:
+        """The package's HT path, as FlashInferEPHighThroughputPrepareAndFinalize drives it
+        (`pooled`: on the pooled HT runtime)."""
+        rnd = self.pooled_rt.round if pooled and self.pooled_rt is not None else self.ht_rt.round
         for (x, ids, w), out in zip(layers, outs, strict=True):
             d = rnd.dispatch(x, ids, w)
             received = d.x.shape[0]
@@ -141,7 +146,12 @@ class HtHarness(TimedModes):
         """The layers' inputs (shared), each mode's outputs, and each mode's step."""
         layers = self._layers(num_tokens, seed=num_tokens)
         outs = {m: [torch.empty_like(x) for x, _, _ in layers] for m in self.modes}
-        step_fns = {"ht": self._ht_step, "raw_ht_fresh": self._raw_ht_fresh_step, "ll_pooled": self._ll_step}
+        step_fns = {
+            "ht": self._ht_step,
+            "raw_ht_fresh": self._raw_ht_fresh_step,
+            "ll_pooled": self._ll_step,
+            "ht_pooled": lambda lay, o: self._ht_step(lay, o, pooled=True),
+        }
         steps = {m: (lambda fn=step_fns[m], o=outs[m]: fn(layers, o)) for m in self.modes}
         return layers, outs, steps
 
@@ -171,6 +181,8 @@ class HtHarness(TimedModes):
 
     def close(self) -> None:
         self.ht_rt.destroy()
+        if self.pooled_rt is not None:
+            self.pooled_rt.destroy()
         if self.ll_rt is not None:
             self.ll_rt.destroy()
         self.fleets.destroy()

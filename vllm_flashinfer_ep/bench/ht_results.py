@@ -10,17 +10,23 @@ from vllm_flashinfer_ep.bench.results import Row
 
 HT_MODES = ("ht", "raw_ht_fresh")
 LL_MODE = "ll_pooled"
+# Opt-in (--ht-pooled): the package's HT round on a pooled HT handle per token count,
+# re-targeted with `update` (the HT manager does not pool yet; this measures whether it should).
+HT_POOLED_MODE = "ht_pooled"
 # The target for the package's HT step against FlashInfer's own per-forward path.
 HT_TARGET = 1.05
 
 # (numerator, denominator) of each ratio column, in table order:
 #   ht/raw_ht_fresh  the package's HT round vs FlashInfer alone (target <= HT_TARGET)
 #   ll_pooled/ht     the LL eager pooled round vs the HT round at the same token count
-RATIOS: tuple[tuple[str, str], ...] = (("ht", "raw_ht_fresh"), (LL_MODE, "ht"))
+#   ht_pooled/raw_ht_fresh  (with --ht-pooled) a pooled HT handle vs FlashInfer's per-forward path
+RATIOS: tuple[tuple[str, str], ...] = (
+    ("ht", "raw_ht_fresh"), (LL_MODE, "ht"), (HT_POOLED_MODE, "raw_ht_fresh"),
+)
 
 
-def modes(with_ll: bool) -> tuple[str, ...]:
-    return (*HT_MODES, LL_MODE) if with_ll else HT_MODES
+def modes(with_ll: bool, with_ht_pooled: bool = False) -> tuple[str, ...]:
+    return (*HT_MODES, *((HT_POOLED_MODE,) if with_ht_pooled else ()), *((LL_MODE,) if with_ll else ()))
 
 
 @dataclass
@@ -42,7 +48,7 @@ def within_target(rows: list[HtRow]) -> bool:
 
 
 def format_table(rows: list[HtRow], args: Any, world_size: int, ll_skipped: str | None) -> str:
-    ran = [m for m in modes(True) if rows and m in rows[0].median_ms]
+    ran = [m for m in modes(True, True) if rows and m in rows[0].median_ms]
     ratios = [(a, b) for a, b in RATIOS if a in ran and b in ran]
     head = [
         f"HT prefill step: {args.layers} layers, {args.num_experts} experts, top_k {args.top_k}, "
@@ -69,7 +75,7 @@ def write_json(rows: list[HtRow], args: Any, world_size: int, ll_skipped: str | 
         "benchmark": "high_throughput",
         "config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")},
         "world_size": world_size,
-        "modes": [m for m in modes(True) if rows and m in rows[0].median_ms],
+        "modes": [m for m in modes(True, True) if rows and m in rows[0].median_ms],
         "ll_skipped": ll_skipped,
         "target_ht_over_raw_ht_fresh": HT_TARGET,
         "within_target": within_target(rows) if rows else None,

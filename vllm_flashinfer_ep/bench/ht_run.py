@@ -15,6 +15,8 @@ EP world size every token comes back as itself. Modes, interleaved in one proces
   ll_pooled    - (unless --no-ll) the package's LL eager round on its persistent
                  handle pool at the same T, for the LL-vs-HT comparison (needs an LL
                  hidden size and an LL fleet sized for the largest T: large buffers)
+  ht_pooled    - (with --ht-pooled) as ht, on a pooled HT handle per token count re-targeted
+                 with `update` (what pooling HT would give; the HT manager does not pool)
 All modes must reproduce the input before anything is timed.
 """
 
@@ -52,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-ll", action="store_true",
         help="skip the ll_pooled mode (its LL fleet is sized for the largest --tokens value)",
+    )
+    parser.add_argument(
+        "--ht-pooled", action="store_true",
+        help="add the ht_pooled mode: the package's HT round on one pooled HT handle per token count",
     )
     parser.add_argument("--json", dest="json_path", help="write results as JSON here")
     parser.add_argument("--no-progress", action="store_true")
