@@ -16,6 +16,20 @@ def is_capturing() -> bool:
     return bool(torch.cuda.is_current_stream_capturing())
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The cudaStream_t of torch's current stream on a device, as an int.
+
+    One C call (`torch.cuda.current_stream()` builds a Stream object through several
+    Python calls); falls back to that where this torch lacks the binding.
+    """
+    if _raw_stream is not None:
+        return int(_raw_stream(device_index))
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 def capture_graph(step, between=None) -> torch.cuda.CUDAGraph:
     """Capture `step()` into a CUDA graph the way vLLM does: one eager warm-up on a side
     stream first, then the capture. `between()` runs after the warm-up (e.g. a barrier)."""

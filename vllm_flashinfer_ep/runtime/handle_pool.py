@@ -35,7 +35,7 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime.capture import is_capturing
+from vllm_flashinfer_ep.runtime.capture import current_raw_stream, is_capturing
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
@@ -135,9 +135,16 @@ class HandlePool:
         self.counters = PoolCounters()
         self._fi = moe_ep()  # looked up once: eager rounds are host-bound
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._device_index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self._cuda else -1
+        )
+        # Handles run on the fleet's stream outside capture: stream 0 (see fleet.py).
+        self._handle_stream = torch.cuda.default_stream(self._device_index) if self._cuda else None
+        self._handle_raw_stream = self._handle_stream.cuda_stream if self._handle_stream is not None else 0
         self._join = False  # this round's handle work is joined with torch's current stream
         self._padded: tuple[int, int] | None = None  # (real rows, pooled size) of this round
         self._fresh_logged = False
+        self._weight_views: dict[int, torch.Tensor] = {}  # topk_weights[:n], made once per n
         # GPU memory each warm-up creation added (torch allocator or device-wide, whichever
         # grew more). The first handle of a fleet also triggers NCCL-EP's lazy buffer
         # allocation, so `per_handle_bytes` excludes it.
@@ -148,7 +155,6 @@ class HandlePool:
         self._handles: dict[int, Any] = {}
         self._current: Any = None
         self._current_is_fresh = False
-        self._handle_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -250,28 +256,27 @@ class HandlePool:
         agreement is available (every rank then creates a fresh handle). Under CUDA-graph
         capture the count is uniform and must be pooled exactly.
         """
+        # Eager rounds are host-bound (about 5 ms per 48-layer step): this path keeps its
+        # Python calls few; the checks and rare cases branch off it.
         num_tokens, top_k = topk_ids.shape
-        if top_k != self.top_k:
-            raise HandlePoolError(
-                f"this pool was built for top_k={self.top_k}, got routing with top_k={top_k}"
-            )
-        if num_tokens > self.capacity:
-            raise DispatchCapacityError(
-                f"{num_tokens} tokens on this rank exceed the flashinfer_ep fleet capacity of "
-                f"{self.capacity} tokens per rank; raise --max-num-batched-tokens (the fleet is "
-                "sized from it) or lower the batch size."
-            )
-        if num_tokens < 1:
-            raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
-        self._end_fresh()
-        # One capture query per round (is_capturing() also asks torch.cuda.is_available()).
-        capturing = torch.cuda.is_current_stream_capturing() if self._cuda else is_capturing()
-        self._join = not capturing and self._needs_join()
+        if top_k != self.top_k or not 1 <= num_tokens <= self.capacity:
+            self._refuse_shape(num_tokens, top_k)
+        if self._current_is_fresh:
+            self._end_fresh()
+        if self._cuda:
+            capturing = torch.cuda.is_current_stream_capturing()
+            # One decision per round: FlashInfer issues outside capture on the handle's
+            # stream (stream 0); join only when torch's current stream is another one.
+            self._join = not capturing and current_raw_stream(self._device_index) != self._handle_raw_stream
+        else:
+            capturing, self._join = is_capturing(), False
         agreed = num_tokens if agreed_tokens == LOCAL else agreed_tokens
-        size = None
-        if isinstance(agreed, int) and agreed >= num_tokens:
+        handle = self._handles.get(agreed) if agreed == num_tokens else None
+        size = num_tokens
+        if handle is None and isinstance(agreed, int) and agreed >= num_tokens:
             size = self.pooled_size(agreed)
-        if capturing and size != num_tokens:
+            handle = self._handles.get(size) if size is not None else None
+        if capturing and (handle is None or size != num_tokens):
             self.counters.created_during_capture += 1  # attempts; each is refused here
             raise HandlePoolError(
                 f"no warmed flashinfer_ep handle for {num_tokens} tokens (pooled sizes: "
@@ -279,44 +284,56 @@ class HandlePool:
                 "pool is warmed with vLLM's cudagraph capture sizes; if you changed them after "
                 "model load, restart, or run with --enforce-eager."
             )
-        if size is None:
+        if handle is None:
             return self._begin_fresh(topk_ids, topk_weights, agreed)
-        handle = self._handles[size]
         # Weights are bound to the handle at creation: always copy them. Ids can be
         # bound per call (`update` takes any int64 contiguous CUDA tensor), which saves
         # one copy kernel per layer; other ids, and padded rounds, use the static buffer.
-        self.topk_weights[:num_tokens].copy_(topk_weights, non_blocking=True)
-        ids = self._bindable_ids(topk_ids) if size == num_tokens else None
-        if ids is None:
+        view = self._weight_views.get(num_tokens)
+        if view is None:  # a slice costs more host time than a dict lookup
+            view = self._weight_views[num_tokens] = self.topk_weights[:num_tokens]
+        view.copy_(topk_weights, non_blocking=True)
+        if size == num_tokens and self.bind_ids and topk_ids.dtype == torch.int64 and (
+            topk_ids.is_contiguous() and topk_ids.device == self.device
+        ):
+            ids = topk_ids
+        else:
             self.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
             ids = self.topk_ids[:size]
-        if size != num_tokens:
-            self.topk_ids[num_tokens:size].copy_(self.pad_ids[num_tokens:size], non_blocking=True)
-            self.topk_weights[num_tokens:size].zero_()
-            self._padded = (num_tokens, size)
-            self.counters.padded_rounds += 1
-        self._ordered(handle.update, self._fi.HandleParams(topk_ids=ids))
-        self.counters.updates += 1
-        self.counters.pooled_rounds += 1
-        self._current, self._current_is_fresh = handle, False
+            if size != num_tokens:
+                self._pad_routing(num_tokens, size)
+        params = self._fi.HandleParams(topk_ids=ids)
+        if self._join:
+            self._ordered(handle.update, params)
+        else:
+            handle.update(params)
+        counters = self.counters
+        counters.updates += 1
+        counters.pooled_rounds += 1
+        self._current = handle
         return handle
 
     def dispatch(self, x: torch.Tensor) -> Any:
-        handle = self._require_current()
+        handle = self._current
+        if handle is None:
+            self._require_current()
         if self._padded is not None:
             real, size = self._padded
             padded = x.new_empty(size, x.shape[1])
             padded[:real].copy_(x)
             padded[real:].zero_()
             x = padded
-        return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
+        params = self._fi.DispatchInputParams(x=[x])
+        return self._ordered(handle.dispatch, params) if self._join else handle.dispatch(params)
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Combine into `out` (written in place when given) and end the round."""
-        handle = self._require_current()
+        handle = self._current
+        if handle is None:
+            self._require_current()
         if self._padded is None:
             params = self._fi.CombineInputParams(x=[expert_out], out=out)
-            return self._ordered(handle.combine, params).x
+            return (self._ordered(handle.combine, params) if self._join else handle.combine(params)).x
         real, size = self._padded
         dtype = out.dtype if out is not None else expert_out.dtype
         staging = expert_out.new_empty(size, self.spec.hidden_size, dtype=dtype)
@@ -329,7 +346,8 @@ class HandlePool:
 
     def end(self) -> None:
         """End the round; a fresh handle is destroyed once its work is ordered."""
-        self._end_fresh()
+        if self._current_is_fresh:
+            self._end_fresh()
         self._current = None
         self._padded = None
 
@@ -368,18 +386,28 @@ class HandlePool:
         self._current, self._current_is_fresh = handle, True
         return handle
 
+    def _refuse_shape(self, num_tokens: int, top_k: int) -> None:
+        if top_k != self.top_k:
+            raise HandlePoolError(
+                f"this pool was built for top_k={self.top_k}, got routing with top_k={top_k}"
+            )
+        if num_tokens > self.capacity:
+            raise DispatchCapacityError(
+                f"{num_tokens} tokens on this rank exceed the flashinfer_ep fleet capacity of "
+                f"{self.capacity} tokens per rank; raise --max-num-batched-tokens (the fleet is "
+                "sized from it) or lower the batch size."
+            )
+        raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
+
+    def _pad_routing(self, num_tokens: int, size: int) -> None:
+        """Rows num_tokens..size of the static routing: the pad pattern, weight 0."""
+        self.topk_ids[num_tokens:size].copy_(self.pad_ids[num_tokens:size], non_blocking=True)
+        self.topk_weights[num_tokens:size].zero_()
+        self._padded = (num_tokens, size)
+        self.counters.padded_rounds += 1
+
     def _params(self, num_tokens: int) -> Any:
         return self._fi.HandleParams(topk_ids=self.topk_ids[:num_tokens])
-
-    def _bindable_ids(self, topk_ids: torch.Tensor) -> torch.Tensor | None:
-        if (
-            self.bind_ids
-            and topk_ids.dtype == torch.int64
-            and topk_ids.is_contiguous()
-            and topk_ids.device == self.device
-        ):
-            return topk_ids
-        return None
 
     def _create(self, num_tokens: int) -> Any:
         fi = self._fi
@@ -415,11 +443,7 @@ class HandlePool:
         stream). Decided once per round: eager rounds are host-bound, and the streams do
         not change between a layer's dispatch and its combine.
         """
-        if not self._cuda:
-            return False
-        if self._handle_stream is None:
-            self._handle_stream = torch.cuda.default_stream(self.device)
-        return torch.cuda.current_stream().cuda_stream != self._handle_stream.cuda_stream
+        return self._cuda and current_raw_stream(self._device_index) != self._handle_raw_stream
 
     def _ordered(self, op: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a handle op, ordered against torch's current stream when this round needs it

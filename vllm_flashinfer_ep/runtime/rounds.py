@@ -63,6 +63,8 @@ class Round:
 
     def __init__(self, runtime: EPRuntime) -> None:
         self.runtime = runtime
+        self._pool = runtime.pool
+        self._hidden = runtime.spec.hidden_size
 
     def dispatch(
         self,
@@ -75,20 +77,26 @@ class Round:
     ) -> Any:
         """Bind this layer's routing to a handle and dispatch; the algorithm's view of
         what arrived (`_received`). `agreed_tokens`: see HandlePool.begin."""
-        check_activations(a1, self.runtime)
+        # Host-bound in eager mode: the checks run in full only when one fails.
+        if a1.dtype != torch.bfloat16 or a1.dim() != 2 or a1.shape[1] != self._hidden:
+            check_activations(a1, self.runtime)
         if not a1.is_contiguous():  # NCCL-EP reads rows by pointer arithmetic
             a1 = a1.contiguous()
-        a1, weights = router_weights(a1, topk_weights, apply_router_weight_on_input)
-        self.runtime.pool.begin(topk_ids, weights, agreed_tokens=agreed_tokens)
-        return self._received(self.runtime.pool.dispatch(a1))
+        weights = topk_weights
+        if apply_router_weight_on_input:
+            a1, weights = router_weights(a1, topk_weights, True)
+        pool = self._pool
+        pool.begin(topk_ids, weights, agreed_tokens=agreed_tokens)
+        return self._received(pool.dispatch(a1))
 
     def _received(self, out: Any) -> Any:
         raise NotImplementedError
 
     def _combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         """Combine into `output` (in place when given); ends the round."""
-        _check_output(output)
-        pool = self.runtime.pool
+        if output is not None and not output.is_contiguous():
+            _check_output(output)
+        pool = self._pool
         try:
             return pool.combine(expert_out, output)
         finally:
