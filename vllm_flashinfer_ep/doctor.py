@@ -99,7 +99,7 @@ def load_model_config(model: str) -> dict[str, Any]:
     return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
 
 
-def model_checks(model: str) -> list[Check]:
+def model_checks(model: str, tokens_per_rank: int = 256) -> list[Check]:
     try:
         cfg = load_model_config(model)
     except Exception as exc:  # noqa: BLE001 - report why the config is unreadable
@@ -131,6 +131,9 @@ def model_checks(model: str) -> list[Check]:
                 "flashinfer_ep_high_throughput only" if top_k <= MAX_TOPK_HT else "pick another --all2all-backend",
             )
         )
+    memory = _ll_memory_check(text, tokens_per_rank)
+    if memory is not None:
+        checks.append(memory)
     dtype = text.get("torch_dtype") or cfg.get("torch_dtype") or text.get("dtype")
     quant = cfg.get("quantization_config") or text.get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -151,6 +154,40 @@ def model_checks(model: str) -> list[Check]:
     return checks
 
 
+def _ll_memory_check(text: dict[str, Any], tokens: int) -> Check | None:
+    """The LL fleet's estimated GPU memory per GPU (runtime/buffer_sizes.py, measured
+    device-wide), with the handle pool a served engine with vLLM's default capture sizes
+    warms; None when the config lacks the shape."""
+    from vllm_flashinfer_ep.bench.memory import served_pool_sizes
+    from vllm_flashinfer_ep.runtime import buffer_sizes
+    from vllm_flashinfer_ep.vllm.config_validation import EXPERT_COUNT_CONFIG_KEYS
+
+    hidden, top_k = text.get("hidden_size"), config_top_k(text.get)
+    experts = next((text[k] for k in EXPERT_COUNT_CONFIG_KEYS if isinstance(text.get(k), int)), None)
+    if not isinstance(hidden, int) or top_k is None or experts is None:
+        return None
+    try:
+        hidden = round_up_ll_hidden_size(hidden)
+    except ValueError:
+        return None
+    handles = len(served_pool_sizes(tokens))
+    parts = (
+        buffer_sizes.LL_FLEET_FIXED_BYTES,
+        buffer_sizes.ll_fleet_bytes(tokens, hidden, experts, top_k),
+        buffer_sizes.ll_receive_buffer_bytes(tokens, hidden, experts),
+        handles * buffer_sizes.LL_HANDLE_BYTES,
+    )
+    gib = 1 << 30
+    return Check(
+        "LL memory estimate",
+        True,
+        f"about {sum(parts) / gib:.2f} GiB per GPU at --max-num-batched-tokens {tokens}: NCCL-EP "
+        f"fixed {parts[0] / gib:.2f} + buffers {parts[1] / gib:.2f} + FlashInfer receive buffer "
+        f"{parts[2] / gib:.2f} + {handles} pooled handles {parts[3] / 1e6:.1f} MB "
+        f"({experts} experts, hidden {hidden}, top_k {top_k})",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.link_runtime is not None:
         for line in env_checks.link_runtime_paths(args.link_runtime):
@@ -163,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         # The driver first: without it every GPU check fails, and it is the thing to fix.
         sections = [("GPU stack", env_checks.runtime_checks()), ("packages", package_checks())]
     if args.model:
-        sections.append((f"model {args.model}", model_checks(args.model)))
+        sections.append((f"model {args.model}", model_checks(args.model, args.max_num_batched_tokens)))
     failed = []
     for title, checks in sections:
         print(f"\n{title}:")
@@ -180,10 +217,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("doctor", help="check this host and a model for the flashinfer_ep backends",
                                    description=__doc__)
     parser.add_argument("--model", help="local model dir or Hugging Face id (reads config.json only)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=256, metavar="N",
+                        help="tokens per rank the LL memory estimate is made for (vLLM's flag; "
+                        "LL defaults to 256)")
     parser.add_argument("--no-gpu", action="store_true",
                         help="only what needs no GPU or driver (image build): packages, loaded NCCL, "
                         "nvcc, nccl.ep, plugin entry point")

@@ -102,3 +102,16 @@ def test_bench_table_and_json(tmp_path):
     data = json.loads(path.read_text())
     assert data["rows"][0]["fresh_over_graph"] == 3.0 and data["world_size"] == 1
     assert data["memory"]["total_device_bytes"] == 348e6 and data["memory"]["avg_handle_torch_bytes"] == 11e6
+
+
+def test_doctor_estimates_ll_memory_for_a_model(tmp_path):
+    path = write_model(tmp_path / "m", hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    [est] = [c for c in doctor.model_checks(path, 256) if c.name == "LL memory estimate"]
+    # 0.64 fixed + 0.27 buffers + 0.12 receive buffer (runtime/buffer_sizes.py); 35 handles:
+    # vLLM's default capture sizes up to 256, no eager bucket above them.
+    assert est.ok and "about 1.04 GiB per GPU at --max-num-batched-tokens 256" in est.detail
+    assert "receive buffer 0.12" in est.detail and "35 pooled handles" in est.detail and "128 experts, hidden 2048, top_k 8" in est.detail
+    bigger = [c for c in doctor.model_checks(path, 4096) if c.name == "LL memory estimate"][0]
+    assert "at --max-num-batched-tokens 4096" in bigger.detail and "57 pooled handles" in bigger.detail
+    rounded = doctor.model_checks(write_model(tmp_path / "r", hidden_size=3072), 256)
+    assert "hidden 4096" in next(c for c in rounded if c.name == "LL memory estimate").detail

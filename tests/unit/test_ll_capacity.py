@@ -6,7 +6,9 @@ measured sizes (runtime/buffer_sizes.py). GPU memory is faked here (CPU host).
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 from tiny_models import engine_config, write_model
@@ -20,6 +22,7 @@ from vllm_flashinfer_ep.vllm import config_validation
 vllm_flashinfer_ep.register()
 
 GIB = 1 << 30
+MEMORY_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_memory_world1.json"
 # Qwen3-30B-A3B's MoE shape: 128 experts, top_k 8, hidden 2048.
 BIG = dict(num_experts=128, num_experts_per_tok=8, hidden_size=2048, max_position_embeddings=32768)
 
@@ -50,6 +53,26 @@ def test_estimate_never_undershoots_a_measurement():
     assert buffer_sizes.ll_fleet_bytes(256, 4096, 128, 8) == pytest.approx(581e6, rel=0.01)
 
 
+def test_total_estimate_never_undershoots_bench_memory_and_stays_close():
+    """The fleet's whole cost, measured device-wide by bench-memory on the H200."""
+    rows = json.loads(MEMORY_RESULTS.read_text())["rows"]
+    assert len(rows) == 6
+    for r in rows:
+        est = buffer_sizes.ll_memory_bytes(r["capacity"], r["hidden"], 128, 8, handles=r["handles"])
+        measured = (r["fleet_mb"] + r["rounds_mb"]) * 1e6
+        assert measured <= est <= measured * 1.25, (r, est)
+        recv = buffer_sizes.ll_receive_buffer_bytes(r["capacity"], r["hidden"], 128)
+        assert recv == pytest.approx(r["rounds_mb"] * 1e6, rel=0.01)
+
+
+def test_capacity_that_fits_a_budget_is_the_largest_whose_total_fits():
+    budget = 20 * GIB
+    fit = buffer_sizes.ll_max_tokens_within(budget, 7168, 128, 8)
+    assert buffer_sizes.ll_memory_bytes(fit, 7168, 128, 8) <= budget
+    assert buffer_sizes.ll_memory_bytes(fit + 1, 7168, 128, 8) > budget
+    assert buffer_sizes.ll_max_tokens_within(buffer_sizes.LL_FLEET_FIXED_BYTES // 2, 2048, 128, 8) == 0
+
+
 def test_estimate_scales_with_tokens_experts_and_hidden():
     one = buffer_sizes.ll_fleet_bytes(1000, 2048, 128, 8)
     assert buffer_sizes.ll_fleet_bytes(2000, 2048, 128, 8) == pytest.approx(2 * one, rel=1e-6)
@@ -74,7 +97,8 @@ def test_budget_that_fits_is_kept_and_the_estimate_logged(qwen30b_shape, monkeyp
         cfg = _config(qwen30b_shape)
     assert cfg.scheduler_config.max_num_batched_tokens == 256  # batched-DP default
     assert "lowered" not in caplog.text
-    assert "low-latency buffers need about 0.27 GiB" in caplog.text
+    # 0.64 GiB fixed + 0.27 NCCL-EP buffers + 0.12 receive buffer (runtime/buffer_sizes.py)
+    assert "needs about 1.04 GiB per GPU for --max-num-batched-tokens 256" in caplog.text
 
 
 def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(qwen30b_shape, monkeypatch, caplog):
@@ -82,7 +106,7 @@ def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(qwen30b_shape,
     with caplog.at_level(logging.INFO):
         cfg = _config(qwen30b_shape, max_num_batched_tokens=100_000)
     assert cfg.scheduler_config.max_num_batched_tokens == 100_000
-    assert "need about 106.05 GiB" in caplog.text and "not checked" in caplog.text
+    assert "needs about 155.52 GiB" in caplog.text and "not checked" in caplog.text
 
 
 def test_refused_when_chunked_prefill_is_off_and_prompts_exceed_the_fit(qwen30b_shape, monkeypatch):

@@ -13,6 +13,17 @@ covers headers, scale metadata and allocator rounding and is taken from measurem
 the first handle of a fleet triggers NCCL-EP's lazy buffer allocation; one H200, EP
 world 1, 128 experts, top_k 8, 256 tokens per rank, FleetAlgoKnobAllocator(torch_caching=True)).
 Unmeasured: EP world > 1 (the layout has no per-rank term in the expert-major slots).
+
+What one LL fleet costs in all (`ll_memory_bytes`), from `vllm-flashinfer-ep bench-memory`
+(docs/results/bench_memory_world1.json; device-wide, H200, world 1, 128 experts, top_k 8,
+capacities 512 and 4096, hidden 2048/4096/7168):
+- a fixed part at fleet creation: the measured growth up to the first handle minus the
+  estimate above is 680 MB for the first fleet of a process (NCCL-EP's group and kernels
+  load then) and 344-438 MB for later ones;
+- the buffers above, which grow with the capacity as estimated (within the fixed part);
+- FlashInfer's LL receive buffer, [local experts, capacity x world, hidden] BF16,
+  allocated at the first dispatch (measured within 0.1 % of its size);
+- 10,752 bytes per pooled handle (torch allocator; no device-wide growth measurable).
 """
 
 from __future__ import annotations
@@ -63,6 +74,33 @@ def ll_fleet_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: i
     return math.ceil(tokens_per_rank * ll_bytes_per_token(hidden, num_experts, top_k))
 
 
+# bench_memory_world1.json: the largest fixed part (the first fleet of a process, 680 MB),
+# rounded up so that the total covers every measured row (its first round adds 2 MB
+# beside the receive buffer).
+LL_FLEET_FIXED_BYTES: int = 690_000_000
+# HandlePool.handle_bytes of every non-first handle in docs/results/bench_world1_h*.json.
+LL_HANDLE_BYTES: int = 10_752
+
+
+def ll_receive_buffer_bytes(tokens_per_rank: int, hidden: int, num_experts: int) -> int:
+    """FlashInfer's LL receive buffer: local experts x (capacity x world) rows x hidden BF16,
+    i.e. num_experts x capacity x hidden x 2 bytes at any EP world size."""
+    return num_experts * tokens_per_rank * hidden * BF16_BYTES
+
+
+def ll_memory_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0) -> int:
+    """Estimated GPU memory of one LL fleet in all: fixed part, NCCL-EP buffers,
+    FlashInfer's receive buffer and `handles` pooled handles."""
+    return (
+        LL_FLEET_FIXED_BYTES
+        + ll_fleet_bytes(tokens_per_rank, hidden, num_experts, top_k)
+        + ll_receive_buffer_bytes(tokens_per_rank, hidden, num_experts)
+        + handles * LL_HANDLE_BYTES
+    )
+
+
 def ll_max_tokens_within(budget_bytes: int, hidden: int, num_experts: int, top_k: int) -> int:
-    """Largest per-rank token capacity whose estimated LL fleet fits in `budget_bytes`."""
-    return max(0, math.floor(budget_bytes / ll_bytes_per_token(hidden, num_experts, top_k)))
+    """Largest per-rank token capacity whose estimated LL memory (`ll_memory_bytes`)
+    fits in `budget_bytes`."""
+    per_token = ll_bytes_per_token(hidden, num_experts, top_k) + ll_receive_buffer_bytes(1, hidden, num_experts)
+    return max(0, math.floor((budget_bytes - LL_FLEET_FIXED_BYTES) / per_token))

@@ -147,21 +147,23 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
         return
     hidden, experts, top_k = shape
     tokens = sched.max_num_batched_tokens
-    need = buffer_sizes.ll_fleet_bytes(tokens, hidden, experts, top_k)
+    need = buffer_sizes.ll_memory_bytes(tokens, hidden, experts, top_k)
     total = device_memory_bytes()
     if total is None:
         logger.info(
-            "%s: NCCL-EP low-latency buffers need about %.2f GiB per GPU for "
-            "--max-num-batched-tokens %d (%d experts, hidden %d, top_k %d); GPU memory is "
-            "not visible here, so this is not checked against it.",
+            "%s: the NCCL-EP low-latency fleet (buffers and FlashInfer's receive buffer) "
+            "needs about %.2f GiB per GPU for --max-num-batched-tokens %d (%d experts, "
+            "hidden %d, top_k %d); GPU memory is not visible here, so this is not checked "
+            "against it.",
             flag, need / GIB, tokens, experts, hidden, top_k,
         )
         return
     usable = int(total * vllm_config.cache_config.gpu_memory_utilization)
     budget = int(usable * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
     logger.info(
-        "%s: NCCL-EP low-latency buffers need about %.2f GiB per GPU for "
-        "--max-num-batched-tokens %d (%d experts, hidden %d, top_k %d; budget %.2f GiB).",
+        "%s: the NCCL-EP low-latency fleet (buffers and FlashInfer's receive buffer) needs "
+        "about %.2f GiB per GPU for --max-num-batched-tokens %d (%d experts, hidden %d, "
+        "top_k %d; budget %.2f GiB).",
         flag, need / GIB, tokens, experts, hidden, top_k, budget / GIB,
     )
     if need <= budget:
