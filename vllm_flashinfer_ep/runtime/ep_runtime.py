@@ -59,11 +59,14 @@ def build_runtime(
     pool = HandlePool(fleet, spec, top_k, device, rank=fleets.rank, world_size=fleets.world_size)
     if pool_sizes:
         pool.warm(pool_sizes)
+        receive = spec.num_experts * spec.effective_max_tokens_per_rank * spec.hidden_size * 2
         logger.info(
-            "flashinfer_ep: %s handle pool warmed for token counts %s: %s",
+            "flashinfer_ep: %s handle pool warmed for token counts %s: %s; FlashInfer adds its "
+            "receive buffer (%.1f MB) at the first dispatch",
             spec.algorithm,
             _compact(pool.sizes),
             pool.memory_summary(),
+            receive / 1e6,
         )
     return EPRuntime(spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size)
 

@@ -127,6 +127,16 @@ def create_fleet(spec: FleetSpec, bootstrap: Any) -> Any:
     return fi.create_fleet(bootstrap, params, algo_knobs=_fleet_knobs(spec), backend=envs.transport())
 
 
+def _device_used_bytes() -> int:
+    """Device-wide used memory of the current GPU (0 without one): NCCL-EP allocates
+    natively as well as through torch."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
 class FleetCache:
     """One fleet per FleetSpec, created on first use and destroyed together."""
 
@@ -140,17 +150,19 @@ class FleetCache:
         fleet = self._fleets.get(spec)
         if fleet is None:
             boot = bootstrap_config(self.rank, self.world_size, self._process_group)
+            before = _device_used_bytes()
             fleet = create_fleet(spec, boot)
             self._fleets[spec] = fleet
             logger.info(
                 "flashinfer_ep: created %s fleet (experts=%d, max_tokens_per_rank=%d, "
-                "hidden=%d, ep_world=%d, ft=%s)",
+                "hidden=%d, ep_world=%d, ft=%s): %.1f MB device memory at creation",
                 spec.algorithm,
                 spec.num_experts,
                 spec.effective_max_tokens_per_rank,
                 spec.hidden_size,
                 self.world_size,
                 spec.fault_tolerance,
+                max(0, _device_used_bytes() - before) / 1e6,
             )
         return fleet
 
