@@ -41,6 +41,7 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.vllm import compact_experts
 from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks, max_blocks, senders_tokens
+from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
 CAPACITY = 256
 
@@ -120,6 +121,9 @@ def test_senders_tokens_reads_the_dp_metadata_for_several_senders(monkeypatch):
     monkeypatch.setattr(fc, "get_forward_context", lambda: types.SimpleNamespace(dp_metadata=dp))
     assert senders_tokens(5, 4, CAPACITY) == 9
     assert senders_tokens(5, 4, 8) == 8
+    # A pooled round knows what every rank sent (its handle size, padding included).
+    assert senders_tokens(5, 4, CAPACITY, sent_per_rank=16) == 16
+    assert senders_tokens(5, 1, CAPACITY, sent_per_rank=8) == 8
 
 
 # ------------------------------------------------------------ wiring, through the kernel
@@ -233,3 +237,23 @@ def test_installing_twice_wraps_once(emulated):
     _apply(kernel, x, w1, w2, ids, weights, False)
     wrapped = experts.apply
     assert compact_experts.install(experts) and experts.apply is wrapped
+
+
+def test_a_padded_round_lists_the_padded_rows_too(emulated):
+    """One real token padded onto a 64-token handle: 128 rows arrive (the pad rows go to
+    every local expert), far more than one token's top_k. The block list must cover them
+    all, or the real token's rows, listed after the pad rows of lower experts, are dropped."""
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[64])
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, agreement_fn=lambda n: 64)
+    experts = RecordingTritonExperts(
+        _moe_config(2, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+    )
+    experts.tiles, experts.fail = [], False
+    kernel = mk.FusedMoEKernel(pf, experts)
+    x, w1, w2, _, weights = _problem(1, 2, seed=21)
+    ids = torch.tensor([[NUM_EXPERTS - 1, NUM_EXPERTS - 2]])  # the last experts: listed last
+    out = _apply(kernel, x, w1, w2, ids, weights, False)
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
+    assert rt.pool.counters.padded_rounds == 1 and experts.tiles == []
+    assert rt.pool.sent_per_rank is None  # the round ended

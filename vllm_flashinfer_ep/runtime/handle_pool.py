@@ -143,6 +143,10 @@ class HandlePool:
         self._handle_raw_stream = self._handle_stream.cuda_stream if self._handle_stream is not None else 0
         self._join = False  # this round's handle work is joined with torch's current stream
         self._padded: tuple[int, int] | None = None  # (real rows, pooled size) of this round
+        # Tokens every EP rank dispatches in the current round when known: a pooled round's
+        # handle size (padding included); None for per-forward rounds and between rounds.
+        # The received-rows experts bound their work by it (vllm/compact_experts.py).
+        self.sent_per_rank: int | None = None
         self._fresh_logged = False
         self._weight_views: dict[int, torch.Tensor] = {}  # topk_weights[:n], made once per n
         # GPU memory each warm-up creation added (torch allocator or device-wide, whichever
@@ -311,6 +315,7 @@ class HandlePool:
         counters.updates += 1
         counters.pooled_rounds += 1
         self._current = handle
+        self.sent_per_rank = size
         return handle
 
     def dispatch(self, x: torch.Tensor) -> Any:
@@ -350,6 +355,7 @@ class HandlePool:
             self._end_fresh()
         self._current = None
         self._padded = None
+        self.sent_per_rank = None
 
     # ---------------------------------------------------------------- cleanup
     def destroy(self) -> None:
@@ -365,6 +371,7 @@ class HandlePool:
     def _begin_fresh(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, agreed: Any) -> Any:
         """A handle for this round only (destroyed at its end), on every rank alike."""
         num_tokens = topk_ids.shape[0]
+        self.sent_per_rank = None  # each rank sends its own count
         if not self._fresh_logged and self._handles:
             self._fresh_logged = True
             why = (

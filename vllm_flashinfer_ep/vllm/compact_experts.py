@@ -24,6 +24,7 @@ path applies them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,13 +81,19 @@ def expert_blocks(
     )
 
 
-def senders_tokens(local_tokens: int, dispatchers: int, capacity: int) -> int:
+def senders_tokens(
+    local_tokens: int, dispatchers: int, capacity: int, sent_per_rank: int | None = None
+) -> int:
     """The most tokens any sender dispatches in this forward.
 
-    One sender (world 1): this rank's own count. Several: the largest count in vLLM's DP
-    metadata for the forward (every rank's tokens; CUDA graphs pad them to one size),
-    at most `capacity`, the LL capacity per rank (the bound the buffer was sized for,
-    which the transport enforces); without the metadata, that capacity."""
+    `sent_per_rank`: what every rank dispatched this round when the transport knows it
+    (a pooled round: its handle's size, padding included; HandlePool.sent_per_rank).
+    Otherwise, one sender (world 1): this rank's own count; several: the largest count in
+    vLLM's DP metadata for the forward (every rank's tokens; CUDA graphs pad them to one
+    size), at most `capacity`, the LL capacity per rank (the bound the buffer was sized
+    for, which the transport enforces); without the metadata, that capacity."""
+    if sent_per_rank is not None:
+        return sent_per_rank
     if dispatchers == 1:
         return local_tokens
     try:
@@ -145,8 +152,9 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, blocks: tuple, conf
     )
 
 
-def compact_apply(fused_experts: Any, kw: dict) -> None:
-    """vLLM's batched experts computation (GEMM, activation, GEMM) on received rows only."""
+def compact_apply(fused_experts: Any, kw: dict, sent_per_rank: int | None = None) -> None:
+    """vLLM's batched experts computation (GEMM, activation, GEMM) on received rows only.
+    `sent_per_rank`: see `senders_tokens`."""
     import triton.language as tl
     from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
     from vllm.model_executor.layers.fused_moe.utils import _resize_cache
@@ -159,7 +167,7 @@ def compact_apply(fused_experts: Any, kw: dict) -> None:
     top_k = topk_ids.shape[1]
     # Each sender dispatches at most the LL capacity per rank (the experts' max_num_tokens).
     capacity = fused_experts.max_num_tokens or rows
-    tokens = senders_tokens(topk_ids.shape[0], fused_experts.num_dispatchers, capacity)
+    tokens = senders_tokens(topk_ids.shape[0], fused_experts.num_dispatchers, capacity, sent_per_rank)
     sent = min(tokens * fused_experts.num_dispatchers, rows * experts)
     config = try_get_optimal_moe_config(
         w1.size(), w2.size(), top_k, None, max(1, sent), block_shape=None
@@ -178,11 +186,13 @@ def compact_apply(fused_experts: Any, kw: dict) -> None:
           config, compute_type)
 
 
-def install(fused_experts: Any) -> bool:
+def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None = None) -> bool:
     """Make `fused_experts` (vLLM's BatchedTritonExperts) compute received rows only.
 
     Wraps the instance's `apply` (vLLM 0.33.0's parameters, checked); calls that are not
-    eligible go to the apply it wrapped. Returns whether the instance now does so."""
+    eligible go to the apply it wrapped. `sent_per_rank()` says, during a round, how many
+    tokens every rank dispatched (padded rounds send more than the batch holds). Returns
+    whether the instance now does so."""
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
         BatchedTritonExperts,
     )
@@ -199,7 +209,7 @@ def install(fused_experts: Any) -> bool:
         kw = named_args(args, kw)
         if not _eligible(fused_experts, kw):
             return inner(**kw)
-        return compact_apply(fused_experts, kw)
+        return compact_apply(fused_experts, kw, sent_per_rank() if sent_per_rank else None)
 
     apply._flashinfer_ep_compact = True  # type: ignore[attr-defined]
     apply._flashinfer_ep_tiles = getattr(inner, "_flashinfer_ep_tiles", False)  # type: ignore[attr-defined]

@@ -108,7 +108,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         compact_experts.refuse_biases(fused_experts)
         receive_quant.check_experts(fused_experts, "--all2all-backend flashinfer_ep_low_latency", True)
         batched_tiles.install(fused_experts)
-        compact_experts.install(fused_experts)
+        pool = self.runtime.pool
+        compact_experts.install(fused_experts, lambda: pool.sent_per_rank)
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
