@@ -298,7 +298,7 @@ class HandlePool:
             view = self._weight_views[num_tokens] = self.topk_weights[:num_tokens]
         view.copy_(topk_weights, non_blocking=True)
         if size == num_tokens and self.bind_ids and topk_ids.dtype == torch.int64 and (
-            topk_ids.is_contiguous() and topk_ids.device == self.device
+            topk_ids.is_contiguous() and topk_ids.get_device() == self._device_index
         ):
             ids = topk_ids
         else:
