@@ -200,6 +200,65 @@ def test_agreement_is_the_largest_rank_count_from_vllm_s_forward_context():
         assert agreed_token_count(5) == LOCAL  # one DP rank: every EP rank has these tokens
     with override_forward_context(_context([3, 7, 5])):
         assert agreed_token_count(3) == 7 and agreed_token_count(7) == 7
-        assert agreed_token_count(9) is None  # this rank has more than vLLM agreed: none
+        # This rank has more than vLLM agreed: an error, not a per-rank fallback that
+        # would pair a new handle with the other ranks' pooled one.
+        with pytest.raises(HandlePoolError, match="cannot agree on a handle"):
+            agreed_token_count(9)
     with override_forward_context(_context([16, 16], local_sizes=[8, 6])):
         assert agreed_token_count(6) == 8  # sequence-parallel chunk sizes win
+
+
+def test_a_round_that_failed_before_its_combine_leaves_no_padding_behind():
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
+    x5, ids5, w5, _ = _layer(5, seed=1)
+    rt.pool.begin(ids5, w5)
+    rt.pool.dispatch(x5)  # padded 5 -> 8, then the layer fails before its combine
+    for n in (8, 3, 1):  # an exact round, a fresh one and a padded one still come out right
+        x, ids, weights, scales = _layer(n, seed=n)
+        out, _ = _round(rt, x, ids, weights, scales, agreed=None if n == 3 else LOCAL)
+        _close(out, x, ids, weights, scales)
+
+
+def test_a_failing_dispatch_ends_the_round(monkeypatch):
+    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
+    x, ids, weights, scales = _layer(5, seed=2)
+    real = rt.pool.dispatch
+    monkeypatch.setattr(rt.pool, "dispatch", lambda x: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        LowLatencyRound(rt).dispatch(x, ids, weights, agreed_tokens=None)  # a fresh handle
+    assert rt.pool._current is None and rt.pool.sent_per_rank is None
+    assert fleet.handles_alive == 1  # the fresh handle was destroyed
+    monkeypatch.setattr(rt.pool, "dispatch", real)
+    out, _ = _round(rt, x, ids, weights, scales)
+    _close(out, x, ids, weights, scales)
+
+
+def test_pad_rows_are_written_with_the_pad_routing_on_every_round():
+    """Rank 1 of 2: the pad pattern (experts 4..7) differs from the warm-up's dummy routing,
+    so a pool that skipped writing it would leave other ids in the padded rows."""
+    counts = [3, 6]
+
+    def rank_fn(rank, group):
+        rt, _ = build_fake_runtime(
+            Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, capacity=16, sizes=[8],
+            world_size=2, rank=rank, process_group=group,
+        )
+        x, ids, weights, _ = _layer(counts[rank], seed=30 + rank)
+        _round(rt, x, ids, weights, torch.ones(NUM_EXPERTS // 2), agreed=6)
+        pool, n = rt.pool, counts[rank]
+        return (torch.equal(pool.topk_ids[n:8], pool.pad_ids[n:8]),
+                int(pool.pad_ids.min()), int(pool.pad_ids.max()))
+
+    assert run_ranks(2, rank_fn, timeout_s=30) == [(True, 0, 3), (True, 4, 7)]
+
+
+def test_padded_rounds_stage_through_persistent_buffers():
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[4, 8])
+    pool = rt.pool
+    staged = {k: v.data_ptr() for k, v in pool._pad_buffers.items()}
+    assert set(staged) == {"x", "out"}  # made at warm-up, before any round
+    for n in (3, 5, 6):
+        x, ids, weights, scales = _layer(n, seed=n)
+        out, _ = _round(rt, x, ids, weights, scales, out=False)
+        _close(out, x, ids, weights, scales)
+    assert {k: v.data_ptr() for k, v in pool._pad_buffers.items()} == staged

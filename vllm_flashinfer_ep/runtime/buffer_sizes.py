@@ -23,7 +23,9 @@ capacities 512 and 4096, hidden 2048/4096/7168):
 - the buffers above, which grow with the capacity as estimated (within the fixed part);
 - FlashInfer's LL receive buffer, [local experts, capacity x world, hidden] BF16,
   allocated at the first dispatch (measured within 0.1 % of its size);
-- 10,752 bytes per pooled handle (torch allocator; no device-wide growth measurable).
+- 10,752 bytes per pooled handle (torch allocator; no device-wide growth measurable);
+- the pool's staging of padded rounds, 2 x [capacity, hidden] BF16 (exact; added after the
+  bench-memory run).
 """
 
 from __future__ import annotations
@@ -96,11 +98,22 @@ def ll_memory_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: 
         + ll_fleet_bytes(tokens_per_rank, hidden, num_experts, top_k)
         + ll_receive_buffer_bytes(tokens_per_rank, hidden, num_experts)
         + handles * LL_HANDLE_BYTES
+        + ll_pad_staging_bytes(tokens_per_rank, hidden)
     )
+
+
+def ll_pad_staging_bytes(tokens_per_rank: int, hidden: int) -> int:
+    """HandlePool's staging of padded rounds: activations in and combined rows out,
+    [capacity, hidden] BF16 each."""
+    return 2 * tokens_per_rank * hidden * BF16_BYTES
 
 
 def ll_max_tokens_within(budget_bytes: int, hidden: int, num_experts: int, top_k: int) -> int:
     """Largest per-rank token capacity whose estimated LL memory (`ll_memory_bytes`)
     fits in `budget_bytes`."""
-    per_token = ll_bytes_per_token(hidden, num_experts, top_k) + ll_receive_buffer_bytes(1, hidden, num_experts)
+    per_token = (
+        ll_bytes_per_token(hidden, num_experts, top_k)
+        + ll_receive_buffer_bytes(1, hidden, num_experts)
+        + ll_pad_staging_bytes(1, hidden)
+    )
     return max(0, math.floor((budget_bytes - LL_FLEET_FIXED_BYTES) / per_token))

@@ -149,6 +149,7 @@ class HandlePool:
         self.sent_per_rank: int | None = None
         self._fresh_logged = False
         self._weight_views: dict[int, torch.Tensor] = {}  # topk_weights[:n], made once per n
+        self._pad_buffers: dict[str, torch.Tensor] = {}
         # GPU memory each warm-up creation added (torch allocator or device-wide, whichever
         # grew more). The first handle of a fleet also triggers NCCL-EP's lazy buffer
         # allocation, so `per_handle_bytes` excludes it.
@@ -234,6 +235,10 @@ class HandlePool:
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
+        if len(self._handles) > 1 or (self._handles and min(self._handles) > 1):
+            # Some count will pad: its staging exists before vLLM sizes the KV cache.
+            for name in ("x", "out"):
+                self._pad_buffer(name, self.spec.hidden_size, torch.bfloat16, self.device)
         self.warm_after = memory_snapshot(self.device)
         return self.sizes
 
@@ -267,6 +272,8 @@ class HandlePool:
             self._refuse_shape(num_tokens, top_k)
         if self._current_is_fresh:
             self._end_fresh()
+        # A round that failed before its combine left its state behind: start clean.
+        self._padded = self.sent_per_rank = None
         if self._cuda:
             capturing = torch.cuda.is_current_stream_capturing()
             # One decision per round: FlashInfer issues outside capture on the handle's
@@ -324,7 +331,7 @@ class HandlePool:
             self._require_current()
         if self._padded is not None:
             real, size = self._padded
-            padded = x.new_empty(size, x.shape[1])
+            padded = self._pad_buffer("x", x.shape[1], x.dtype, x.device)[:size]
             padded[:real].copy_(x)
             padded[real:].zero_()
             x = padded
@@ -341,11 +348,11 @@ class HandlePool:
             return (self._ordered(handle.combine, params) if self._join else handle.combine(params)).x
         real, size = self._padded
         dtype = out.dtype if out is not None else expert_out.dtype
-        staging = expert_out.new_empty(size, self.spec.hidden_size, dtype=dtype)
+        staging = self._pad_buffer("out", self.spec.hidden_size, dtype, expert_out.device)[:size]
         params = self._fi.CombineInputParams(x=[expert_out], out=staging)
         self._ordered(handle.combine, params)
         if out is None:
-            return staging[:real]
+            return staging[:real].clone()  # the staging buffer is the next round's too
         out.copy_(staging[:real])  # the padded rows' output is dropped
         return out
 
@@ -405,6 +412,19 @@ class HandlePool:
                 "sized from it) or lower the batch size."
             )
         raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
+
+    def _pad_buffer(self, name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[capacity, hidden] staging of padded rounds (activations in, combined rows out).
+
+        Persistent: the same address every round (FlashInfer memoizes small tensors' FFI
+        wrappers by address; a new buffer per round would miss and stay pinned in that
+        memo). Created at warm-up when the pool can pad, so its memory is there before vLLM
+        sizes the KV cache."""
+        buf = self._pad_buffers.get(name)
+        if buf is None or buf.shape[1] != hidden or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(self.capacity, hidden, dtype=dtype, device=device)
+            self._pad_buffers[name] = buf
+        return buf
 
     def _pad_routing(self, num_tokens: int, size: int) -> None:
         """Rows num_tokens..size of the static routing: the pad pattern, weight 0."""

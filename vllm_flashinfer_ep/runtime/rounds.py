@@ -87,7 +87,11 @@ class Round:
             a1, weights = router_weights(a1, topk_weights, True)
         pool = self._pool
         pool.begin(topk_ids, weights, agreed_tokens=agreed_tokens)
-        return self._received(pool.dispatch(a1))
+        try:
+            return self._received(pool.dispatch(a1))
+        except BaseException:
+            pool.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
+            raise
 
     def _received(self, out: Any) -> Any:
         raise NotImplementedError

@@ -5,15 +5,18 @@ from __future__ import annotations
 from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 
 
-def agreed_token_count(num_tokens: int) -> int | str | None:
+def agreed_token_count(num_tokens: int) -> int | str:
     """The MoE token count every EP rank agrees on for this forward: the largest rank's.
 
     vLLM all-reduces each DP rank's token count every step (`num_tokens_across_dp` in the
     forward context's DP metadata; per-rank chunk sizes in `local_sizes` under sequence
     parallelism), so every rank computes the same maximum and picks the same pooled
     handle. Without DP metadata (a single DP rank, or outside a vLLM forward: kernel
-    tests, benchmarks) every EP rank runs the same tokens: LOCAL. None when this rank's
-    count exceeds what the metadata says, i.e. there is no agreement to rely on.
+    tests, benchmarks) every EP rank runs the same tokens: LOCAL.
+
+    A rank whose own count exceeds the metadata's largest is an error, not a fallback to
+    a per-forward handle: the other ranks would update their pooled handle while this one
+    created a new one, and the collectives would pair up wrongly (a hang).
     """
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -28,4 +31,12 @@ def agreed_token_count(num_tokens: int) -> int | str | None:
     if sizes is None:
         sizes = dp_metadata.num_tokens_across_dp_cpu.tolist()
     agreed = max((int(s) for s in sizes), default=0)
-    return agreed if agreed >= num_tokens else None
+    if agreed < num_tokens:
+        from vllm_flashinfer_ep.errors import HandlePoolError
+
+        raise HandlePoolError(
+            f"this rank runs {num_tokens} MoE tokens but vLLM's DP metadata for the forward "
+            f"says the largest rank runs {agreed} ({list(sizes)}); the EP ranks cannot agree "
+            "on a handle. Please report this with the vLLM command line."
+        )
+    return agreed
