@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 EXPERTS, HIDDEN, ROWS = 64, 2048, 256  # INTER 512, TOP_K 8: the join test's
 
 
-def _experts(compact: bool):
+def _experts(compact: bool, sent_per_rank=None):
     cfg, _, _, batched_experts, *_ = _modules()
     from vllm_flashinfer_ep.vllm import compact_experts
 
@@ -35,7 +35,7 @@ def _experts(compact: bool):
     experts = batched_experts(moe_config=moe, quant_config=cfg.FUSED_MOE_UNQUANTIZED_CONFIG,
                               max_num_tokens=ROWS, num_dispatchers=1)
     if compact:
-        assert compact_experts.install(experts)
+        assert compact_experts.install(experts, sent_per_rank)
     return experts
 
 
@@ -122,3 +122,17 @@ def test_captured_block_list_follows_new_counts(vllm_env):  # noqa: F811
         torch.cuda.synchronize()
         _assert_rows_close(counts, got, want)
     del graph
+
+
+def test_a_padded_round_computes_every_received_row(vllm_env):  # noqa: F811
+    """One real token on a 256-token pooled handle: 256 x top_k rows arrive (the pad rows
+    too). With the pool's `sent_per_rank` the block list covers them all."""
+    p = Problem(seed=7)
+    counts = _routed_counts(ROWS, 13)  # what 256 sent tokens bring
+    p.counts.copy_(counts)
+    want = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = want.clone()
+    p.run(_experts(compact=False), 1, want)
+    p.run(_experts(compact=True, sent_per_rank=lambda: ROWS), 1, got)
+    torch.cuda.synchronize()
+    _assert_rows_close(counts, got, want)
