@@ -171,20 +171,15 @@ def _ll_memory_check(text: dict[str, Any], tokens: int) -> Check | None:
     except ValueError:
         return None
     handles = len(served_pool_sizes(tokens))
-    parts = (
-        buffer_sizes.LL_FLEET_FIXED_BYTES,
-        buffer_sizes.ll_fleet_bytes(tokens, hidden, experts, top_k),
-        buffer_sizes.ll_receive_buffer_bytes(tokens, hidden, experts),
-        handles * buffer_sizes.LL_HANDLE_BYTES + buffer_sizes.ll_pad_staging_bytes(tokens, hidden),
-    )
+    parts = buffer_sizes.ll_memory_parts(tokens, hidden, experts, top_k, handles)
     gib = 1 << 30
     return Check(
         "LL memory estimate",
         True,
-        f"about {sum(parts) / gib:.2f} GiB per GPU at --max-num-batched-tokens {tokens}: NCCL-EP "
-        f"fixed {parts[0] / gib:.2f} + buffers {parts[1] / gib:.2f} + FlashInfer receive buffer "
-        f"{parts[2] / gib:.2f} + {handles} pooled handles and their padding staging "
-        f"{parts[3] / 1e6:.1f} MB "
+        f"about {sum(parts.values()) / gib:.2f} GiB per GPU at --max-num-batched-tokens {tokens}: "
+        f"NCCL-EP fixed {parts['fixed'] / gib:.2f} + buffers {parts['buffers'] / gib:.2f} + "
+        f"FlashInfer receive buffer {parts['receive'] / gib:.2f} + {handles} pooled handles and "
+        f"their padding staging {parts['pool'] / 1e6:.1f} MB "
         f"({experts} experts, hidden {hidden}, top_k {top_k})",
     )
 

@@ -16,7 +16,7 @@ from vllm_flashinfer_ep.bench.results import MODES, PoolMemory, Row, summarize
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.handle_pool import memory_snapshot
+from vllm_flashinfer_ep.runtime.memory import memory_snapshot
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
@@ -37,12 +37,17 @@ def torchrun_fleets() -> tuple[FleetCache, torch.device]:
 
 
 class TimedModes:
-    """Timing shared by the LL and HT benchmark harnesses: warm-up, then every mode once
-    per step in rotated order, medians into the row. Needs `args`, `world_size`, `device`."""
+    """What the LL and HT benchmark harnesses share: their rank, GPU and fleet cache, and
+    the timing (warm-up, then every mode once per step in rotated order, medians into
+    the row)."""
 
-    args: Any
-    world_size: int
-    device: torch.device
+    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+        """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
+        self.args = args
+        if fleets is None:
+            fleets, device = torchrun_fleets()
+        self.fleets, self.device = fleets, torch.device(device)
+        self.rank, self.world_size = fleets.rank, fleets.world_size
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -105,12 +110,7 @@ class TimedModes:
 
 class Harness(TimedModes):
     def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
-        """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
-        self.args = args
-        if fleets is None:
-            fleets, device = torchrun_fleets()
-        self.fleets, self.device = fleets, torch.device(device)
-        self.rank, self.world_size = fleets.rank, fleets.world_size
+        super().__init__(args, fleets, device)
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
         # Same fleet for every mode: only the handle strategy differs. Memory is read

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress, torchrun_fleets
+from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress
 from vllm_flashinfer_ep.bench.ht_results import HtRow, modes
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
@@ -26,12 +26,7 @@ Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class HtHarness(TimedModes):
     def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
-        """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
-        self.args = args
-        if fleets is None:
-            fleets, device = torchrun_fleets()
-        self.fleets, self.device = fleets, torch.device(device)
-        self.rank, self.world_size = fleets.rank, fleets.world_size
+        super().__init__(args, fleets, device)
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
         # As the package's HT manager: no pool sizes (HT is never captured), so every

@@ -64,7 +64,7 @@ def measure(hidden: int, capacity: int, num_experts: int, top_k: int, sizes: lis
     from vllm_flashinfer_ep.bench.reference import random_routing
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
     from vllm_flashinfer_ep.runtime.fleet import FleetSpec
-    from vllm_flashinfer_ep.runtime.handle_pool import memory_snapshot
+    from vllm_flashinfer_ep.runtime.memory import memory_snapshot
 
     spec = FleetSpec(Algorithm.LOW_LATENCY, num_experts, capacity, hidden)
     before = memory_snapshot(device)

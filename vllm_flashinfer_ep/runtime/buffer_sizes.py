@@ -90,16 +90,20 @@ def ll_receive_buffer_bytes(tokens_per_rank: int, hidden: int, num_experts: int)
     return num_experts * tokens_per_rank * hidden * BF16_BYTES
 
 
+def ll_memory_parts(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0) -> dict[str, int]:
+    """The parts of one LL fleet's estimated GPU memory (bytes), by what holds them."""
+    return {
+        "fixed": LL_FLEET_FIXED_BYTES,
+        "buffers": ll_fleet_bytes(tokens_per_rank, hidden, num_experts, top_k),
+        "receive": ll_receive_buffer_bytes(tokens_per_rank, hidden, num_experts),
+        "pool": handles * LL_HANDLE_BYTES + ll_pad_staging_bytes(tokens_per_rank, hidden),
+    }
+
+
 def ll_memory_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0) -> int:
     """Estimated GPU memory of one LL fleet in all: fixed part, NCCL-EP buffers,
-    FlashInfer's receive buffer and `handles` pooled handles."""
-    return (
-        LL_FLEET_FIXED_BYTES
-        + ll_fleet_bytes(tokens_per_rank, hidden, num_experts, top_k)
-        + ll_receive_buffer_bytes(tokens_per_rank, hidden, num_experts)
-        + handles * LL_HANDLE_BYTES
-        + ll_pad_staging_bytes(tokens_per_rank, hidden)
-    )
+    FlashInfer's receive buffer, `handles` pooled handles and their padding staging."""
+    return sum(ll_memory_parts(tokens_per_rank, hidden, num_experts, top_k, handles).values())
 
 
 def ll_pad_staging_bytes(tokens_per_rank: int, hidden: int) -> int:

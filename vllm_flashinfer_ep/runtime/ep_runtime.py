@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.runtime import buffer_sizes
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
 from vllm_flashinfer_ep.runtime.rounds import Round, make_round
@@ -59,7 +60,9 @@ def build_runtime(
     pool = HandlePool(fleet, spec, top_k, device, rank=fleets.rank, world_size=fleets.world_size)
     if pool_sizes:
         pool.warm(pool_sizes)
-        receive = spec.num_experts * spec.effective_max_tokens_per_rank * spec.hidden_size * 2
+        receive = buffer_sizes.ll_receive_buffer_bytes(
+            spec.effective_max_tokens_per_rank, spec.hidden_size, spec.num_experts
+        )
         logger.info(
             "flashinfer_ep: %s handle pool warmed for token counts %s: %s; FlashInfer adds its "
             "receive buffer (%.1f MB) at the first dispatch",

@@ -21,6 +21,7 @@ from vllm_flashinfer_ep.runtime.limits import (
     SUPPORTED_HIDDEN_SIZES,
     unsupported_hidden_size_reason,
 )
+from vllm_flashinfer_ep.runtime.memory import memory_growth, memory_snapshot
 from vllm_flashinfer_ep.runtime.transport import moe_ep
 
 logger = get_logger(__name__)
@@ -127,16 +128,6 @@ def create_fleet(spec: FleetSpec, bootstrap: Any) -> Any:
     return fi.create_fleet(bootstrap, params, algo_knobs=_fleet_knobs(spec), backend=envs.transport())
 
 
-def _device_used_bytes() -> int:
-    """Device-wide used memory of the current GPU (0 without one): NCCL-EP allocates
-    natively as well as through torch."""
-    if not torch.cuda.is_available():
-        return 0
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return int(total - free)
-
-
 class FleetCache:
     """One fleet per FleetSpec, created on first use and destroyed together."""
 
@@ -150,7 +141,8 @@ class FleetCache:
         fleet = self._fleets.get(spec)
         if fleet is None:
             boot = bootstrap_config(self.rank, self.world_size, self._process_group)
-            before = _device_used_bytes()
+            gpu = torch.device("cuda")  # the current device, the fleet's (bootstrap_config)
+            before = memory_snapshot(gpu)
             fleet = create_fleet(spec, boot)
             self._fleets[spec] = fleet
             logger.info(
@@ -162,7 +154,7 @@ class FleetCache:
                 spec.hidden_size,
                 self.world_size,
                 spec.fault_tolerance,
-                max(0, _device_used_bytes() - before) / 1e6,
+                memory_growth(gpu, before) / 1e6,
             )
         return fleet
 
