@@ -38,6 +38,7 @@ from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import current_raw_stream, is_capturing
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
+from vllm_flashinfer_ep.runtime.memory import memory_growth, memory_snapshot
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
 
 logger = get_logger(__name__)
@@ -231,7 +232,7 @@ class HandlePool:
             self._join = self._needs_join()
             handle = self._create(size)
             self._ordered(handle.update, self._params(size))
-            self.handle_bytes[size] = _memory_delta(self.device, before)
+            self.handle_bytes[size] = memory_growth(self.device, before)
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
@@ -274,13 +275,9 @@ class HandlePool:
             self._end_fresh()
         # A round that failed before its combine left its state behind: start clean.
         self._padded = self.sent_per_rank = None
-        if self._cuda:
-            capturing = torch.cuda.is_current_stream_capturing()
-            # One decision per round: FlashInfer issues outside capture on the handle's
-            # stream (stream 0); join only when torch's current stream is another one.
-            self._join = not capturing and current_raw_stream(self._device_index) != self._handle_raw_stream
-        else:
-            capturing, self._join = is_capturing(), False
+        # One capture query and one join decision per round (see _needs_join).
+        capturing = torch.cuda.is_current_stream_capturing() if self._cuda else is_capturing()
+        self._join = not capturing and self._needs_join()
         agreed = num_tokens if agreed_tokens == LOCAL else agreed_tokens
         handle = self._handles.get(agreed) if agreed == num_tokens else None
         size = num_tokens
@@ -313,11 +310,7 @@ class HandlePool:
             ids = self.topk_ids[:size]
             if size != num_tokens:
                 self._pad_routing(num_tokens, size)
-        params = self._fi.HandleParams(topk_ids=ids)
-        if self._join:
-            self._ordered(handle.update, params)
-        else:
-            handle.update(params)
+        self._ordered(handle.update, self._fi.HandleParams(topk_ids=ids))
         counters = self.counters
         counters.updates += 1
         counters.pooled_rounds += 1
@@ -335,8 +328,7 @@ class HandlePool:
             padded[:real].copy_(x)
             padded[real:].zero_()
             x = padded
-        params = self._fi.DispatchInputParams(x=[x])
-        return self._ordered(handle.dispatch, params) if self._join else handle.dispatch(params)
+        return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Combine into `out` (written in place when given) and end the round."""
@@ -344,8 +336,7 @@ class HandlePool:
         if handle is None:
             self._require_current()
         if self._padded is None:
-            params = self._fi.CombineInputParams(x=[expert_out], out=out)
-            return (self._ordered(handle.combine, params) if self._join else handle.combine(params)).x
+            return self._ordered(handle.combine, self._fi.CombineInputParams(x=[expert_out], out=out)).x
         real, size = self._padded
         dtype = out.dtype if out is not None else expert_out.dtype
         staging = self._pad_buffer("out", self.spec.hidden_size, dtype, expert_out.device)[:size]
@@ -378,7 +369,6 @@ class HandlePool:
     def _begin_fresh(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, agreed: Any) -> Any:
         """A handle for this round only (destroyed at its end), on every rank alike."""
         num_tokens = topk_ids.shape[0]
-        self.sent_per_rank = None  # each rank sends its own count
         if not self._fresh_logged and self._handles:
             self._fresh_logged = True
             why = (
@@ -495,18 +485,3 @@ def _pad_routing(
     rows = torch.arange(capacity, device=device).unsqueeze(1) * top_k
     cols = torch.arange(top_k, device=device).unsqueeze(0)
     return first + (rows + cols) % span
-
-
-def memory_snapshot(device: torch.device) -> tuple[int, int]:
-    """(torch-allocated bytes, device-wide used bytes). NCCL-EP allocates through torch's
-    caching allocator (FleetAlgoKnobAllocator) and natively; count both."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 0, 0
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return int(torch.cuda.memory_allocated(device)), int(total - free)
-
-
-def _memory_delta(device: torch.device, before: tuple[int, int]) -> int:
-    after = memory_snapshot(device)
-    return max(0, after[0] - before[0], after[1] - before[1])
