@@ -186,6 +186,36 @@ def test_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
     del graph
 
 
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_ht_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
+    """HT rounds between pooled sizes run on the next pooled handle (the buckets from 1
+    up to the capacity): each padded row arrives once at world 1 (zero activations,
+    weight 0), the real rows' outputs match the reference, nothing is created."""
+    sizes = bucket_sizes(0, CAPACITY)
+    rt = _runtime(ep_group_world1, Algorithm.HIGH_THROUGHPUT, hidden, sizes=sizes)
+    pool, rnd = rt.pool, HighThroughputRound(rt)
+    assert pool.sizes == sizes
+    print(f"POOL_MEMORY ht hidden={hidden} {pool.memory_summary()}")
+    created = pool.counters.pooled_created
+    counts = (5, 13, 100, 200, 255)
+    for num_tokens in counts:
+        for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+            with torch.cuda.stream(stream):
+                for i in range(2):
+                    x, ids, w, s = _inputs(num_tokens, hidden, seed=num_tokens * 10 + i)
+                    d = rnd.dispatch(x, ids, w)
+                    assert d.x.shape[0] == pool.sent_per_rank == pool.pooled_size(num_tokens)
+                    assert not bool(d.remote_slot.any())
+                    reduce_received_rows(d.x, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0]))
+                    out = torch.full_like(x, float("nan"))
+                    rnd.combine(out)
+                    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+            torch.cuda.synchronize()
+    c = pool.counters
+    assert c.fresh_created == 0 and c.pooled_created == created
+    assert c.padded_rounds == len(counts) * 2 * 2
+
+
 @pytest.mark.parametrize(
     "algorithm,top_k",
     [(Algorithm.LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(Algorithm.HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],

@@ -217,7 +217,11 @@ class Harness(TimedModes):
     def _steps(self, num_tokens: int):
         """Each mode's layer data (the same values per mode) and its step callable."""
         fresh, pooled = LowLatencyRound(self.fresh_rt), LowLatencyRound(self.pool_rt)
-        sets = {m: self._layers(num_tokens, seed=num_tokens) for m in MODES}  # same data per mode
+        # The same input tensors in every mode, each mode with its own outputs: FlashInfer
+        # memoizes its tensor descriptors by address (a bounded cache), so separate inputs
+        # per mode would make the modes evict each other's entries, unlike a served step.
+        inputs = self._layers(num_tokens, seed=num_tokens)
+        sets = {m: [(x, ids, w, torch.empty_like(x)) for x, ids, w, _ in inputs] for m in MODES}
         steps = {
             "fresh": lambda: self._package_step(fresh, sets["fresh"]),
             "pooled": lambda: self._package_step(pooled, sets["pooled"]),

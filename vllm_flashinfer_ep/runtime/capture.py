@@ -17,6 +17,15 @@ def is_capturing() -> bool:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
+def current_stream_capturing() -> bool:
+    """`torch.cuda.is_current_stream_capturing()` in one C call (the per-round query of
+    host-bound eager rounds); only for callers that know CUDA is usable."""
+    if _capturing is not None:
+        return bool(_capturing())
+    return bool(torch.cuda.is_current_stream_capturing())
 
 
 def current_raw_stream(device_index: int) -> int:

@@ -35,7 +35,11 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime.capture import current_raw_stream, is_capturing
+from vllm_flashinfer_ep.runtime.capture import (
+    current_raw_stream,
+    current_stream_capturing,
+    is_capturing,
+)
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.memory import memory_growth, memory_snapshot
@@ -276,7 +280,7 @@ class HandlePool:
         # A round that failed before its combine left its state behind: start clean.
         self._padded = self.sent_per_rank = None
         # One capture query and one join decision per round (see _needs_join).
-        capturing = torch.cuda.is_current_stream_capturing() if self._cuda else is_capturing()
+        capturing = current_stream_capturing() if self._cuda else is_capturing()
         self._join = not capturing and self._needs_join()
         agreed = num_tokens if agreed_tokens == LOCAL else agreed_tokens
         handle = self._handles.get(agreed) if agreed == num_tokens else None
@@ -310,7 +314,10 @@ class HandlePool:
             ids = self.topk_ids[:size]
             if size != num_tokens:
                 self._pad_routing(num_tokens, size)
-        self._ordered(handle.update, self._fi.HandleParams(topk_ids=ids))
+        if self._join:
+            self._ordered(handle.update, self._fi.HandleParams(topk_ids=ids))
+        else:  # the common case, without the wrapper's call
+            handle.update(self._fi.HandleParams(topk_ids=ids))
         counters = self.counters
         counters.updates += 1
         counters.pooled_rounds += 1
@@ -328,7 +335,9 @@ class HandlePool:
             padded[:real].copy_(x)
             padded[real:].zero_()
             x = padded
-        return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
+        if self._join:
+            return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
+        return handle.dispatch(self._fi.DispatchInputParams(x=[x]))
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Combine into `out` (written in place when given) and end the round."""
@@ -336,7 +345,10 @@ class HandlePool:
         if handle is None:
             self._require_current()
         if self._padded is None:
-            return self._ordered(handle.combine, self._fi.CombineInputParams(x=[expert_out], out=out)).x
+            params = self._fi.CombineInputParams(x=[expert_out], out=out)
+            if self._join:
+                return self._ordered(handle.combine, params).x
+            return handle.combine(params).x
         real, size = self._padded
         dtype = out.dtype if out is not None else expert_out.dtype
         staging = self._pad_buffer("out", self.spec.hidden_size, dtype, expert_out.device)[:size]
