@@ -27,7 +27,7 @@ import statistics
 import pytest
 from engine_models import qwen3_moe_config, token_sequences
 
-from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
+from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD, bucket_sizes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -204,6 +204,12 @@ def test_ht_matches_the_engine_without_ep_with_graphs_off(engines, models, no_ep
     assert load["manager"] == "FlashInferEPHighThroughputManager"
     assert load["kernels"] == ["FlashInferEPHighThroughputPrepareAndFinalize+TritonExperts"]
     assert load["num_kernels"] == LAYERS
+    # Every HT round runs on a pooled bucket handle (padded by at most HT_MAX_PAD rows).
+    [rt] = load["runtimes"]
+    assert rt["pool_sizes"] == bucket_sizes(0, rt["capacity"], max_pad=HT_MAX_PAD)
+    after = run["after_decode"]["runtimes"][0]["counters"]
+    assert after["fresh_created"] == 0 and after["pooled_created"] == len(rt["pool_sizes"])
+    assert after["padded_rounds"] > 0
     _assert_close(run["prompt_logprobs"], no_ep["prompt_logprobs"], floor, "HT vs no EP")
 
 

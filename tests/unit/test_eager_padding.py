@@ -70,6 +70,17 @@ def test_bucket_examples():
     assert bucket_sizes(256, 256) == []
 
 
+@pytest.mark.parametrize("above,capacity,max_pad", [(0, 8192, 256), (0, 3000, 256), (512, 8192, 100), (0, 64, 16)])
+def test_max_pad_bounds_the_padding_in_rows(above, capacity, max_pad):
+    """HT: every count in (above, capacity] pads by at most max_pad rows and by less than
+    half its size; the geometric sizes stay."""
+    sizes = bucket_sizes(above, capacity, max_pad=max_pad)
+    assert set(bucket_sizes(above, capacity)) <= set(sizes)
+    for n in range(above + 1, capacity + 1):
+        pooled = min(s for s in sizes if s >= n)
+        assert pooled - n < max_pad and (pooled - n) * 2 < max(n, 2)
+
+
 # ----------------------------------------------------------------- padding
 @pytest.mark.parametrize("num_tokens", [1, 5, 7])
 @pytest.mark.parametrize("with_out", [True, False])
@@ -262,3 +273,27 @@ def test_padded_rounds_stage_through_persistent_buffers():
         out, _ = _round(rt, x, ids, weights, scales, out=False)
         _close(out, x, ids, weights, scales)
     assert {k: v.data_ptr() for k, v in pool._pad_buffers.items()} == staged
+
+
+@pytest.mark.parametrize("num_tokens", [3, 5, 8])
+def test_ht_rounds_pad_to_the_next_pooled_size_and_match_the_reference(num_tokens):
+    """HT receives the padded rows too (world 1: every row once): zeros with weight 0,
+    reduced and combined with the rest, and dropped from the output."""
+    from tests.helpers import reduce_received_rows
+    from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound
+
+    rt, fleet = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=32, sizes=[4, 8])
+    x, ids, weights, scales = _layer(num_tokens, seed=num_tokens)
+    rnd = HighThroughputRound(rt)
+    d = rnd.dispatch(x, ids, weights)
+    size = 4 if num_tokens <= 4 else 8
+    assert d.x.shape[0] == size == rt.pool.sent_per_rank
+    # Received rows come in the transport's order: count the padded (all-zero) ones.
+    assert int((d.x == 0).all(dim=1).sum()) == size - num_tokens
+    reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(size))
+    out = torch.full_like(x, float("nan"))
+    rnd.combine(out)
+    _close(out, x, ids, weights, scales)
+    c = rt.pool.counters
+    assert (c.fresh_created, c.padded_rounds) == (0, int(num_tokens != size))
+    assert fleet.handles_created == 2

@@ -15,6 +15,7 @@ import torch
 from tests.fakes.runtime import installed_fake
 from vllm_flashinfer_ep import backends, envs
 from vllm_flashinfer_ep.runtime import fleet as fleet_mod
+from vllm_flashinfer_ep.runtime import handle_pool
 from vllm_flashinfer_ep.vllm import managers
 
 CPU = torch.device("cpu")
@@ -102,12 +103,24 @@ def test_other_shapes_get_their_own_runtime(build):
     assert other_k.pool.top_k == 4 and other_h.spec.hidden_size == 4096
 
 
-def test_ht_manager_builds_ht_fleets_without_a_pool(build):
+def test_ht_manager_pools_eager_buckets_padding_at_most_ht_max_pad(build):
     mgr = build(backends.HIGH_THROUGHPUT, _vllm_config())
     rt = mgr.get_handle(_kwargs())
     assert rt.spec.algorithm == backends.Algorithm.HIGH_THROUGHPUT
-    assert rt.pool.sizes == [] and rt.fleet.handles_created == 0
+    # HT is never captured: the buckets alone, from 1 to the capacity.
+    assert rt.pool.sizes == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert rt.fleet.handles_created == len(rt.pool.sizes)
     assert rt.round.combine_in.shape == (32, 2048)
+    big = mgr.get_handle(_kwargs(max_num_tokens_per_rank=2048)).pool.sizes
+    assert big[-1] == 2048 and 1280 in big and 1792 in big
+    gaps = [b - a for a, b in zip(big, big[1:])]
+    assert max(gaps) == handle_pool.HT_MAX_PAD
+
+
+def test_ht_manager_pools_nothing_with_the_pool_off(build, monkeypatch):
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_HANDLE_POOL", "0")
+    rt = build(backends.HIGH_THROUGHPUT, _vllm_config()).get_handle(_kwargs())
+    assert rt.pool.sizes == [] and rt.fleet.handles_created == 0
 
 
 def test_fault_tolerance_follows_the_config_and_the_backend(build):

@@ -54,12 +54,14 @@ T = TypeVar("T")
 LOCAL = "local"
 
 
-def bucket_sizes(above: int, capacity: int) -> list[int]:
+def bucket_sizes(above: int, capacity: int, max_pad: int | None = None) -> list[int]:
     """Pooled sizes for eager steps above `above` (the largest captured size, 0 without
     graphs) up to `capacity`: 2^k and 3*2^(k-1), plus the capacity itself.
 
     Any count in (above, capacity] pads by less than half its size, with at most
-    2*log2(capacity) + 1 handles.
+    2*log2(capacity) + 1 handles. `max_pad` also bounds the padding in rows: where two
+    sizes lie further apart, sizes `max_pad` apart fill the gap (HT, whose experts
+    compute every received row, padding included).
     """
     sizes: set[int] = set()
     power = 1
@@ -68,7 +70,18 @@ def bucket_sizes(above: int, capacity: int) -> list[int]:
         power *= 2
     if capacity > above:
         sizes.add(capacity)
+    if max_pad is not None and max_pad >= 1:
+        previous = above
+        for size in sorted(sizes):
+            sizes |= set(range(previous + max_pad, size, max_pad))
+            previous = size
     return sorted(sizes)
+
+
+# HT pads by at most this many rows per round: its experts compute every received row,
+# padded ones included (zeros, weight 0), so the geometric buckets alone could add up to
+# half a prefill's expert work. An HT handle costs ~0.1-0.7 MB (hidden 4096-7168).
+HT_MAX_PAD = 256
 
 
 def unavailable_reason() -> str | None:

@@ -119,13 +119,14 @@ class _FlashInferEPManager(All2AllManagerBase):
 
     def _pool_sizes(self, capacity: int) -> list[int]:
         """vLLM's capture sizes, plus buckets that cover every eager step up to the fleet
-        capacity (handle_pool.bucket_sizes), so no forward creates a handle."""
-        if self.algorithm != Algorithm.LOW_LATENCY:
-            return []  # HT is never captured; its eager rounds use fresh handles
+        capacity (handle_pool.bucket_sizes), so no forward creates a handle. HT is never
+        captured: buckets alone, padding at most HT_MAX_PAD rows."""
         reason = handle_pool.unavailable_reason()
         if reason is not None:
             logger.info("%s: no persistent handle pool: %s", self.backend_name, reason)
             return []
+        if self.algorithm != Algorithm.LOW_LATENCY:
+            return handle_pool.bucket_sizes(0, capacity, max_pad=handle_pool.HT_MAX_PAD)
         captured = [s for s in pool_sizes_from_config(self._vllm_config) if s <= capacity]
         return sorted(set(captured) | set(handle_pool.bucket_sizes(max(captured, default=0), capacity)))
 
