@@ -1,4 +1,4 @@
-"""`vllm-flashinfer-ep` command line: doctor, bench, bench-ht, bench-memory, eval."""
+"""`vllm-flashinfer-ep` command line: doctor, bench, bench-ht, bench-fp8, bench-memory, eval."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm_flashinfer_ep import __version__, doctor
+    from vllm_flashinfer_ep.bench import fp8_run as bench_fp8
     from vllm_flashinfer_ep.bench import ht_run as bench_ht
     from vllm_flashinfer_ep.bench import memory as bench_memory
     from vllm_flashinfer_ep.bench import run as bench
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_ht.add_arguments(bench_ht_parser)
     bench_ht_parser.set_defaults(func=bench_ht.main)
+    fp8_parser = sub.add_parser(
+        "bench-fp8", help="block-FP8 LL decode step: BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)",
+        description=bench_fp8.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_fp8.add_arguments(fp8_parser)
+    fp8_parser.set_defaults(func=bench_fp8.main)
     memory_parser = sub.add_parser(
         "bench-memory", help="device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)",
         description=bench_memory.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

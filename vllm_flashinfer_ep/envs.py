@@ -31,6 +31,9 @@ FT_TIMEOUT_MS = "VLLM_FLASHINFER_EP_FT_TIMEOUT_MS"
 RDMA_BUFFER_BYTES = "VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES"
 # "1" skips the worker-side environment checks (nvcc, libnccl version). For experts only.
 SKIP_ENV_CHECKS = "VLLM_FLASHINFER_EP_SKIP_ENV_CHECKS"
+# "0" sends 128x128 block-FP8 layers' activations in BF16 under low latency (quantized
+# after receive) instead of FP8 on the wire (runtime/fp8_wire.py).
+FP8_DISPATCH = "VLLM_FLASHINFER_EP_FP8_DISPATCH"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
@@ -116,6 +119,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         SKIP_ENV_CHECKS, "0", BOOL_ACCEPTED, _parse_bool,
         "1 skips the worker's environment checks",
     ),
+    EnvVar(
+        FP8_DISPATCH, "1", BOOL_ACCEPTED, _parse_bool,
+        "0 keeps block-FP8 layers' LL dispatch in BF16 (quantized after receive)",
+    ),
 )
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
 
@@ -158,6 +165,10 @@ def transport() -> str:
 
 def handle_pool_enabled() -> bool:
     return BY_NAME[HANDLE_POOL].value()
+
+
+def fp8_dispatch_enabled() -> bool:
+    return BY_NAME[FP8_DISPATCH].value()
 
 
 def ft_timeout_ms() -> int:

@@ -58,6 +58,8 @@ def worker_probe(worker: Any) -> dict[str, Any]:
             "pool_first_handle_bytes": rt.pool.first_handle_bytes,
             "pool_average_handle_bytes": rt.pool.average_handle_bytes,
             "counters": dataclasses.asdict(rt.pool.counters),
+            # FP8 on the wire (runtime/fp8_wire.py): eager FP8 dispatches so far; None when off
+            "fp8_dispatches": rt.fp8_wire.dispatches if getattr(rt, "fp8_wire", None) else None,
         }
         for rt in runtimes
     ]

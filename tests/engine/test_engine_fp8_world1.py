@@ -103,5 +103,9 @@ def test_ll_fp8_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp
     assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
     run = engines.run(f"ll-{scheme}-graph", _fp8_spec(fp8_models[scheme], LL))
     _check_ll(run)
+    # 128x128 blocks travel as E4M3 + scales (NCCL-EP's FP8 dispatch, on by default);
+    # per-tensor scales stay BF16 on the wire, quantized after receive.
+    fp8 = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
+    assert (fp8 is not None and fp8 > 0) if scheme == "block" else fp8 is None, fp8
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
                   f"LL FP8 ({scheme} checkpoint) graphs vs no EP")

@@ -551,6 +551,15 @@ class Handle:
         # count as the "eager update" that allows a later captured one.
         self._ran_outside_capture = False
         self._dispatched = False
+        # What runtime/fp8_wire.py reads of FlashInfer's NcclEpHandle, with the same
+        # meaning (the nccl.ep handle and module underneath, the stream, the counts).
+        from tests.fakes import fake_nccl_ep
+
+        self._ep = fake_nccl_ep
+        self._handle = fake_nccl_ep.NativeHandle(self)
+        self._is_rank_major = False
+        self._staged = False
+        self._recv_count_t = fleet._buffer("ll_recv_count", (fleet.num_local_experts,), torch.int32, fleet.device)
         fleet._require_on_device("topk_ids", ids)
         self._bind(_as_int64(ids), "create_handle")
         fleet.log.append(Call("create_handle", self.id, self._num_tokens))
@@ -558,6 +567,16 @@ class Handle:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    @property
+    def _num_tokens_in(self) -> int:
+        return self._num_tokens
+
+    def _wrap(self, t: torch.Tensor) -> Any:
+        return self._ep.Tensor(t)
+
+    def _op_stream(self) -> int:
+        return 0
 
     @property
     def top_k(self) -> int:

@@ -81,7 +81,7 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
     return q.float() * s[:, None, None]
 
 
-def _ll_fp8_kernel(group, qc, capacity: int, pool_sizes):
+def _ll_fp8_kernel(group, qc, capacity: int, pool_sizes, fp8_dispatch: bool = False):
     _, mk, _, batched_experts, *_ = _modules()
     from vllm_flashinfer_ep.backends import Algorithm
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
@@ -91,7 +91,7 @@ def _ll_fp8_kernel(group, qc, capacity: int, pool_sizes):
     cache = FleetCache(0, 1, group)
     rt = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, capacity, HIDDEN),
                        TOP_K, torch.device("cuda", 0), pool_sizes)
-    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, fp8_dispatch=fp8_dispatch)
     experts = batched_experts(
         moe_config=_moe_config(HIDDEN, capacity), quant_config=qc,
         max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
@@ -131,12 +131,18 @@ def _fp8_close(got, no_ep, torch_ref, what, bound=NO_EP_DEFAULT):
     assert err < 1e-1, f"{what}: relative L2 error {err:.3g} against the BF16 MoE"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# block-wire: the 128x128 block layer with FP8 on the wire (NCCL-EP's DS_FP8E3M4 dispatch,
+# runtime/fp8_wire.py) instead of BF16 quantized after receive.
+@pytest.mark.parametrize("kind", [*KINDS, "block-wire"])
 def test_ll_fp8_eager_graph_and_history(vllm_env, kind):  # noqa: F811
     pool_sizes = [1, 8, 64]
     capacity = max(pool_sizes)
+    wire = kind == "block-wire"
+    kind = "block" if wire else kind
     q1, q2, qc, (d1, d2) = _fp8_layer(kind, seed=5)
-    kernel, rt, cache = _ll_fp8_kernel(vllm_env, qc, capacity, pool_sizes)
+    kernel, rt, cache = _ll_fp8_kernel(vllm_env, qc, capacity, pool_sizes, fp8_dispatch=wire)
+    if wire:
+        kind = "block-wire"
     reference = _no_ep_kernel(qc, capacity)
     for num_tokens in pool_sizes:
         x, w, ids = _routing(num_tokens, HIDDEN, seed=31 + num_tokens)
@@ -172,6 +178,8 @@ def test_ll_fp8_eager_graph_and_history(vllm_env, kind):  # noqa: F811
     torch.cuda.synchronize()
     _fp8_close(out, _apply(reference, x, q1, q2, w, ids), _torch_moe(x, d1, d2, w, ids),
                f"LL {kind} graph replay")
+    if wire:
+        assert rt.fp8_wire is not None and rt.fp8_wire.dispatches > 0
     del graph
     rt.destroy()
     cache.destroy()

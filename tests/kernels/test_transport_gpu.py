@@ -216,6 +216,75 @@ def test_ht_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
     assert c.padded_rounds == len(counts) * 2 * 2
 
 
+def _fp8_rows_match(d, x, ids, num_experts: int = NUM_EXPERTS) -> float:
+    """Every expert's received E4M3 rows dequantize to the BF16 rows routed to it (rows
+    arrive in any order: each is matched with its nearest sent row), with scales amax/448
+    per 128 elements (vLLM's group quantization). Returns the worst relative error."""
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).to(torch.int32)
+    torch.testing.assert_close(d.expert_num_tokens, counts)
+    worst = 0.0
+    for e in torch.nonzero(counts).flatten().tolist():
+        n = int(counts[e])
+        q, s = d.expert_x[e, :n].float(), d.expert_x_scale[e, :n]
+        deq = (q.view(n, -1, 128) * s[..., None]).view(n, -1)
+        sent = x[(ids == e).any(dim=1)].float()
+        err = (deq[:, None, :] - sent[None, :, :]).abs().amax(-1)  # [received, sent]
+        nearest = err.argmin(1)
+        assert sorted(nearest.tolist()) == list(range(n)), f"expert {e}: rows lost or doubled"
+        rel = err.amin(1) / sent[nearest].abs().amax(-1)
+        worst = max(worst, float(rel.max()))
+        amax = sent[nearest].view(n, -1, 128).abs().amax(-1)
+        torch.testing.assert_close(s, amax / 448.0, rtol=1e-5, atol=1e-12)
+    assert worst <= 2 ** -4, worst  # E4M3 keeps 3 mantissa bits
+    return worst
+
+
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_fp8_dispatch_carries_rows_within_fp8_error(ep_group_world1, hidden):
+    """NCCL-EP's DS_FP8E3M4 dispatch on the pool's FlashInfer handles (runtime/fp8_wire.py):
+    pooled and padded counts, on the default and a side stream; combine (BF16) after it
+    matches the reference; a captured FP8 round replays exactly."""
+    sizes = [1, 8, *bucket_sizes(8, CAPACITY)]
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
+    wire = rt.enable_fp8_wire()
+    rnd = LowLatencyRound(rt)
+    worst = 0.0
+    for num_tokens in (1, 5, 8, 64, 200, 256):
+        for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+            with torch.cuda.stream(stream):
+                x, ids, w, s = _inputs(num_tokens, hidden, seed=num_tokens + hidden)
+                x = x * (1 + 20 * torch.rand(num_tokens, 1, device=x.device)).to(x.dtype)
+                d = rnd.dispatch(x, ids, w, fp8=True)
+                size = rt.pool.sent_per_rank
+                if size == num_tokens:
+                    worst = max(worst, _fp8_rows_match(d, x, ids))
+                else:  # padded rows (zeros) arrive at this rank's experts too
+                    assert int(d.expert_num_tokens.sum()) == size * TOP_K
+                    rows = torch.arange(d.expert_x.shape[1], device=x.device)
+                    valid = rows[None, :] < d.expert_num_tokens[:, None]
+                    finite = bool(torch.isfinite(d.expert_x_scale[valid]).all())
+                    print(f"FP8_WIRE hidden={hidden} T={num_tokens} padded to {size}: scales finite {finite}")
+                deq = (d.expert_x.float().view(*d.expert_x.shape[:2], -1, 128) * d.expert_x_scale[..., None])
+                deq = torch.nan_to_num(deq.view_as(d.expert_x.float())).to(torch.bfloat16)
+                out = torch.full_like(x, float("nan"))
+                rnd.combine(scale_expert_rows(deq, s), out)
+                want = reference_moe(x, ids, w, s).float()
+                torch.testing.assert_close(out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+            torch.cuda.synchronize()
+    assert rt.pool.counters.fresh_created == 0 and wire.dispatches == 12
+    x, ids, w, s = _inputs(8, hidden, seed=5)
+    box = {}
+    graph = capture_graph(lambda: box.update(d=rnd.dispatch(x, ids, w, fp8=True)) or rnd.combine(
+        torch.zeros(*wire.tokens.shape, dtype=torch.bfloat16, device=x.device), torch.empty_like(x)))
+    wire.tokens.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    _fp8_rows_match(box["d"], x, ids)
+    print(f"FP8_WIRE hidden={hidden} worst relative row error {worst:.4f}; "
+          f"receive buffers {wire.memory_bytes / 1e6:.1f} MB")
+    del graph
+
+
 @pytest.mark.parametrize(
     "algorithm,top_k",
     [(Algorithm.LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(Algorithm.HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],

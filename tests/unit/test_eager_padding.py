@@ -234,7 +234,7 @@ def test_a_failing_dispatch_ends_the_round(monkeypatch):
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x, ids, weights, scales = _layer(5, seed=2)
     real = rt.pool.dispatch
-    monkeypatch.setattr(rt.pool, "dispatch", lambda x: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(rt.pool, "dispatch", lambda x, wire=None: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         LowLatencyRound(rt).dispatch(x, ids, weights, agreed_tokens=None)  # a fresh handle
     assert rt.pool._current is None and rt.pool.sent_per_rank is None

@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import buffer_sizes
+from vllm_flashinfer_ep.runtime import buffer_sizes, fp8_wire
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
+from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
 from vllm_flashinfer_ep.runtime.rounds import Round, make_round
 
@@ -28,9 +30,32 @@ class EPRuntime:
     rank: int
     world_size: int
     round: Round = field(init=False)  # one per runtime: layers share its staging
+    fp8_wire: Fp8Wire | None = field(init=False, default=None)  # see enable_fp8_wire
 
     def __post_init__(self) -> None:
         self.round = make_round(self)
+
+    def enable_fp8_wire(self) -> Fp8Wire:
+        """FP8 on the LL wire for this runtime's layers (runtime/fp8_wire.py): its receive
+        buffers, allocated once, at model load (before vLLM sizes the KV cache)."""
+        if self.fp8_wire is None:
+            if self.spec.algorithm != Algorithm.LOW_LATENCY:
+                raise ValueError("FP8 dispatch is a low-latency path")
+            self.fp8_wire = Fp8Wire(
+                self.num_local_experts,
+                self.capacity * self.world_size,
+                self.spec.hidden_size,
+                self.pool.device,
+            )
+            logger.info(
+                "flashinfer_ep: FP8 dispatch (E4M3 + FP32 scales per 128 elements on the wire, "
+                "%d instead of %d bytes per row) for hidden %d; receive buffers %.1f MB",
+                fp8_wire.bytes_per_row(self.spec.hidden_size, True),
+                fp8_wire.bytes_per_row(self.spec.hidden_size, False),
+                self.spec.hidden_size,
+                self.fp8_wire.memory_bytes / 1e6,
+            )
+        return self.fp8_wire
 
     @property
     def num_local_experts(self) -> int:

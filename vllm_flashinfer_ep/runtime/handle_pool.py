@@ -338,7 +338,9 @@ class HandlePool:
         self.sent_per_rank = size
         return handle
 
-    def dispatch(self, x: torch.Tensor) -> Any:
+    def dispatch(self, x: torch.Tensor, fp8_wire: Any = None) -> Any:
+        """Dispatch on this round's handle: FlashInfer's BF16 dispatch, or NCCL-EP's FP8
+        one when `fp8_wire` (a runtime.fp8_wire.Fp8Wire) is given."""
         handle = self._current
         if handle is None:
             self._require_current()
@@ -348,6 +350,8 @@ class HandlePool:
             padded[:real].copy_(x)
             padded[real:].zero_()
             x = padded
+        if fp8_wire is not None:
+            return self._ordered(fp8_wire.dispatch, handle, x)
         if self._join:
             return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
         return handle.dispatch(self._fi.DispatchInputParams(x=[x]))

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 class LowLatencyDispatch:
     expert_x: torch.Tensor  # [local experts, capacity * ep_world, hidden], fleet-owned
     expert_num_tokens: torch.Tensor  # [local experts] int32
+    # FP8 dispatch (runtime/fp8_wire.py): expert_x is E4M3 and these are its FP32 scales,
+    # [local experts, capacity * ep_world, hidden / 128]; None for BF16.
+    expert_x_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,9 +77,11 @@ class Round:
         *,
         agreed_tokens: int | None | str = LOCAL,
         apply_router_weight_on_input: bool = False,
+        fp8: bool = False,
     ) -> Any:
         """Bind this layer's routing to a handle and dispatch; the algorithm's view of
-        what arrived (`_received`). `agreed_tokens`: see HandlePool.begin."""
+        what arrived (`_received`). `agreed_tokens`: see HandlePool.begin. `fp8`: FP8 on
+        the wire (LL; the runtime's `fp8_wire` must be enabled)."""
         # Host-bound in eager mode: the checks run in full only when one fails.
         if a1.dtype != torch.bfloat16 or a1.dim() != 2 or a1.shape[1] != self._hidden:
             check_activations(a1, self.runtime)
@@ -86,9 +91,14 @@ class Round:
         if apply_router_weight_on_input:
             a1, weights = router_weights(a1, topk_weights, True)
         pool = self._pool
+        wire = None
+        if fp8:
+            wire = self.runtime.fp8_wire
+            if wire is None:
+                raise FlashInferEPConfigError("FP8 dispatch asked of a runtime without an FP8 wire")
         pool.begin(topk_ids, weights, agreed_tokens=agreed_tokens)
         try:
-            return self._received(pool.dispatch(a1))
+            return self._received(pool.dispatch(a1, wire))
         except BaseException:
             pool.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
             raise
@@ -111,6 +121,8 @@ class LowLatencyRound(Round):
     """Expert-major dispatch into the batched-experts layout; weighted combine."""
 
     def _received(self, out: Any) -> LowLatencyDispatch:
+        if isinstance(out, tuple):  # FP8 dispatch: (E4M3 tokens, scales, counts)
+            return LowLatencyDispatch(out[0], out[2], out[1])
         return LowLatencyDispatch(out.expert_tensors, out.expert_counts)
 
     def combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:

@@ -64,6 +64,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         self._fleets = FleetCache(self.rank, self.world_size, cpu_group)
         self._runtimes: dict[tuple, EPRuntime] = {}
         self._ft: FaultToleranceAdapter | None = None
+        self._logged: set[str] = set()
 
     # vLLM: one call per MoE layer at model load.
     def get_handle(self, kwargs: dict[str, Any]) -> EPRuntime:
@@ -115,7 +116,20 @@ class _FlashInferEPManager(All2AllManagerBase):
                 top_k=moe.experts_per_token,
             )
         )
-        return PREPARE_FINALIZE[self.algorithm](runtime, agreement_fn=agreed_token_count)
+        cls = PREPARE_FINALIZE[self.algorithm]
+        if self.algorithm != Algorithm.LOW_LATENCY:
+            return cls(runtime, agreement_fn=agreed_token_count)
+        from vllm_flashinfer_ep.vllm.receive_quant import fp8_dispatch_reason
+
+        why = fp8_dispatch_reason(quant_config, int(moe.hidden_dim))
+        if why is not None and quant_config is not None and quant_config.quant_dtype is not None:
+            if why not in self._logged:  # once per reason, not once per layer
+                self._logged.add(why)
+                logger.info(
+                    "%s: FP8 layers dispatch BF16 and quantize after receive (%s)",
+                    self.backend_name, why,
+                )
+        return cls(runtime, agreement_fn=agreed_token_count, fp8_dispatch=why is None)
 
     def _pool_sizes(self, capacity: int) -> list[int]:
         """vLLM's capture sizes, plus buckets that cover every eager step up to the fleet

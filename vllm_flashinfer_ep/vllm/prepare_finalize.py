@@ -6,8 +6,9 @@
   vLLM's `output`. For BF16 layers nothing is allocated between dispatch and combine
   (FP8 layers allocate their quantized activations); CUDA-graph capturable through the
   persistent handle pool.
-- Both dispatch BF16; FP8 layers get their activations quantized after receive, as
-  their experts expect (vllm/receive_quant.py).
+- FP8 layers get their activations quantized after receive, as their experts expect
+  (vllm/receive_quant.py); LL 128x128 block-FP8 layers get them quantized on the wire
+  instead, by NCCL-EP's dispatch (runtime/fp8_wire.py). Everything else dispatches BF16.
 - High throughput: flat dispatch -> vLLM's Standard format with global expert ids;
   the received row count is read on the host (not capturable); the experts'
   per-(row, k) output is weighted and reduced per received row before combine.
@@ -44,13 +45,19 @@ def _local(num_tokens: int) -> str:
 class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     """What both backends declare to vLLM; the runtime's round does the transport."""
 
-    def __init__(self, runtime: EPRuntime, agreement_fn: AgreementFn | None = None) -> None:
+    def __init__(
+        self, runtime: EPRuntime, agreement_fn: AgreementFn | None = None, fp8_dispatch: bool = False
+    ) -> None:
         """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for the
-        current forward (vllm/forward_state.py); by default every rank runs its own."""
+        current forward (vllm/forward_state.py); by default every rank runs its own.
+        `fp8_dispatch`: FP8 on the wire (LL, block-FP8 layers; runtime/fp8_wire.py)."""
         super().__init__()
         self.runtime = runtime
         self._round = runtime.round
         self._agreed = agreement_fn or _local
+        self._fp8 = fp8_dispatch
+        if fp8_dispatch:
+            runtime.enable_fp8_wire()
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -81,6 +88,7 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
             topk_weights,
             agreed_tokens=self._agreed(a1.shape[0]),
             apply_router_weight_on_input=apply_router_weight_on_input,
+            fp8=self._fp8 and not defer_input_quant,  # deferring experts quantize BF16 themselves
         )
         return self._prepare_result(out, quant_config, defer_input_quant)
 
@@ -118,6 +126,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         meta = mk.ExpertTokensMetadata(
             expert_num_tokens=out.expert_num_tokens, expert_num_tokens_cpu=None
         )
+        if out.expert_x_scale is not None:  # quantized on the wire, as the experts expect
+            return out.expert_x, out.expert_x_scale, meta, None, None
         x, scales = receive_quant.quantize_expert_buffer(
             out.expert_x, out.expert_num_tokens, quant_config, defer
         )

@@ -64,6 +64,29 @@ def refusal(quant_config: Any, flag: str) -> str | None:
     return None
 
 
+def fp8_dispatch_reason(quant_config: Any, hidden: int) -> str | None:
+    """Why a low-latency layer keeps BF16 on the wire (None: NCCL-EP's FP8 dispatch
+    carries its activations, runtime/fp8_wire.py). Only 128x128 block-FP8 layers qualify:
+    the recipe's E4M3 + FP32 scale per 128 elements is their activation layout; per-tensor
+    and per-token layers need one scale over more than 128 elements."""
+    from vllm_flashinfer_ep import envs
+    from vllm_flashinfer_ep.runtime import fp8_wire
+
+    if quant_config is None or getattr(quant_config, "quant_dtype", None) != torch.float8_e4m3fn:
+        return "not an E4M3 FP8 layer"
+    block = quant_config.block_shape
+    if block is None or not carries_block(block) or quant_config.per_act_token_quant:
+        return "not a 128x128 block-FP8 layer (its scales span more than 128 elements)"
+    if quant_config.a1_scale is not None:
+        return "the layer has a static activation scale"
+    reason = fp8_wire.hidden_reason(hidden)
+    if reason is not None:
+        return reason
+    if not envs.fp8_dispatch_enabled():
+        return f"{envs.FP8_DISPATCH}=0"
+    return None
+
+
 def quantize_received_rows(
     x: torch.Tensor, quant_config: Any, defer: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,114 @@
+"""LL decode step of a 128x128 block-FP8 model: BF16 on the wire (then vLLM's group
+quantization of the receive buffer) vs FP8 on the wire (NCCL-EP's DS_FP8E3M4 dispatch,
+runtime/fp8_wire.py), side by side in one process, with the bytes each dispatch moves.
+
+Both modes run the package's LL round on the same pooled handles and inputs, with a
+BF16 stand-in for the experts' output (the combine is BF16 in both); what differs is
+exactly what an FP8 layer's prepare does. Modes, median ms per step of `--layers` layers:
+  bf16_quant, fp8_wire              captured in CUDA graphs (decode as served)
+  bf16_quant_eager, fp8_wire_eager  eager (prefill, steps above the capture sizes)
+Before timing, the FP8 wire's received rows are checked against the BF16 path's
+quantized rows (per expert, order-free: NCCL-EP promises no row order).
+
+  torchrun --nproc-per-node N -m vllm_flashinfer_ep.bench.fp8_run --hidden 7168
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from vllm_flashinfer_ep.bench.results import Row
+from vllm_flashinfer_ep.runtime.fp8_wire import bytes_per_row, hidden_reason
+
+MODES = ("bf16_quant", "fp8_wire", "bf16_quant_eager", "fp8_wire_eager")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--experts", dest="num_experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=7168, help="a multiple of 512 (the recipe's rule)")
+    parser.add_argument(
+        "--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 128, 256],
+        help="comma-separated tokens per rank per step",
+    )
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def validate_arguments(args: argparse.Namespace) -> None:
+    reason = hidden_reason(args.hidden)
+    if reason is not None:
+        raise SystemExit(f"bench-fp8: {reason}; pass --hidden 2048, 4096 or 7168")
+    if args.layers < 1 or any(t < 1 for t in args.tokens) or args.steps < 1:
+        raise SystemExit("bench-fp8: --layers, --tokens and --steps must be positive")
+
+
+def dispatch_bytes(num_tokens: int, top_k: int, hidden: int) -> dict[str, int]:
+    """Bytes one rank's dispatch moves (each token goes once to each of its top_k experts)."""
+    rows = num_tokens * top_k
+    return {"bf16": rows * bytes_per_row(hidden, False), "fp8": rows * bytes_per_row(hidden, True)}
+
+
+def format_table(rows: list[Row], args: Any, world_size: int) -> str:
+    head = (
+        f"block-FP8 LL decode step: {args.layers} layers, {args.num_experts} experts, top_k "
+        f"{args.top_k}, hidden {args.hidden}, EP world {world_size}; median (min-max) ms per step "
+        f"over {args.steps} steps; bytes one rank's dispatch moves"
+    )
+    cols = ["T", *MODES, "fp8_wire/bf16_quant", "eager fp8/bf16", "dispatch KB bf16 / fp8"]
+    lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
+    for r in rows:
+        b = dispatch_bytes(r.num_tokens, args.top_k, args.hidden)
+        cells = [str(r.num_tokens)]
+        cells += [f"{r.median_ms[m]:.3f} ({r.min_ms[m]:.3f}-{r.max_ms[m]:.3f})" for m in MODES]
+        cells += [f"{r.ratio('fp8_wire', 'bf16_quant'):.3f}", f"{r.ratio('fp8_wire_eager', 'bf16_quant_eager'):.3f}"]
+        cells.append(f"{b['bf16'] / 1024:.1f} / {b['fp8'] / 1024:.1f}")
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    validate_arguments(args)
+    from vllm_flashinfer_ep.bench.fp8_harness import Fp8Harness
+
+    harness = Fp8Harness(args)
+    try:
+        rows = harness.run()
+    finally:
+        harness.close()
+    if harness.rank == 0:
+        print(format_table(rows, args, harness.world_size))
+        if args.json_path:
+            payload = {
+                "config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path")},
+                "world_size": harness.world_size,
+                "rows": [
+                    {**asdict(r), "dispatch_bytes": dispatch_bytes(r.num_tokens, args.top_k, args.hidden)}
+                    for r in rows
+                ],
+            }
+            with open(args.json_path, "w", encoding="utf-8") as fh:
+                json.dump(payload, fh, indent=2)
+    return 0
+
+
+def cli() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_flashinfer_ep.bench.fp8_run", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return main(parser.parse_args())
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(cli())
