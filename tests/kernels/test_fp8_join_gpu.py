@@ -117,7 +117,10 @@ def _no_ep_kernel(qc, capacity: int):
 # batched ones per expert in eager mode (one scale each) and per tensor when captured. So
 # with dynamic per-tensor scales eager LL differs by FP8 rounding of the intermediate
 # (measured 0.038 at T=1); everywhere else by GEMM order (measured <= 0.015).
-NO_EP_BOUND = {"tensor-dynamic eager": 7e-2}
+# FP8 on the wire (block-wire) quantizes in NCCL-EP's dispatch kernel: scales equal to
+# vLLM's (amax / 448 per 128 elements) but its own E4M3 rounding, so it is as far from the
+# BF16 MoE as vLLM without EP is (measured 0.0458 vs 0.0475 at T=1) and 0.0685 from it.
+NO_EP_BOUND = {"tensor-dynamic eager": 7e-2, "block-wire eager": 1e-1, "block-wire graph": 1e-1}
 NO_EP_DEFAULT = 3e-2
 
 
@@ -129,6 +132,9 @@ def _fp8_close(got, no_ep, torch_ref, what, bound=NO_EP_DEFAULT):
     print(f"{what}: vs no-EP {rel:.3g}, vs BF16 MoE {err:.3g}")
     assert rel < bound, f"{what}: relative L2 error {rel:.3g} against vLLM without EP"
     assert err < 1e-1, f"{what}: relative L2 error {err:.3g} against the BF16 MoE"
+    if "wire" in what:  # another quantizer than vLLM's: at least as accurate as vLLM's
+        ref = float((no_ep.float() - torch_ref.float()).norm() / torch_ref.float().norm())
+        assert err <= 1.25 * ref + 5e-3, f"{what}: {err:.3g} from the BF16 MoE, vLLM {ref:.3g}"
 
 
 # block-wire: the 128x128 block layer with FP8 on the wire (NCCL-EP's DS_FP8E3M4 dispatch,
@@ -177,7 +183,7 @@ def test_ll_fp8_eager_graph_and_history(vllm_env, kind):  # noqa: F811
     graph.replay()
     torch.cuda.synchronize()
     _fp8_close(out, _apply(reference, x, q1, q2, w, ids), _torch_moe(x, d1, d2, w, ids),
-               f"LL {kind} graph replay")
+               f"LL {kind} graph replay", NO_EP_BOUND.get(f"{kind} graph", NO_EP_DEFAULT))
     if wire:
         assert rt.fp8_wire is not None and rt.fp8_wire.dispatches > 0
     del graph
