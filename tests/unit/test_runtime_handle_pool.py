@@ -358,3 +358,24 @@ def test_fake_transport_enforces_nccl_ep_contracts(monkeypatch):
     ):
         with pytest.raises(RuntimeError, match="destroyed handle"):
             op()
+
+
+def test_stream_state_joins_side_streams_and_skips_the_capture_query_on_stream_0(monkeypatch):
+    """The per-round stream decision (GPU logic, driven here with the CUDA queries
+    stubbed): torch's legacy default stream is the handles' own and cannot be captured, so
+    it needs neither a join nor a capture query; a side stream joins outside capture and
+    never under it."""
+    from vllm_flashinfer_ep.runtime import handle_pool as hp
+
+    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=2048, sizes=[4])
+    pool = rt.pool
+    pool._cuda, pool._handle_raw_stream = True, 0
+    queries = []
+    state = {"stream": 0, "capturing": False}
+    monkeypatch.setattr(hp, "current_raw_stream", lambda device: state["stream"])
+    monkeypatch.setattr(hp, "current_stream_capturing", lambda: queries.append(1) or state["capturing"])
+    assert pool._stream_state() == (False, False) and queries == []
+    state["stream"] = 7
+    assert pool._stream_state() == (False, True)
+    state["capturing"] = True
+    assert pool._stream_state() == (True, False) and len(queries) == 2

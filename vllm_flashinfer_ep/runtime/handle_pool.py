@@ -246,7 +246,7 @@ class HandlePool:
                 continue
             self._fill_dummy_routing(size)
             before = memory_snapshot(self.device)
-            self._join = self._needs_join()
+            self._join = self._stream_state()[1]
             handle = self._create(size)
             self._ordered(handle.update, self._params(size))
             self.handle_bytes[size] = memory_growth(self.device, before)
@@ -292,9 +292,8 @@ class HandlePool:
             self._end_fresh()
         # A round that failed before its combine left its state behind: start clean.
         self._padded = self.sent_per_rank = None
-        # One capture query and one join decision per round (see _needs_join).
-        capturing = current_stream_capturing() if self._cuda else is_capturing()
-        self._join = not capturing and self._needs_join()
+        # One stream decision per round (see _stream_state).
+        capturing, self._join = self._stream_state()
         agreed = num_tokens if agreed_tokens == LOCAL else agreed_tokens
         handle = self._handles.get(agreed) if agreed == num_tokens else None
         size = num_tokens
@@ -481,15 +480,24 @@ class HandlePool:
             # NCCL-EP orders the release after the handle's queued work.
             handle.destroy()
 
-    def _needs_join(self) -> bool:
-        """Whether handle work must be joined with torch's current stream this round.
+    def _stream_state(self) -> tuple[bool, bool]:
+        """(capturing, join) for this round: whether torch's current stream is being
+        captured, and whether handle work must be joined with it.
 
         Outside capture FlashInfer issues handle work on the handle's own stream (stream
         0, see fleet.py), not on torch's current one (vLLM's capture warmups run on a side
-        stream). Decided once per round: eager rounds are host-bound, and the streams do
-        not change between a layer's dispatch and its combine.
+        stream); under capture it uses the capturing stream itself. Decided once per round:
+        eager rounds are host-bound, and the streams do not change between a layer's
+        dispatch and its combine. On the legacy default stream (stream 0) nothing can be
+        captured (CUDA refuses it), so the common eager case needs no capture query.
         """
-        return self._cuda and current_raw_stream(self._device_index) != self._handle_raw_stream
+        if not self._cuda:
+            return is_capturing(), False
+        current = current_raw_stream(self._device_index)
+        if current == self._handle_raw_stream == 0:
+            return False, False
+        capturing = current_stream_capturing()
+        return capturing, not capturing and current != self._handle_raw_stream
 
     def _ordered(self, op: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a handle op, ordered against torch's current stream when this round needs it
