@@ -219,6 +219,30 @@ def test_agreement_is_the_largest_rank_count_from_vllm_s_forward_context():
         assert agreed_token_count(6) == 8  # sequence-parallel chunk sizes win
 
 
+def test_ht_ranks_far_apart_in_tokens_all_run_per_forward_handles():
+    """HT's agreement (max_spread): an idle rank does not pad up to a busy rank's prefill;
+    every rank reads the same counts, so all of them run fresh handles together."""
+    with override_forward_context(_context([1, 2000])):
+        assert agreed_token_count(1, max_spread=handle_pool.HT_MAX_PAD) is None
+        assert agreed_token_count(2000, max_spread=handle_pool.HT_MAX_PAD) is None
+        assert agreed_token_count(1) == 2000  # LL (and graphs) keep the largest count
+    with override_forward_context(_context([1800, 2000])):
+        assert agreed_token_count(1800, max_spread=handle_pool.HT_MAX_PAD) == 2000
+
+
+def test_the_ht_prepare_takes_the_spread_bound():
+    from vllm_flashinfer_ep.vllm import managers
+
+    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=32, sizes=[8])
+    mgr = managers.FlashInferEPHighThroughputManager.__new__(managers.FlashInferEPHighThroughputManager)
+    mgr.algorithm, mgr.get_handle = Algorithm.HIGH_THROUGHPUT, lambda kw: rt
+    pf = mgr.make_prepare_finalize(
+        type("Moe", (), dict(num_experts=8, max_num_tokens=32, hidden_dim=HIDDEN, experts_per_token=2))(), None
+    )
+    with override_forward_context(_context([1, 2000])):
+        assert pf._agreed(1) is None
+
+
 def test_a_round_that_failed_before_its_combine_leaves_no_padding_behind():
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x5, ids5, w5, _ = _layer(5, seed=1)

@@ -8,7 +8,6 @@ tests/kernels/test_transport_gpu.py::test_fp8_dispatch_*.
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
@@ -181,32 +180,19 @@ def test_experts_that_quantize_themselves_get_bf16(monkeypatch):
     pf.finalize(torch.empty_like(x), torch.zeros_like(a1), weights, ids, False, None)
 
 
-def test_the_manager_turns_the_wire_on_for_block_fp8_and_logs_why_not_once(caplog, monkeypatch):
-    from vllm_flashinfer_ep.vllm import managers
-
-    def moe(hidden):
-        return SimpleNamespace(num_experts=EXPERTS, max_num_tokens=CAP, hidden_dim=hidden, experts_per_token=TOP_K)
-
-    mgr = managers.FlashInferEPLowLatencyManager.__new__(managers.FlashInferEPLowLatencyManager)
-    monkeypatch.setattr(
-        mgr, "get_handle", lambda kw: build_fake_runtime(
-            Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K
-        )[0], raising=False,
-    )
-    mgr._logged, mgr.algorithm = set(), Algorithm.LOW_LATENCY
-    pf = mgr.make_prepare_finalize(moe(HIDDEN), _block_qc())
-    assert pf._fp8 and pf.runtime.fp8_wire is not None
-    one = torch.ones(EXPERTS, dtype=torch.float32)
-    with caplog.at_level(logging.INFO):
-        for _ in range(3):
-            pf = mgr.make_prepare_finalize(moe(HIDDEN), fp8_w8a8_moe_quant_config(one, one))
-            assert not pf._fp8 and pf.runtime.fp8_wire is None
-    assert sum("quantize after receive" in r.getMessage() for r in caplog.records) == 1
-
-
 def test_bench_fp8_counts_the_bytes_each_dispatch_moves():
     from vllm_flashinfer_ep.bench.fp8_run import dispatch_bytes
 
     # hidden 7168: BF16 rows of 14336 bytes; E4M3 rows of 7168 bytes + 56 FP32 scales
     assert dispatch_bytes(1, 8, 7168) == {"bf16": 8 * 14336, "fp8": 8 * (7168 + 224)}
     assert dispatch_bytes(256, 8, 2048)["fp8"] == 256 * 8 * (2048 + 64)
+
+
+@pytest.mark.parametrize("hidden", [3000, 3072])
+def test_bench_fp8_refuses_a_hidden_size_naming_the_flag(hidden):
+    from vllm_flashinfer_ep.bench.fp8_run import add_arguments, validate_arguments
+
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match="--hidden"):
+        validate_arguments(parser.parse_args(["--hidden", str(hidden)]))

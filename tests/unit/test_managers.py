@@ -233,3 +233,73 @@ def test_environment_checks_run_unless_skipped(monkeypatch, fake):
         monkeypatch.setenv(envs.SKIP_ENV_CHECKS, value)
         managers.FlashInferEPLowLatencyManager(None)
         assert calls == expected
+
+
+# ------------------------------------------------------------ FP8 on the wire
+def _moe(hidden=2048):
+    return SimpleNamespace(num_experts=8, max_num_tokens=32, hidden_dim=hidden, experts_per_token=2)
+
+
+def _block_qc():
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    one = torch.ones(8, dtype=torch.float32)
+    return fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
+
+
+def test_block_fp8_layers_send_fp8_on_the_wire_and_others_log_why_not_once(build, caplog):
+    import logging
+
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    pf = mgr.make_prepare_finalize(_moe(), _block_qc())
+    assert pf._fp8 and pf.runtime.fp8_wire is not None
+    one = torch.ones(8, dtype=torch.float32)
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            assert not mgr.make_prepare_finalize(_moe(), fp8_w8a8_moe_quant_config(one, one))._fp8
+    assert sum("quantize after receive" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_flashinfer_without_what_the_wire_needs_keeps_bf16_at_load(build, caplog, monkeypatch):
+    """Checked at model load against a warmed handle: the model loads and runs BF16 on the
+    wire, logged, instead of failing in its first forward."""
+    import logging
+
+    from tests.fakes import fake_nccl_ep
+
+    monkeypatch.delattr(fake_nccl_ep, "DispatchQuantizationRecipe")
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    with caplog.at_level(logging.INFO):
+        pf = mgr.make_prepare_finalize(_moe(), _block_qc())
+    assert not pf._fp8 and pf.runtime.fp8_wire is None
+    assert any("DS_FP8E3M4" in r.getMessage() for r in caplog.records)
+
+
+def test_the_wire_needs_the_pool(build, monkeypatch):
+    monkeypatch.setenv(envs.HANDLE_POOL, "0")
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    assert not mgr.make_prepare_finalize(_moe(), _block_qc())._fp8
+
+
+def test_every_ep_rank_takes_the_wire_or_none_does(build, monkeypatch, caplog):
+    """A dispatch is collective: when another rank cannot send FP8 (say another node set
+    VLLM_FLASHINFER_EP_FP8_DISPATCH=0), this one keeps BF16 too."""
+    import logging
+
+    import torch.distributed as dist
+
+    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    seen = []
+
+    def all_reduce(t, op=None, group=None):
+        seen.append((int(t.item()), op))
+        t.fill_(0)  # the other rank's "no"
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    mgr.world_size, mgr._cpu_group = 2, object()
+    with caplog.at_level(logging.INFO):
+        pf = mgr.make_prepare_finalize(_moe(), _block_qc())
+    assert seen == [(1, dist.ReduceOp.MIN)] and not pf._fp8
+    assert any("another EP rank" in r.getMessage() for r in caplog.records)

@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm_flashinfer_ep.bench.results import Row
 from vllm_flashinfer_ep.runtime.fp8_wire import bytes_per_row, hidden_reason
+from vllm_flashinfer_ep.runtime.limits import SUPPORTED_HIDDEN_SIZES
 
 MODES = ("bf16_quant", "fp8_wire", "bf16_quant_eager", "fp8_wire_eager")
 
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate_arguments(args: argparse.Namespace) -> None:
     reason = hidden_reason(args.hidden)
+    if reason is None and args.hidden not in SUPPORTED_HIDDEN_SIZES:
+        reason = f"hidden size {args.hidden} is not an NCCL-EP LL size {SUPPORTED_HIDDEN_SIZES}"
     if reason is not None:
         raise SystemExit(f"bench-fp8: {reason}; pass --hidden 2048, 4096 or 7168")
     if args.layers < 1 or any(t < 1 for t in args.tokens) or args.steps < 1:

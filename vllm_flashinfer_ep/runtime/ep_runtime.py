@@ -35,6 +35,20 @@ class EPRuntime:
     def __post_init__(self) -> None:
         self.round = make_round(self)
 
+    def fp8_wire_reason(self) -> str | None:
+        """Why this runtime cannot send FP8 on the wire (None: it can), checked at model
+        load against a warmed handle, so a FlashInfer or nccl.ep without what
+        runtime/fp8_wire.py needs keeps BF16 instead of failing in the first forward."""
+        if self.spec.algorithm != Algorithm.LOW_LATENCY:
+            return "FP8 dispatch is a low-latency path"
+        reason = fp8_wire.hidden_reason(self.spec.hidden_size)
+        if reason is not None:
+            return reason
+        handle = self.pool.any_handle()
+        if handle is None:
+            return "no pooled handle to dispatch on (the handle pool is off)"
+        return fp8_wire.native_reason(handle)
+
     def enable_fp8_wire(self) -> Fp8Wire:
         """FP8 on the LL wire for this runtime's layers (runtime/fp8_wire.py): its receive
         buffers, allocated once, at model load (before vLLM sizes the KV cache)."""

@@ -260,6 +260,10 @@ class HandlePool:
         self.warm_after = memory_snapshot(self.device)
         return self.sizes
 
+    def any_handle(self) -> Any:
+        """A warmed handle (to check what the installed FlashInfer offers), or None."""
+        return next(iter(self._handles.values()), None)
+
     def pooled_size(self, agreed_tokens: int) -> int | None:
         """The pooled handle size a round of `agreed_tokens` runs on (the smallest pooled
         size that fits), or None if none fits."""

@@ -5,8 +5,13 @@ from __future__ import annotations
 from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 
 
-def agreed_token_count(num_tokens: int) -> int | str:
+def agreed_token_count(num_tokens: int, max_spread: int | None = None) -> int | str | None:
     """The MoE token count every EP rank agrees on for this forward: the largest rank's.
+
+    `max_spread`: when the largest and the smallest rank's counts differ by more, None
+    (every rank then runs a per-forward handle of its own size): HT's experts compute
+    padded rows, so an idle rank padding up to a busy rank's prefill would do that rank's
+    expert work again. Every rank reads the same counts, so every rank decides alike.
 
     vLLM all-reduces each DP rank's token count every step (`num_tokens_across_dp` in the
     forward context's DP metadata; per-rank chunk sizes in `local_sizes` under sequence
@@ -30,7 +35,8 @@ def agreed_token_count(num_tokens: int) -> int | str:
     sizes = dp_metadata.local_sizes
     if sizes is None:
         sizes = dp_metadata.num_tokens_across_dp_cpu.tolist()
-    agreed = max((int(s) for s in sizes), default=0)
+    counts = [int(s) for s in sizes]
+    agreed = max(counts, default=0)
     if agreed < num_tokens:
         from vllm_flashinfer_ep.errors import HandlePoolError
 
@@ -39,4 +45,6 @@ def agreed_token_count(num_tokens: int) -> int | str:
             f"says the largest rank runs {agreed} ({list(sizes)}); the EP ranks cannot agree "
             "on a handle. Please report this with the vLLM command line."
         )
+    if max_spread is not None and counts and agreed - min(counts) > max_spread:
+        return None
     return agreed

@@ -10,6 +10,7 @@ is weak) and destroys everything in `destroy()`.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         )
         self.support_fault_tolerance = self._fault_tolerance
         self._device = torch.device("cuda", torch.cuda.current_device())
+        self._cpu_group = cpu_group
         self._fleets = FleetCache(self.rank, self.world_size, cpu_group)
         self._runtimes: dict[tuple, EPRuntime] = {}
         self._ft: FaultToleranceAdapter | None = None
@@ -118,18 +120,42 @@ class _FlashInferEPManager(All2AllManagerBase):
         )
         cls = PREPARE_FINALIZE[self.algorithm]
         if self.algorithm != Algorithm.LOW_LATENCY:
-            return cls(runtime, agreement_fn=agreed_token_count)
+            # HT: ranks far apart in tokens run per-forward handles (forward_state.py).
+            return cls(runtime, agreement_fn=partial(agreed_token_count, max_spread=handle_pool.HT_MAX_PAD))
+        fp8 = self._fp8_dispatch(runtime, moe, quant_config)
+        return cls(runtime, agreement_fn=agreed_token_count, fp8_dispatch=fp8)
+
+    def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:
+        """Whether this LL layer sends FP8 on the wire (runtime/fp8_wire.py), decided at
+        model load and agreed by every EP rank (a dispatch is collective: ranks mixing FP8
+        and BF16 rows for one layer would corrupt or hang it). Logged once per reason."""
         from vllm_flashinfer_ep.vllm.receive_quant import fp8_dispatch_reason
 
         why = fp8_dispatch_reason(quant_config, int(moe.hidden_dim))
-        if why is not None and quant_config is not None and quant_config.quant_dtype is not None:
-            if why not in self._logged:  # once per reason, not once per layer
-                self._logged.add(why)
-                logger.info(
-                    "%s: FP8 layers dispatch BF16 and quantize after receive (%s)",
-                    self.backend_name, why,
-                )
-        return cls(runtime, agreement_fn=agreed_token_count, fp8_dispatch=why is None)
+        quantized = quant_config is not None and quant_config.quant_dtype is not None
+        if not quantized:
+            return False
+        if why is None:
+            why = runtime.fp8_wire_reason()
+        everyone = self._all_ranks_agree(why is None)
+        if why is None and not everyone:
+            why = "another EP rank cannot (its log says why)"
+        if why is not None and why not in self._logged:  # once per reason, not per layer
+            self._logged.add(why)
+            logger.info(
+                "%s: FP8 layers dispatch BF16 and quantize after receive (%s)", self.backend_name, why
+            )
+        return why is None
+
+    def _all_ranks_agree(self, flag: bool) -> bool:
+        """True on every EP rank iff `flag` is true on every EP rank (CPU group, model load)."""
+        if self.world_size == 1 or self._cpu_group is None:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        return bool(t.item())
 
     def _pool_sizes(self, capacity: int) -> list[int]:
         """vLLM's capture sizes, plus buckets that cover every eager step up to the fleet
