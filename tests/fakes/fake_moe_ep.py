@@ -63,6 +63,8 @@ from vllm_flashinfer_ep.runtime import capture
 NCCL_EP_LL_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
 # flashinfer/moe_ep/backends/split/comm/nccl_ep/fleet.py `_HT_MAX_SUPPORTED_TOKENS_PER_RANK`.
 HT_MAX_SUPPORTED_TOKENS_PER_RANK = 8192
+# The capturing stream's handle in the fake (`Handle._op_stream` under capture).
+CAPTURE_STREAM = 7
 # flashinfer/moe_ep/core/comm/fault_tolerance.py
 ACTIVE = 1
 MASKED = 0
@@ -576,7 +578,9 @@ class Handle:
         return self._ep.Tensor(t)
 
     def _op_stream(self) -> int:
-        return 0
+        """Like NcclEpHandle._op_stream: the handle's own stream (0) outside capture, the
+        capturing stream under it (CAPTURE_STREAM stands for it here)."""
+        return CAPTURE_STREAM if _capturing() else 0
 
     @property
     def top_k(self) -> int:

@@ -79,6 +79,7 @@ class NativeHandle:
         self, inputs: DispatchInputs, outputs: DispatchOutputs, *, layout_info: LayoutInfo | None = None,
         config: DispatchConfig | None = None, stream: int,
     ) -> None:
+        self._require_op_stream(stream, "dispatch")
         recipe = config.quantization_recipe if config is not None else DispatchQuantizationRecipe.NONE
         if recipe != DispatchQuantizationRecipe.DS_FP8E3M4:
             raise NotImplementedError("the fake nccl.ep dispatches with the DS_FP8E3M4 recipe only")
@@ -126,3 +127,12 @@ class NativeHandle:
 
     def complete(self, *, config: int = 0, stream: int) -> None:
         """No-op: the fake's dispatch is complete when it returns."""
+        self._require_op_stream(stream, "complete")
+
+    def _require_op_stream(self, stream: int, op: str) -> None:
+        """Work issued on another stream than FlashInfer's op stream escapes a capture (the
+        graph records nothing and its replay does not dispatch) or races the handle's own
+        stream outside it; the real library cannot tell, the fake refuses it."""
+        want = self._owner._op_stream()
+        if stream != want:
+            raise NcclInvalid(f"{op} issued on stream {stream}, not the handle's op stream {want}")

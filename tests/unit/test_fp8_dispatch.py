@@ -196,3 +196,18 @@ def test_bench_fp8_refuses_a_hidden_size_naming_the_flag(hidden):
     add_arguments(parser)
     with pytest.raises(SystemExit, match="--hidden"):
         validate_arguments(parser.parse_args(["--hidden", str(hidden)]))
+
+
+def test_a_captured_fp8_round_issues_on_the_capturing_stream(monkeypatch):
+    """Under capture FlashInfer's op stream is the capturing one; the FP8 dispatch must use
+    it too (issued elsewhere, the graph would replay without dispatching)."""
+    from tests.fakes.runtime import install_capture_switch
+
+    switch = install_capture_switch(monkeypatch)
+    rt, _ = _runtime(sizes=(4,))
+    x, ids, weights = _layer(4, seed=6)
+    rnd = LowLatencyRound(rt)
+    with switch.capturing():
+        d = rnd.dispatch(x, ids, weights, fp8=True)
+        rnd.combine(torch.zeros(EXPERTS, CAP, HIDDEN, dtype=torch.bfloat16), torch.empty_like(x))
+    assert d.expert_x_scale is not None and rt.fp8_wire.dispatches == 1
