@@ -21,30 +21,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     doctor.add_parser(sub)
-    bench_parser = sub.add_parser(
-        "bench", help="decode-step LL all2all benchmark (needs a GPU)", description=bench.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    benchmarks = (
+        ("bench", bench, "decode-step LL all2all benchmark (needs a GPU)"),
+        ("bench-ht", bench_ht, "prefill-step HT all2all benchmark vs raw FlashInfer, and LL vs HT (needs a GPU)"),
+        ("bench-fp8", bench_fp8,
+         "block-FP8 LL decode step: BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)"),
+        ("bench-memory", bench_memory,
+         "device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)"),
     )
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(func=bench.main)
-    bench_ht_parser = sub.add_parser(
-        "bench-ht", help="prefill-step HT all2all benchmark vs raw FlashInfer, and LL vs HT (needs a GPU)",
-        description=bench_ht.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_ht.add_arguments(bench_ht_parser)
-    bench_ht_parser.set_defaults(func=bench_ht.main)
-    fp8_parser = sub.add_parser(
-        "bench-fp8", help="block-FP8 LL decode step: BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)",
-        description=bench_fp8.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_fp8.add_arguments(fp8_parser)
-    fp8_parser.set_defaults(func=bench_fp8.main)
-    memory_parser = sub.add_parser(
-        "bench-memory", help="device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)",
-        description=bench_memory.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_memory.add_arguments(memory_parser)
-    memory_parser.set_defaults(func=bench_memory.main)
+    for name, module, text in benchmarks:
+        sub_parser = sub.add_parser(
+            name, help=text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(func=module.main)
     evals.add_parser(sub)
     return parser
 

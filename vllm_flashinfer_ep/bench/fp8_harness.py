@@ -10,7 +10,6 @@ import torch
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.fp8_run import MODES
 from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress
-from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.bench.results import Row
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
@@ -36,16 +35,6 @@ class Fp8Harness(TimedModes):
         self.expert_out = torch.zeros(
             self.rt.num_local_experts, rows, args.hidden, dtype=torch.bfloat16, device=self.device
         )
-
-    def _layers(self, num_tokens: int):
-        gen = torch.Generator(device=self.device).manual_seed(num_tokens * 1000 + self.rank)
-        layers = []
-        for _ in range(self.args.layers):
-            loud = 1 + 20 * torch.rand(num_tokens, 1, device=self.device, generator=gen)
-            x = (torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen) * loud).bfloat16()
-            ids, w = random_routing(num_tokens, self.args.num_experts, self.args.top_k, self.device, gen)
-            layers.append((x, ids, w, torch.empty_like(x)))
-        return layers
 
     def _bf16_quant_step(self, layers, keep: list | None = None) -> None:
         from vllm_flashinfer_ep.vllm.receive_quant import quantize_expert_buffer
@@ -98,7 +87,7 @@ class Fp8Harness(TimedModes):
         rows = []
         progress = _Progress(len(self.args.tokens) * len(MODES), self.rank == 0 and not self.args.no_progress)
         for num_tokens in self.args.tokens:
-            layers = self._layers(num_tokens)
+            layers = self._layers(num_tokens, seed=num_tokens, loud=True)
             self._check(num_tokens, layers)
             rows.append(self._measure(Row(num_tokens), MODES, self._steps(layers), progress))
         progress.close()

@@ -86,6 +86,19 @@ class TimedModes:
             row.host_ms[m] = summarize(host[m])[0]
         return row
 
+    def _layers(self, num_tokens: int, seed: int, loud: bool = False):
+        """`args.layers` layers of (x, ids, weights, output) for one step; `loud`: rows of
+        very different magnitude (1-21x), where per-row FP8 scales differ."""
+        gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
+        layers = []
+        for _ in range(self.args.layers):
+            scale = 1 + 20 * torch.rand(num_tokens, 1, device=self.device, generator=gen) if loud else None
+            x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen)
+            x = (x if scale is None else x * scale).to(torch.bfloat16)
+            ids, w = random_routing(num_tokens, self.args.num_experts, self.args.top_k, self.device, gen)
+            layers.append((x, ids, w, torch.empty_like(x)))
+        return layers
+
     def host_profile(self, steps, modes: tuple[str, ...], repeats: int = 20, top: int = 14) -> str:
         """cProfile of `repeats` steps of each mode: where the host time of a step goes."""
         import cProfile
@@ -137,15 +150,6 @@ class Harness(TimedModes):
         self._raw_w = torch.zeros(capacity, args.top_k, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------- steps
-    def _layers(self, num_tokens: int, seed: int):
-        gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
-        layers = []
-        for _ in range(self.args.layers):
-            x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen).to(torch.bfloat16)
-            ids, w = random_routing(num_tokens, self.args.num_experts, self.args.top_k, self.device, gen)
-            layers.append((x, ids, w, torch.empty_like(x)))
-        return layers
-
     def _expert(self, expert_x: torch.Tensor, counts: torch.Tensor, layer: int) -> torch.Tensor:
         if not self.args.expert_compute:
             return expert_x

@@ -131,10 +131,9 @@ class _FlashInferEPManager(All2AllManagerBase):
         and BF16 rows for one layer would corrupt or hang it). Logged once per reason."""
         from vllm_flashinfer_ep.vllm.receive_quant import fp8_dispatch_reason
 
+        if quant_config is None or quant_config.quant_dtype is None:
+            return False  # BF16 layers: nothing to decide (nor to log)
         why = fp8_dispatch_reason(quant_config, int(moe.hidden_dim))
-        quantized = quant_config is not None and quant_config.quant_dtype is not None
-        if not quantized:
-            return False
         if why is None:
             why = runtime.fp8_wire_reason()
         everyone = self._all_ranks_agree(why is None)
