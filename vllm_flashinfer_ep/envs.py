@@ -34,6 +34,9 @@ SKIP_ENV_CHECKS = "VLLM_FLASHINFER_EP_SKIP_ENV_CHECKS"
 # "0" sends 128x128 block-FP8 layers' activations in BF16 under low latency (quantized
 # after receive) instead of FP8 on the wire (runtime/fp8_wire.py).
 FP8_DISPATCH = "VLLM_FLASHINFER_EP_FP8_DISPATCH"
+# "0" issues eager LL rounds through FlashInfer's handle methods instead of the nccl.ep
+# calls underneath them (runtime/native_handle.py).
+NATIVE_EAGER = "VLLM_FLASHINFER_EP_NATIVE_EAGER"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
@@ -123,6 +126,10 @@ VARIABLES: tuple[EnvVar, ...] = (
         FP8_DISPATCH, "1", BOOL_ACCEPTED, _parse_bool,
         "0 keeps block-FP8 layers' LL dispatch in BF16 (quantized after receive)",
     ),
+    EnvVar(
+        NATIVE_EAGER, "1", BOOL_ACCEPTED, _parse_bool,
+        "0 runs eager LL rounds through FlashInfer's handle methods, not direct nccl.ep calls",
+    ),
 )
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
 
@@ -169,6 +176,10 @@ def handle_pool_enabled() -> bool:
 
 def fp8_dispatch_enabled() -> bool:
     return BY_NAME[FP8_DISPATCH].value()
+
+
+def native_eager_enabled() -> bool:
+    return BY_NAME[NATIVE_EAGER].value()
 
 
 def ft_timeout_ms() -> int:

@@ -4,7 +4,7 @@
 #
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine ht-fp8-probe
-#          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory fp8wire fp8bench
+#          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -93,8 +93,12 @@ for step in "${steps[@]}"; do
     fp8bench)  # block-FP8 LL decode step: BF16 wire + vLLM's quantization vs FP8 on the wire
       python3 -m vllm_flashinfer_ep.bench.fp8_run --hidden 7168 --no-progress \
         --json "$out/bench_fp8_world1_h7168.json" 2>&1 | tail -9 || rc=1 ;;
+    direct)  # eager LL rounds as direct nccl.ep calls (runtime/native_handle.py), padding, graphs
+      python3 -m pytest tests/kernels/test_transport_gpu.py -k "direct_eager or pad or pool_cuda_graph or unwarmed" \
+        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-direct.txt" 2>&1 || rc=1
+      grep -E "DIRECT_EAGER|passed|failed|Error" "$out/pytest-direct.txt" | tail -12 ;;
     fp8wire)  # NCCL-EP's FP8 dispatch (runtime/fp8_wire.py) on the real library
-      python3 -m pytest tests/kernels/test_transport_gpu.py -k fp8_dispatch -p no:cacheprovider -rs -q \
+      python3 -m pytest tests/kernels/test_transport_gpu.py -k fp8_dispatch -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8wire.txt" 2>&1 || rc=1
       grep -E "FP8_WIRE|passed|failed|Error" "$out/pytest-fp8wire.txt" | tail -12 ;;
     htbench)  # HT transport benchmark: the package's HT round vs raw FlashInfer, and LL vs HT (eager)
@@ -103,7 +107,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine ht-fp8-probe probe sweep profile bench bench-tiny bench-30b kbench htbench memory fp8wire fp8bench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine ht-fp8-probe probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench)"; rc=2 ;;
   esac
 done
 exit "$rc"

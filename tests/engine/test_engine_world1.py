@@ -141,6 +141,9 @@ def test_eager_engine_runs_every_step_on_pooled_handles(ll_eager):
     assert after["fresh_created"] == 0 and after["pooled_created"] == len(rt["pool_sizes"])
     assert after["pooled_rounds"] - before["pooled_rounds"] >= DECODE["max_tokens"] * LAYERS
     assert after["padded_rounds"] > 0  # counts between buckets were padded (outputs: above)
+    # decode rounds of a pooled size ran as direct nccl.ep calls (outputs: the test above)
+    direct = ll_eager["after_decode"]["runtimes"][0]["direct_rounds"]
+    assert direct - ll_eager["after_prefill"]["runtimes"][0]["direct_rounds"] > 0
 
 
 def test_ll_with_cuda_graphs_matches_its_eager_run(ll_graph, ll_eager, floor):

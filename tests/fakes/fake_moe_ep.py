@@ -561,6 +561,7 @@ class Handle:
         self._handle = fake_nccl_ep.NativeHandle(self)
         self._is_rank_major = False
         self._staged = False
+        self._stream = 0  # the fleet's stream, FlashInfer's op stream outside capture
         self._recv_count_t = fleet._buffer("ll_recv_count", (fleet.num_local_experts,), torch.int32, fleet.device)
         fleet._require_on_device("topk_ids", ids)
         self._bind(_as_int64(ids), "create_handle")
@@ -621,6 +622,10 @@ class Handle:
                 )
         else:
             self._ran_outside_capture = True
+        self._native_update(ids)
+
+    def _native_update(self, ids: torch.Tensor) -> None:
+        """ncclEpUpdateHandle: FlashInfer's update after its checks, or a direct call."""
         self._bind(ids, "update")
         self._dispatched = False
         self._fleet.log.append(Call("update", self.id, self._num_tokens))
@@ -730,15 +735,26 @@ class Handle:
 
     # ---------------------------------------------------------------- combine
     def combine(self, params: CombineInputParams) -> CombineOutput:
+        x = params.x[0]
+        out = params.out
+        if out is None:
+            hidden = self._fleet.params.token_hidden_size
+            out = torch.empty(self._num_tokens, hidden, dtype=x.dtype, device=x.device)
+        weights = None
+        if not self._is_ht:
+            weights = self._require_weights(
+                "NCCL EP LL needs per-token weights to reweight on combine"
+            )
+        return CombineOutput(x=self._combine(x, out, weights))
+
+    def _combine(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """ncclEpCombine into `out`; LL weights each slot by `weights` (read now, like the
+        native combine), which FlashInfer passes from the knob bound at creation."""
         self._check_alive("combine")
         if not self._dispatched:
             raise RuntimeError("Handle.combine called before dispatch on this routing")
-        x = params.x[0]
         hidden = self._fleet.params.token_hidden_size
         _require_contiguous("combine x", x)
-        out = params.out
-        if out is None:
-            out = torch.empty(self._num_tokens, hidden, dtype=x.dtype, device=x.device)
         if tuple(out.shape) != (self._num_tokens, hidden):
             raise ValueError(
                 f"combine out has shape {tuple(out.shape)}, expected {(self._num_tokens, hidden)}"
@@ -758,9 +774,7 @@ class Handle:
                     if src == rank:
                         acc[t] += rows[row].float()
         else:
-            weights = self._require_weights(
-                "NCCL EP LL needs per-token weights to reweight on combine"
-            )
+            assert weights is not None
             e_local = self._fleet.num_local_experts
             rows = self._fleet.params.max_tokens_per_rank * self._fleet.bootstrap.world_size
             if tuple(x.shape) != (e_local, rows, hidden):
@@ -779,7 +793,7 @@ class Handle:
                     acc[t] += w[t, k] * expert_out[e, row].float()
         out.copy_(acc.to(out.dtype))
         self._fleet.log.append(Call("combine", self.id, self._num_tokens))
-        return CombineOutput(x=out)
+        return out
 
     def complete(self) -> None:
         """No-op, like NcclEpHandle.complete in non-staged mode."""

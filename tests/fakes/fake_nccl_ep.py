@@ -8,11 +8,20 @@ absent or not FP32 [local experts, rows, hidden / 128], output tokens not E4M3
 FlashInfer handle's BF16 dispatch (tests/fakes/fake_moe_ep.py): the received rows are
 quantized as the recipe does (FP32 scale = amax / 448 per 128 elements, as measured on
 the H200), rows past each expert's count are left NaN.
+
+It also takes the plain calls runtime/native_handle.py issues for eager LL rounds
+(`update`, BF16 `dispatch`, `combine`) and, like nccl.ep.Tensor, descriptors made from
+a raw address with dtype and shape (resolved here through the CPU address). It refuses
+what nccl_ep.h refuses there: LL `update` with a layout_info, an LL expert-major
+combine without per-token weights, outputs of the wrong shape or dtype, and any call
+off FlashInfer's op stream.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +42,35 @@ class DispatchQuantizationRecipe(enum.IntEnum):
 
 
 class Tensor:
-    def __init__(self, buffer: torch.Tensor) -> None:
+    """A descriptor: address, dtype and shape. From a tensor (anchored to it) or, like
+    nccl.ep.Tensor, from a raw address with `dtype` and `shape` (anchored to nothing: the
+    caller keeps the memory alive); `buffer` is then a view of that CPU memory."""
+
+    def __init__(self, buffer: Any, *, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> None:
+        if isinstance(buffer, int) and not isinstance(buffer, bool):
+            if dtype is None or shape is None:
+                raise ValueError("Raw integer pointer requires `dtype` and `shape` kwargs")
+            self.anchor = None
+            self.data, self.datatype, self.sizes = buffer, dtype, tuple(shape)
+            return
+        if dtype is not None or shape is not None:
+            raise ValueError("`dtype`/`shape` are only valid with a raw integer pointer")
         if not isinstance(buffer, torch.Tensor):
             raise NcclInvalid(f"cannot resolve {type(buffer).__name__!r}")
         if not buffer.is_contiguous():
             raise NcclInvalid("nccl.ep.Tensor carries no strides: the buffer must be contiguous")
-        self.buffer = buffer
+        self.anchor = buffer
+        self.data, self.datatype, self.sizes = buffer.data_ptr(), buffer.dtype, tuple(buffer.shape)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The memory described, as a tensor (what the native kernels read and write)."""
+        if self.anchor is not None:
+            return self.anchor
+        numel = math.prod(self.sizes)
+        nbytes = numel * torch.empty(0, dtype=self.datatype).element_size()
+        raw = (ctypes.c_byte * nbytes).from_address(self.data)
+        return torch.frombuffer(raw, dtype=self.datatype, count=numel).view(self.sizes)
 
 
 @dataclass
@@ -62,6 +94,24 @@ class LayoutInfo:
 
 
 @dataclass
+class CombineInputs:
+    tokens: Tensor | None = None
+    topk_weights: Tensor | None = None
+    scales: Tensor | None = None
+
+
+@dataclass
+class CombineOutputs:
+    tokens: Tensor | None = None
+    topk_weights: Tensor | None = None
+
+
+@dataclass
+class CombineConfig:
+    send_only: int = 0
+
+
+@dataclass
 class DispatchConfig:
     send_only: int = 0
     round_scales: int = 0
@@ -73,7 +123,44 @@ class NativeHandle:
 
     def __init__(self, owner: Any) -> None:
         self._owner = owner
-        self.dispatches = 0
+        self.dispatches = 0  # FP8 (DS_FP8E3M4) dispatches
+        self.bf16_dispatches = 0
+        self.updates = 0
+        self.combines = 0
+
+    def update(self, topk_idx: Tensor, *, layout_info: LayoutInfo | None = None, stream: int) -> None:
+        self._require_op_stream(stream, "update")
+        owner = self._owner
+        if layout_info is not None and not owner._is_ht:
+            raise NcclInvalid("LL update takes no layout_info")
+        ids = topk_idx.buffer
+        if ids.dtype != torch.int64 or tuple(ids.shape) != (owner._num_tokens, owner._top_k):
+            raise NcclInvalid(
+                f"topk_idx must be int64 {(owner._num_tokens, owner._top_k)} (the handle's), got "
+                f"{ids.dtype} {tuple(ids.shape)}"
+            )
+        owner._native_update(ids)
+        self.updates += 1
+
+    def combine(
+        self, inputs: CombineInputs, outputs: CombineOutputs, *, config: CombineConfig | None = None, stream: int,
+    ) -> None:
+        self._require_op_stream(stream, "combine")
+        owner = self._owner
+        if inputs.tokens is None or outputs.tokens is None:
+            raise NcclInvalid("inputs.tokens and outputs.tokens are required")
+        if not owner._is_ht and outputs.topk_weights is None:
+            raise NcclInvalid("LL expert-major combine needs outputs.topk_weights")
+        weights = outputs.topk_weights.buffer if outputs.topk_weights is not None else None
+        if weights is not None and (
+            weights.dtype != torch.float32 or tuple(weights.shape) != (owner._num_tokens, owner._top_k)
+        ):
+            raise NcclInvalid(
+                f"outputs.topk_weights must be FP32 {(owner._num_tokens, owner._top_k)}, got "
+                f"{weights.dtype} {tuple(weights.shape)}"
+            )
+        owner._combine(inputs.tokens.buffer, outputs.tokens.buffer, weights)
+        self.combines += 1
 
     def dispatch(
         self, inputs: DispatchInputs, outputs: DispatchOutputs, *, layout_info: LayoutInfo | None = None,
@@ -81,8 +168,10 @@ class NativeHandle:
     ) -> None:
         self._require_op_stream(stream, "dispatch")
         recipe = config.quantization_recipe if config is not None else DispatchQuantizationRecipe.NONE
+        if recipe == DispatchQuantizationRecipe.NONE:
+            return self._dispatch_bf16(inputs, outputs, layout_info)
         if recipe != DispatchQuantizationRecipe.DS_FP8E3M4:
-            raise NotImplementedError("the fake nccl.ep dispatches with the DS_FP8E3M4 recipe only")
+            raise NotImplementedError("the fake nccl.ep dispatches BF16 or with the DS_FP8E3M4 recipe")
         owner = self._owner
         if owner._is_ht:
             raise NcclInvalid("DS_FP8E3M4 is an LL-only recipe")
@@ -124,6 +213,29 @@ class NativeHandle:
                 s[e, :n] = scale
         counters.copy_(counts)
         self.dispatches += 1
+
+    def _dispatch_bf16(self, inputs: DispatchInputs, outputs: DispatchOutputs, layout_info: LayoutInfo | None) -> None:
+        owner = self._owner
+        if owner._is_ht:
+            raise NotImplementedError("the fake nccl.ep's direct BF16 dispatch is LL only")
+        if inputs.tokens is None or outputs.tokens is None:
+            raise NcclInvalid("inputs.tokens and outputs.tokens are required")
+        if layout_info is None or layout_info.expert_counters is None:
+            raise NcclInvalid("LL expert-major dispatch needs layout_info.expert_counters")
+        x, out = inputs.tokens.buffer, outputs.tokens.buffer
+        experts = owner._fleet.num_local_experts
+        rows = owner._fleet.params.max_tokens_per_rank * owner._fleet.bootstrap.world_size
+        if out.dtype != x.dtype or tuple(out.shape) != (experts, rows, x.shape[1]):
+            raise NcclInvalid(
+                f"outputs.tokens must be {x.dtype} {(experts, rows, x.shape[1])}, got {out.dtype} {tuple(out.shape)}"
+            )
+        from tests.fakes.fake_moe_ep import DispatchInputParams
+
+        got = owner.dispatch(DispatchInputParams(x=[x]))  # the collective
+        if got.expert_tensors.data_ptr() != out.data_ptr():
+            out.copy_(got.expert_tensors)
+        layout_info.expert_counters.buffer.copy_(got.expert_counts)
+        self.bf16_dispatches += 1
 
     def complete(self, *, config: int = 0, stream: int) -> None:
         """No-op: the fake's dispatch is complete when it returns."""

@@ -38,12 +38,15 @@ NUM_LAYERS = 8
 ATOL, RTOL = 2e-2, 2e-2
 
 _fleet_caches: dict[tuple, FleetCache] = {}
+_runtimes: list = []  # destroyed before their fleets (a handle outliving its fleet crashes)
 
 
 def _runtime(group, algorithm: str, hidden: int, sizes=(), top_k: int = TOP_K):
     cache = _fleet_caches.setdefault((algorithm, hidden), FleetCache(0, 1, group))
     spec = FleetSpec(algorithm, NUM_EXPERTS, CAPACITY, hidden)
-    return build_runtime(cache, spec, top_k, torch.device("cuda", 0), list(sizes))
+    rt = build_runtime(cache, spec, top_k, torch.device("cuda", 0), list(sizes))
+    _runtimes.append(rt)
+    return rt
 
 
 def _inputs(num_tokens: int, hidden: int, seed: int, top_k: int = TOP_K):
@@ -216,6 +219,58 @@ def test_ht_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
     assert c.padded_rounds == len(counts) * 2 * 2
 
 
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_direct_eager_rounds_match_flashinfer_methods(ep_group_world1, hidden, monkeypatch):
+    """Eager pooled LL rounds issued directly on the nccl.ep handle (runtime/
+    native_handle.py; the first round records FlashInfer's receive buffer) against the
+    same rounds through FlashInfer's handle methods and the reference: captured rounds
+    (FlashInfer's, same receive buffer) replay exactly in between, and a second pass
+    over the same tensors (the experts' output at one address, as vLLM's workspace)
+    builds no descriptor."""
+    sizes = [1, 8, 128, 256]
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_NATIVE_EAGER", "0")
+    rt_fi = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
+    monkeypatch.delenv("VLLM_FLASHINFER_EP_NATIVE_EAGER")
+    assert rt.pool._native is not None and rt_fi.pool._native is None
+    rnd, rnd_fi = LowLatencyRound(rt), LowLatencyRound(rt_fi)
+    xg, idsg, wg, sg = _inputs(8, hidden, seed=4242)
+    outg = torch.empty_like(xg)
+    graph = capture_graph(lambda: _ll_step(rnd, xg, idsg, wg, sg, outg))
+    want_g = reference_moe(xg, idsg, wg, sg)
+    layers = {n: [_inputs(n, hidden, seed=100 * n + i) for i in range(3)] for n in sizes}
+    outs = {n: [torch.empty_like(layer[0]) for layer in layers[n]] for n in sizes}
+    # the experts' output at one address, as vLLM's workspace
+    expert_out = torch.empty(NUM_EXPERTS, CAPACITY, hidden, dtype=torch.bfloat16, device="cuda")
+    x0, ids0, w0, s0 = _inputs(1, hidden, seed=4243)  # the first round, through FlashInfer's
+    _ll_step(rnd, x0, ids0, w0, s0, torch.empty_like(x0))  # methods, records its buffer
+    assert rt.pool._native.rounds == 0 and rt.pool._native.recv is not None
+    worst = 0.0
+    for sweep in range(2):
+        built = rt.pool._native.memo.built
+        for n in sizes:
+            for (x, ids, w, s), out in zip(layers[n], outs[n]):
+                out.fill_(float("nan"))
+                d = rnd.dispatch(x, ids, w)
+                rnd.combine(scale_expert_rows(d.expert_x, s, out=expert_out), out)
+                out_fi = _ll_step(rnd_fi, x, ids, w, s, torch.empty_like(x))
+                torch.cuda.synchronize()
+                torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+                worst = max(worst, (out.float() - out_fi.float()).abs().max().item())
+            outg.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(outg, want_g, atol=ATOL, rtol=RTOL)
+        if sweep == 1:
+            assert rt.pool._native.memo.built == built, "the same tensors again built descriptors"
+    print(f"DIRECT_EAGER hidden={hidden} rounds={rt.pool._native.rounds} max|direct-flashinfer|={worst:.3g} "
+          f"descriptors={rt.pool._native.memo.built}")
+    assert rt.pool._native.rounds == 2 * 3 * len(sizes)
+    assert worst <= ATOL
+    assert rt.pool.counters.fresh_created == 0
+    del graph
+
+
 def _fp8_rows_match(d, x, ids, num_experts: int = NUM_EXPERTS) -> float:
     """Every expert's received E4M3 rows dequantize to the BF16 rows routed to it (rows
     arrive in any order: each is matched with its nearest sent row), with scales amax/448
@@ -337,6 +392,9 @@ def test_unwarmed_size_under_capture_raises(ep_group_world1):
 def _destroy_fleets():
     yield
     torch.cuda.synchronize()
+    for rt in _runtimes:
+        rt.destroy()
+    _runtimes.clear()
     for cache in _fleet_caches.values():
         cache.destroy()
     _fleet_caches.clear()

@@ -137,10 +137,11 @@ def test_ratio_columns_use_the_named_modes(tmp_path):
     import json
 
     # Distinct primes per mode: any swapped mode changes every ratio it is part of.
-    medians = dict(zip(results.MODES, (2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0), strict=True))
+    medians = dict(zip(results.MODES, (2.0, 3.0, 5.0, 7.0, 11.0, 13.0, 17.0, 19.0), strict=True))
     row = results.Row(8, median_ms=dict(medians), min_ms=dict(medians), max_ms=dict(medians))
     want = {
         "pooled_over_raw_eager": 3.0 / 11.0,
+        "pooled_fi_over_raw_eager": 19.0 / 11.0,
         "fresh_over_raw_fresh": 2.0 / 7.0,
         "raw_fresh_over_graph": 7.0 / 5.0,
         "graph_over_raw_bind": 5.0 / 17.0,
@@ -153,6 +154,7 @@ def test_ratio_columns_use_the_named_modes(tmp_path):
     header, cells = table[-3].split(" | "), table[-1].split(" | ")
     by_column = dict(zip(header, cells, strict=True))
     assert by_column["pooled/raw_eager"] == f"{3 / 11:.3f}"
+    assert by_column["pooled_fi/raw_eager"] == f"{19 / 11:.3f}"
     assert by_column["fresh/raw_fresh"] == f"{2 / 7:.3f}"
     assert by_column["raw_fresh/graph"] == f"{7 / 5:.2f}x"
     assert by_column["graph/raw_bind"] == f"{5 / 17:.3f}"

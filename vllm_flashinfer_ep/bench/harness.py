@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.bench.results import MODES, PoolMemory, Row, summarize
@@ -34,6 +37,20 @@ def torchrun_fleets() -> tuple[FleetCache, torch.device]:
         os.environ.setdefault("MASTER_PORT", "29517")
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     return FleetCache(rank, world_size, dist.group.WORLD), device
+
+
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment for the block."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 class TimedModes:
@@ -132,12 +149,16 @@ class Harness(TimedModes):
         before = memory_snapshot(self.device)
         self.fresh_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
+        with _env(envs.NATIVE_EAGER, "0"):  # the pool through FlashInfer's handle methods
+            self.fi_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         pool = self.pool_rt.pool
         pool.warm([min(args.tokens)])
         after_first = memory_snapshot(self.device)
         pool.warm(args.tokens)
+        after_all = memory_snapshot(self.device)
+        self.fi_rt.pool.warm(args.tokens)
         self.memory = PoolMemory.from_snapshots(
-            before, after_first, memory_snapshot(self.device), handles=len(pool.sizes),
+            before, after_first, after_all, handles=len(pool.sizes),
             median_handle_bytes=pool.per_handle_bytes, first_handle_bytes=pool.first_handle_bytes,
         )
         self.fleet = self.fleets.get(spec)
@@ -221,6 +242,7 @@ class Harness(TimedModes):
     def _steps(self, num_tokens: int):
         """Each mode's layer data (the same values per mode) and its step callable."""
         fresh, pooled = LowLatencyRound(self.fresh_rt), LowLatencyRound(self.pool_rt)
+        pooled_fi = LowLatencyRound(self.fi_rt)
         # The same input tensors in every mode, each mode with its own outputs: FlashInfer
         # memoizes its tensor descriptors by address (a bounded cache), so separate inputs
         # per mode would make the modes evict each other's entries, unlike a served step.
@@ -229,6 +251,7 @@ class Harness(TimedModes):
         steps = {
             "fresh": lambda: self._package_step(fresh, sets["fresh"]),
             "pooled": lambda: self._package_step(pooled, sets["pooled"]),
+            "pooled_fi": lambda: self._package_step(pooled_fi, sets["pooled_fi"]),
             "raw_fresh": lambda: self._raw_fresh_step(sets["raw_fresh"]),
             # Eager raw_bind: the same calls as the pool's eager round (ids bound, weights copied).
             "raw_eager": lambda: self._raw_step(sets["raw_eager"], bind=True),
@@ -247,7 +270,7 @@ class Harness(TimedModes):
         self._check_equal(num_tokens, sets, steps)
         row = self._measure(Row(num_tokens), MODES, steps, progress)
         if getattr(self.args, "host_profile", False) and num_tokens == self.args.tokens[0] and self.rank == 0:
-            print(self.host_profile(steps, ("pooled", "raw_eager")), file=sys.stderr)
+            print(self.host_profile(steps, ("pooled", "pooled_fi", "raw_eager")), file=sys.stderr)
         return row
 
     def _check_equal(self, num_tokens: int, sets, steps) -> None:
@@ -273,6 +296,7 @@ class Harness(TimedModes):
             handle.destroy()
         self.fresh_rt.destroy()
         self.pool_rt.destroy()
+        self.fi_rt.destroy()
         self.fleets.destroy()
 
 

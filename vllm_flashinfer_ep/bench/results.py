@@ -7,16 +7,18 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-MODES = ("fresh", "pooled", "graph", "raw_fresh", "raw_eager", "raw", "raw_bind")
+MODES = ("fresh", "pooled", "graph", "raw_fresh", "raw_eager", "raw", "raw_bind", "pooled_fi")
 
 # (numerator, denominator, format) of each ratio column, in table order:
 #   pooled/raw_eager  the package's eager pool vs FlashInfer alone with a persistent handle
+#   pooled_fi/raw_eager  the same pool through FlashInfer's handle methods (no direct calls)
 #   fresh/raw_fresh   the package's per-forward path vs FlashInfer's own
 #   raw_fresh/graph   speed-up of graph mode over FlashInfer's per-forward design
 #   graph/raw_bind, graph/raw  the package's graph vs FlashInfer alone, captured
 #   fresh/graph       speed-up of graph mode over the package's per-forward path
 RATIOS: tuple[tuple[str, str, str], ...] = (
     ("pooled", "raw_eager", "{:.3f}"),
+    ("pooled_fi", "raw_eager", "{:.3f}"),
     ("fresh", "raw_fresh", "{:.3f}"),
     ("raw_fresh", "graph", "{:.2f}x"),
     ("graph", "raw_bind", "{:.3f}"),
@@ -109,7 +111,7 @@ def format_table(rows: list[Row], args: Any, world_size: int, memory: PoolMemory
             cells.append(f"{r.median_ms[m]:.3f} ({r.min_ms[m]:.3f}-{r.max_ms[m]:.3f})")
         cells += [fmt.format(r.ratio(a, b)) for a, b, fmt in RATIOS]
         lines.append(" | ".join(cells))
-    eager = [m for m in ("pooled", "raw_eager", "fresh", "raw_fresh") if rows and m in rows[0].host_ms]
+    eager = [m for m in ("pooled", "pooled_fi", "raw_eager", "fresh", "raw_fresh") if rows and m in rows[0].host_ms]
     if eager:
         lines += ["", "host time to issue one step, median ms (eager modes; per layer: / layers)",
                   " | ".join(["T", *eager]), " | ".join("---" for _ in range(len(eager) + 1))]

@@ -5,7 +5,8 @@ optionally a trivial expert op on the valid rows) through the package's own roun
 (runtime/rounds.py, what the vLLM prepare/finalize calls), in modes interleaved in
 one process:
   fresh  - a fresh FlashInfer handle per layer per step, eager (today's design)
-  pooled - the persistent handle pool, eager
+  pooled - the persistent handle pool, eager (direct nccl.ep calls, runtime/native_handle.py)
+  pooled_fi - as pooled, through FlashInfer's handle methods (VLLM_FLASHINFER_EP_NATIVE_EAGER=0)
   graph  - the persistent handle pool, the whole step captured in one CUDA graph
   raw    - FlashInfer alone: one persistent handle, each layer copies its routing into
            static buffers, update + dispatch + combine, captured (no package code)

@@ -11,9 +11,9 @@ measured equal on the H200), so the experts see what vLLM's quantization would g
 
 How: FlashInfer 0.7.2.post1's NcclEpHandle builds its dispatch config without a recipe,
 so this module issues the dispatch on the nccl.ep handle underneath it, through the
-attributes in NATIVE_ATTRIBUTES, checked once per handle class (`native_reason`). Update
-and combine (BF16) stay FlashInfer's. Remove when FlashInfer's handle takes a dispatch
-quantization recipe.
+attributes in native_handle.NATIVE_ATTRIBUTES, checked once per handle class
+(`native_reason`). Update and combine (BF16) stay the pool's (FlashInfer's, or its direct
+calls). Remove when FlashInfer's handle takes a dispatch quantization recipe.
 """
 
 from __future__ import annotations
@@ -23,23 +23,10 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.errors import HandlePoolError
+from vllm_flashinfer_ep.runtime import native_handle
 
 SCALE_GROUP = 128  # elements per FP32 scale (the recipe's, and 128x128 blocks' K group)
 HIDDEN_MULTIPLE = 512  # the recipe's hidden-size rule (16-byte aligned FP8 payload)
-
-# What this module reads of FlashInfer's NcclEpHandle (flashinfer/moe_ep/backends/split/
-# comm/nccl_ep/handle.py) and why:
-NATIVE_ATTRIBUTES = {
-    "_handle": "the nccl.ep Handle (dispatch, complete)",
-    "_ep": "the nccl.ep module FlashInfer drives (descriptor types, recipe enum)",
-    "_wrap": "FlashInfer's address-keyed tensor-descriptor memo",
-    "_op_stream": "the stream FlashInfer issues on (the capturing one under capture)",
-    "_recv_count_t": "the per-local-expert received counts NCCL-EP writes at dispatch",
-    "_num_tokens_in": "the token count the handle's routing holds",
-    "_is_ht": "LL only",
-    "_is_rank_major": "expert-major layout only",
-    "_staged": "no split send/complete mode",
-}
 
 
 def hidden_reason(hidden: int) -> str | None:
@@ -54,16 +41,10 @@ def hidden_reason(hidden: int) -> str | None:
 
 def native_reason(handle: Any) -> str | None:
     """Why this handle cannot take the FP8 dispatch (None: it can)."""
-    missing = [name for name in NATIVE_ATTRIBUTES if not hasattr(handle, name)]
-    if missing:
-        return (
-            f"the installed FlashInfer's handle ({type(handle).__name__}) lacks {missing}; "
-            "FP8 dispatch is written against flashinfer-python 0.7.2.post1"
-        )
-    if handle._is_ht or handle._is_rank_major or handle._staged:
-        return "FP8 dispatch is LL expert-major only, without split send/complete"
-    ep = handle._ep
-    recipes = getattr(ep, "DispatchQuantizationRecipe", None)
+    reason = native_handle.native_reason(handle)
+    if reason is not None:
+        return reason
+    recipes = getattr(handle._ep, "DispatchQuantizationRecipe", None)
     if recipes is None or not hasattr(recipes, "DS_FP8E3M4"):
         return "the installed nccl.ep has no DS_FP8E3M4 dispatch recipe (nccl-extensions >= 0.1.0)"
     return None

@@ -43,6 +43,7 @@ from vllm_flashinfer_ep.runtime.capture import (
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.limits import max_top_k
 from vllm_flashinfer_ep.runtime.memory import memory_growth, memory_snapshot
+from vllm_flashinfer_ep.runtime.native_handle import NativeEager
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update, moe_ep
 
 logger = get_logger(__name__)
@@ -160,6 +161,14 @@ class HandlePool:
         self._handle_stream = torch.cuda.default_stream(self._device_index) if self._cuda else None
         self._handle_raw_stream = self._handle_stream.cuda_stream if self._handle_stream is not None else 0
         self._join = False  # this round's handle work is joined with torch's current stream
+        # Eager LL rounds on the nccl.ep handle underneath FlashInfer's (native_handle.py);
+        # None: through FlashInfer's handle methods. `_native_round`: this round is direct.
+        self._native = (
+            NativeEager(self._handle_raw_stream)
+            if not self.is_ht and envs.native_eager_enabled()
+            else None
+        )
+        self._native_round = False
         self._padded: tuple[int, int] | None = None  # (real rows, pooled size) of this round
         # Tokens every EP rank dispatches in the current round when known: a pooled round's
         # handle size (padding included); None for per-forward rounds and between rounds.
@@ -296,6 +305,7 @@ class HandlePool:
             self._end_fresh()
         # A round that failed before its combine left its state behind: start clean.
         self._padded = self.sent_per_rank = None
+        self._native_round = False
         # One stream decision per round (see _stream_state).
         capturing, self._join = self._stream_state()
         agreed = num_tokens if agreed_tokens == LOCAL else agreed_tokens
@@ -340,6 +350,99 @@ class HandlePool:
         self._current = handle
         self.sent_per_rank = size
         return handle
+
+    def begin_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        agreed_tokens: int | None | str = LOCAL,
+        fp8_wire: Any = None,
+    ) -> Any:
+        """`begin` then `dispatch`, in one call; a failed dispatch ends the round.
+
+        The common round runs inline here: a pooled handle of exactly this round's size,
+        routing ids it can bind, and handle work on torch's current stream (no join).
+        Outside capture (LL) it issues the nccl.ep calls directly (native_handle.py): an
+        eager step is host-bound, and FlashInfer's methods cost about twice the host time
+        of the calls they make (docs/benchmarks.md). Anything else (padding, a fresh
+        handle, a join, refusals) takes the general path.
+        """
+        num_tokens, top_k = topk_ids.shape
+        handle = self._handles.get(num_tokens)
+        if (
+            handle is not None
+            and top_k == self.top_k
+            and (agreed_tokens is LOCAL or agreed_tokens == num_tokens)
+            and not self._current_is_fresh
+            and self.bind_ids
+            and topk_ids.dtype == torch.int64
+            and topk_ids.is_contiguous()
+            and topk_ids.get_device() == self._device_index
+            and (not self._cuda or current_raw_stream(self._device_index) == self._handle_raw_stream)
+        ):
+            self._padded = None
+            self._join = False
+            view = self._weight_views.get(num_tokens)
+            if view is None:
+                view = self._weight_views[num_tokens] = self.topk_weights[:num_tokens]
+            view.copy_(topk_weights)
+            self._current = handle
+            self.sent_per_rank = num_tokens
+            counters = self.counters
+            counters.updates += 1
+            counters.pooled_rounds += 1
+            native = self._native
+            self._native_round = False
+            try:
+                # On a GPU this round is on the handles' own stream 0, which cannot be
+                # captured; without CUDA ask (the simulated capture of the CPU tests).
+                if (
+                    native is not None
+                    and (fp8_wire is not None or native.recv is not None)
+                    and (self._cuda or not is_capturing())
+                    and native.usable(handle)
+                ):
+                    self._native_round = True
+                    native.update(handle, topk_ids)
+                    if fp8_wire is not None:
+                        return fp8_wire.dispatch(handle, x)
+                    return native.dispatch(handle, x)
+                fi = self._fi
+                handle.update(fi.HandleParams(topk_ids=topk_ids))
+                if fp8_wire is not None:
+                    return fp8_wire.dispatch(handle, x)
+                out = handle.dispatch(fi.DispatchInputParams(x=[x]))
+                if native is not None and native.recv is None:
+                    native.record(out)
+                return out
+            except BaseException:
+                self.end()
+                raise
+        self.begin(topk_ids, topk_weights, agreed_tokens=agreed_tokens)
+        try:
+            return self.dispatch(x, fp8_wire)
+        except BaseException:
+            self.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
+            raise
+
+    def combine_end(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """`combine` then `end`, in one call (the round ends also when combine fails);
+        inline for a round without padding, fresh handle or join (see begin_dispatch)."""
+        handle = self._current
+        if handle is not None and self._padded is None and not self._join and not self._current_is_fresh:
+            rows = self.sent_per_rank
+            self._current = self.sent_per_rank = None
+            if self._native_round:
+                self._native_round = False
+                if out is None:
+                    out = expert_out.new_empty(rows, self.spec.hidden_size)
+                return self._native.combine(handle, expert_out, out, self._weight_views[rows])
+            return handle.combine(self._fi.CombineInputParams(x=[expert_out], out=out)).x
+        try:
+            return self.combine(expert_out, out)
+        finally:
+            self.end()
 
     def dispatch(self, x: torch.Tensor, fp8_wire: Any = None) -> Any:
         """Dispatch on this round's handle: FlashInfer's BF16 dispatch, or NCCL-EP's FP8
@@ -386,6 +489,7 @@ class HandlePool:
         self._current = None
         self._padded = None
         self.sent_per_rank = None
+        self._native_round = False
 
     # ---------------------------------------------------------------- cleanup
     def destroy(self) -> None:

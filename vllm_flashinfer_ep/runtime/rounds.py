@@ -96,9 +96,9 @@ class Round:
             wire = self.runtime.fp8_wire
             if wire is None:
                 raise FlashInferEPConfigError("FP8 dispatch asked of a runtime without an FP8 wire")
-        pool.begin(topk_ids, weights, agreed_tokens=agreed_tokens)
+        out = pool.begin_dispatch(a1, topk_ids, weights, agreed_tokens, wire)
         try:
-            return self._received(pool.dispatch(a1, wire))
+            return self._received(out)
         except BaseException:
             pool.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
             raise
@@ -109,12 +109,9 @@ class Round:
     def _combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         """Combine into `output` (in place when given); ends the round."""
         if output is not None and not output.is_contiguous():
+            self._pool.end()
             _check_output(output)
-        pool = self._pool
-        try:
-            return pool.combine(expert_out, output)
-        finally:
-            pool.end()
+        return self._pool.combine_end(expert_out, output)
 
 
 class LowLatencyRound(Round):

@@ -1,0 +1,179 @@
+"""Eager LL rounds issued on the nccl.ep handle underneath FlashInfer's.
+
+Why: an eager decode step is host-bound, and most of its host time is Python around
+three native calls per layer. Measured on the H200 (hidden 2048, 48 layers, world 1;
+docs/benchmarks.md): FlashInfer 0.7.2.post1's persistent-handle round costs ~109 us of
+host time per layer, the same nccl.ep calls issued directly ~74 us. The difference is
+argument checks the pool has already made, a CUDA capture query per call, parameter and
+result dataclasses, and two ~10 us tensor descriptors built on every combine (its input
+and its output are not memoized: FlashInfer's memo holds the tensors alive, so it takes
+only small ones and never a caller's churning output).
+
+How: `DescriptorMemo` keeps nccl.ep descriptors built from a raw device pointer, dtype
+and shape, which hold no tensor alive (nccl.ep.Tensor accepts a raw pointer; the caller
+keeps the memory alive for the call). A descriptor describes exactly its key's memory, so
+any later tensor at that address with that dtype and shape reuses it, whatever allocator
+churn happened in between, and the memo never pins memory. `NativeEager` issues update,
+dispatch and combine with those descriptors for pooled LL rounds on the handle's own
+stream outside capture (handle_pool.HandlePool.begin_dispatch); captured rounds, padded
+ones, fresh handles, joins and HT stay FlashInfer's. It writes into the receive buffer
+and counters FlashInfer's own dispatch returned (recorded from the first FlashInfer
+dispatch), so captured and eager rounds share them as before.
+
+What it reads of FlashInfer's NcclEpHandle (flashinfer/moe_ep/backends/split/comm/
+nccl_ep/handle.py) is NATIVE_ATTRIBUTES, checked once per handle (`native_reason`); a
+handle without them runs through FlashInfer's methods, logged once.
+`VLLM_FLASHINFER_EP_NATIVE_EAGER=0` turns the direct calls off. Remove when FlashInfer's
+handle methods cost about what the native calls cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep.log import get_logger
+
+logger = get_logger(__name__)
+
+# What this package reads of FlashInfer's NcclEpHandle, and why (also runtime/fp8_wire.py):
+NATIVE_ATTRIBUTES = {
+    "_handle": "the nccl.ep Handle (update, dispatch, complete, combine)",
+    "_ep": "the nccl.ep module FlashInfer drives (descriptor types, recipe enum)",
+    "_wrap": "FlashInfer's address-keyed tensor-descriptor memo",
+    "_op_stream": "the stream FlashInfer issues on (the capturing one under capture)",
+    "_stream": "the handle's own stream (FlashInfer's op stream outside capture)",
+    "_recv_count_t": "the per-local-expert received counts NCCL-EP writes at dispatch",
+    "_num_tokens_in": "the token count the handle's routing holds",
+    "_is_ht": "LL only",
+    "_is_rank_major": "expert-major layout only",
+    "_staged": "no split send/complete mode",
+}
+
+
+def native_reason(handle: Any) -> str | None:
+    """Why this package cannot issue nccl.ep calls under `handle` (None: it can)."""
+    missing = [name for name in NATIVE_ATTRIBUTES if not hasattr(handle, name)]
+    if missing:
+        return (
+            f"the installed FlashInfer's handle ({type(handle).__name__}) lacks {missing}; "
+            "the direct nccl.ep calls are written against flashinfer-python 0.7.2.post1"
+        )
+    if handle._is_ht or handle._is_rank_major or handle._staged:
+        return "direct nccl.ep calls are LL expert-major only, without split send/complete"
+    return None
+
+
+class DescriptorMemo:
+    """nccl.ep tensor descriptors keyed by (address, dtype, shape), holding no tensor.
+
+    Bounded: at `max_entries` it starts over (nothing is pinned, so a clear costs only
+    the rebuilds). Tensors must be contiguous (a descriptor carries no strides).
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._memo: dict[tuple, Any] = {}
+        self.built = 0
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def tensor(self, ep: Any, t: torch.Tensor) -> Any:
+        key = (t.data_ptr(), t.dtype, t.shape)
+        desc = self._memo.get(key)
+        if desc is None:
+            desc = self._memo[key] = self._raw(ep, t)
+        return desc
+
+    def bundle(self, kind: Any, ep: Any, **tensors: torch.Tensor) -> Any:
+        """`kind(field=descriptor, ...)` (an nccl.ep input/output bundle), memoized by its
+        tensors' keys."""
+        key = (kind, *((name, t.data_ptr(), t.dtype, t.shape) for name, t in tensors.items()))
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = kind(**{n: self.tensor(ep, t) for n, t in tensors.items()})
+        return found
+
+    def _raw(self, ep: Any, t: torch.Tensor) -> Any:
+        if len(self._memo) >= self.max_entries:
+            self._memo.clear()
+        self.built += 1
+        resolved = ep.Tensor(t)  # dtype and shape as nccl.ep resolves them
+        return ep.Tensor(resolved.data, dtype=resolved.datatype, shape=resolved.sizes)
+
+
+class NativeEager:
+    """The direct nccl.ep calls of one pool's eager LL rounds."""
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream  # the handles' own stream, which these calls must use
+        self.memo = DescriptorMemo()
+        # FlashInfer's BF16 receive buffer and per-expert counts, from its first dispatch.
+        self.recv: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self._usable: dict[int, bool] = {}  # id(handle) -> whether direct calls may run
+        self._configs: tuple[Any, ...] | None = None
+        self._keep: tuple[Any, ...] = ()  # the last round's descriptors, as FlashInfer keeps
+        self.rounds = 0
+        self._logged = False
+
+    def record(self, out: Any) -> None:
+        """Take FlashInfer's receive buffer and counts from one of its BF16 dispatches."""
+        self.recv, self.counts = out.expert_tensors, out.expert_counts
+
+    def usable(self, handle: Any) -> bool:
+        ok = self._usable.get(id(handle))
+        if ok is None:
+            reason = native_reason(handle)
+            if reason is None and handle._stream != self.stream:
+                reason = f"the handle issues on stream {handle._stream}, not {self.stream}"
+            if reason is not None and not self._logged:
+                self._logged = True
+                logger.info("flashinfer_ep: eager rounds run through FlashInfer's handle methods: %s", reason)
+            ok = self._usable[id(handle)] = reason is None
+        return ok
+
+    def update(self, handle: Any, topk_ids: torch.Tensor) -> None:
+        """Re-target `handle` to this layer's routing (ncclEpUpdateHandle; LL takes no
+        layout_info)."""
+        handle._handle.update(self.memo.tensor(handle._ep, topk_ids), layout_info=None, stream=self.stream)
+
+    def dispatch(self, handle: Any, x: torch.Tensor) -> tuple:
+        """Dispatch `x` (BF16) on `handle`'s routing into FlashInfer's receive buffer;
+        returns (received rows, None, per-expert counts) like fp8_wire's (tokens,
+        scales, counts)."""
+        ep, native, stream = handle._ep, handle._handle, self.stream
+        configs = self._configs_for(ep)
+        inputs = self.memo.bundle(ep.DispatchInputs, ep, tokens=x)
+        native.dispatch(inputs, configs[4], layout_info=configs[3], config=configs[1], stream=stream)
+        native.complete(stream=stream)
+        self._keep = (inputs,)
+        self.rounds += 1
+        return self.recv, None, self.counts
+
+    def _configs_for(self, ep: Any) -> tuple[Any, ...]:
+        configs = self._configs
+        if configs is None or configs[0] is not ep or configs[5] is not self.recv:
+            memo = self.memo
+            configs = self._configs = (
+                ep,
+                ep.DispatchConfig(send_only=0, round_scales=0),
+                ep.CombineConfig(send_only=0),
+                ep.LayoutInfo(expert_counters=memo.tensor(ep, self.counts)) if self.counts is not None else None,
+                ep.DispatchOutputs(tokens=memo.tensor(ep, self.recv)) if self.recv is not None else None,
+                self.recv,
+            )
+        return configs
+
+    def combine(self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Combine `expert_out` into `out`, weighted by `weights` (the handle's bound ones)."""
+        if not expert_out.is_contiguous():
+            expert_out = expert_out.contiguous()
+        ep, memo = handle._ep, self.memo
+        inputs = memo.bundle(ep.CombineInputs, ep, tokens=expert_out)
+        outputs = memo.bundle(ep.CombineOutputs, ep, tokens=out, topk_weights=weights)
+        handle._handle.combine(inputs, outputs, config=self._configs_for(ep)[2], stream=self.stream)
+        self._keep = (inputs, outputs)
+        return out
