@@ -147,6 +147,8 @@ class NativeHandle:
     ) -> None:
         self._require_op_stream(stream, "combine")
         owner = self._owner
+        if config is not None and not isinstance(config, CombineConfig):
+            raise NcclInvalid(f"combine config must be a CombineConfig, got {type(config).__name__}")
         if inputs.tokens is None or outputs.tokens is None:
             raise NcclInvalid("inputs.tokens and outputs.tokens are required")
         if not owner._is_ht and outputs.topk_weights is None:
@@ -167,6 +169,8 @@ class NativeHandle:
         config: DispatchConfig | None = None, stream: int,
     ) -> None:
         self._require_op_stream(stream, "dispatch")
+        if config is not None and not isinstance(config, DispatchConfig):
+            raise NcclInvalid(f"dispatch config must be a DispatchConfig, got {type(config).__name__}")
         recipe = config.quantization_recipe if config is not None else DispatchQuantizationRecipe.NONE
         if recipe == DispatchQuantizationRecipe.NONE:
             return self._dispatch_bf16(inputs, outputs, layout_info)
@@ -223,6 +227,12 @@ class NativeHandle:
         if layout_info is None or layout_info.expert_counters is None:
             raise NcclInvalid("LL expert-major dispatch needs layout_info.expert_counters")
         x, out = inputs.tokens.buffer, outputs.tokens.buffer
+        if x.shape[0] != owner._num_tokens:
+            # The real library does not check: it reads routing rows past the activations.
+            raise NcclInvalid(
+                f"fake nccl.ep: {x.shape[0]} activation rows on a handle routing "
+                f"{owner._num_tokens} (the real library would read past them silently)"
+            )
         experts = owner._fleet.num_local_experts
         rows = owner._fleet.params.max_tokens_per_rank * owner._fleet.bootstrap.world_size
         if out.dtype != x.dtype or tuple(out.shape) != (experts, rows, x.shape[1]):

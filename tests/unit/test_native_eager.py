@@ -224,3 +224,73 @@ def test_fp8_rounds_update_and_combine_directly_and_match_flashinfer_methods(mon
     assert results["1"][2] == results["0"][2] == 3
     for o1, o0 in zip(results["1"][0], results["0"][0]):
         assert torch.equal(o1, o0)
+
+
+def test_a_row_count_mismatch_is_refused_before_any_direct_call():
+    """NCCL-EP does not compare the activation rows with the routing's (FlashInfer's
+    dispatch does): a mismatch must never reach the direct dispatch."""
+    rt = _runtime()
+    rnd = LowLatencyRound(rt)
+    x, ids, w, s = _layer(8, seed=6)
+    _step(rnd, x, ids, w, s)
+    before = _native_calls(rt)
+    with pytest.raises(fake_moe_ep.MoEEpConfigError, match="7 activation rows"):
+        rnd.dispatch(x[:7], ids, w)
+    assert _native_calls(rt) == before and rt.pool._current is None
+
+
+def test_a_handle_on_another_stream_keeps_flashinfer_methods(caplog):
+    rt = _runtime()
+    for handle in rt.pool._handles.values():
+        handle._stream = 5  # not the pool's handle stream (0)
+    rnd = LowLatencyRound(rt)
+    for i in range(2):
+        x, ids, w, s = _layer(8, seed=40 + i)
+        torch.testing.assert_close(_step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+    assert _native_calls(rt) == (0, 0, 0)
+    assert not rt.pool._native.usable(rt.pool._handles[8])
+
+
+def test_a_round_left_without_its_combine_does_not_make_the_next_one_direct(monkeypatch):
+    """A layer that failed between a direct dispatch and its combine leaves the round
+    open; the next round (here captured, with int32 ids: FlashInfer's methods) must
+    combine through FlashInfer's methods, not directly (which would escape the capture)."""
+    switch = install_capture_switch(monkeypatch)
+    rt = _runtime()
+    rnd = LowLatencyRound(rt)
+    x, ids, w, s = _layer(8, seed=7)
+    _step(rnd, x, ids, w, s)
+    rnd.dispatch(x, ids, w)  # direct; its combine never comes
+    assert rt.pool._native_round
+    x4, ids4, w4, s4 = _layer(4, seed=8)
+    switch.active = True
+    try:
+        out = _step(rnd, x4, ids4.to(torch.int32), w4, s4)
+    finally:
+        switch.active = False
+    torch.testing.assert_close(out, reference_moe(x4, ids4, w4, s4), atol=2e-2, rtol=2e-2)
+
+
+def test_strided_ids_and_expert_outputs_are_made_contiguous_before_a_descriptor():
+    """Descriptors carry no strides and the memo's key none either: strided routing
+    takes the static buffer, a strided expert output is copied, and both still match."""
+    rt = _runtime()
+    rnd = LowLatencyRound(rt)
+    x, ids, w, s = _layer(8, seed=9)
+    _step(rnd, x, ids, w, s)
+    strided_ids = torch.empty(TOP_K, 8, dtype=torch.int64).t()
+    strided_ids.copy_(ids)
+    assert not strided_ids.is_contiguous()
+    torch.testing.assert_close(_step(rnd, x, strided_ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+    before = _native_calls(rt)
+    d = rnd.dispatch(x, ids, w)  # direct
+    expert_out = scale_expert_rows(d.expert_x, s)
+    strided_out = torch.empty(expert_out.shape[0], expert_out.shape[2], expert_out.shape[1], dtype=expert_out.dtype)
+    strided_out = strided_out.transpose(1, 2)
+    strided_out.copy_(expert_out)
+    assert not strided_out.is_contiguous()
+    out = rnd.combine(strided_out, torch.empty_like(x))
+    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+    assert _native_calls(rt) == tuple(n + 1 for n in before)
+    with pytest.raises(ValueError, match="no strides"):
+        DescriptorMemo().tensor(fake_nccl_ep, strided_ids)

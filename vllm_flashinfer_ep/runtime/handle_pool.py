@@ -379,6 +379,7 @@ class HandlePool:
             and topk_ids.dtype == torch.int64
             and topk_ids.is_contiguous()
             and topk_ids.get_device() == self._device_index
+            and x.shape[0] == num_tokens  # FlashInfer's dispatch refuses a mismatch; NCCL-EP not
             and (not self._cuda or current_raw_stream(self._device_index) == self._handle_raw_stream)
         ):
             self._padded = None
@@ -413,7 +414,7 @@ class HandlePool:
                 if fp8_wire is not None:
                     return fp8_wire.dispatch(handle, x)
                 out = handle.dispatch(fi.DispatchInputParams(x=[x]))
-                if native is not None and native.recv is None:
+                if native is not None:
                     native.record(out)
                 return out
             except BaseException:
@@ -429,6 +430,8 @@ class HandlePool:
     def combine_end(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """`combine` then `end`, in one call (the round ends also when combine fails);
         inline for a round without padding, fresh handle or join (see begin_dispatch)."""
+        if not expert_out.is_contiguous():  # NCCL-EP reads it by pointer, without strides
+            expert_out = expert_out.contiguous()
         handle = self._current
         if handle is not None and self._padded is None and not self._join and not self._current_is_fresh:
             rows = self.sent_per_rank

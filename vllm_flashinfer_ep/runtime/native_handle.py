@@ -81,6 +81,11 @@ class DescriptorMemo:
         return len(self._memo)
 
     def tensor(self, ep: Any, t: torch.Tensor) -> Any:
+        if not t.is_contiguous():  # the key has no strides, nor has the descriptor
+            raise ValueError(
+                f"nccl.ep descriptors carry no strides: a tensor of shape {tuple(t.shape)} "
+                f"and strides {t.stride()} must be made contiguous first"
+            )
         key = (t.data_ptr(), t.dtype, t.shape)
         desc = self._memo.get(key)
         if desc is None:
@@ -110,17 +115,22 @@ class NativeEager:
     def __init__(self, stream: int) -> None:
         self.stream = stream  # the handles' own stream, which these calls must use
         self.memo = DescriptorMemo()
-        # FlashInfer's BF16 receive buffer and per-expert counts, from its first dispatch.
+        # FlashInfer's BF16 receive buffer and per-expert counts, from its last dispatch.
         self.recv: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self._usable: dict[int, bool] = {}  # id(handle) -> whether direct calls may run
         self._configs: tuple[Any, ...] | None = None
-        self._keep: tuple[Any, ...] = ()  # the last round's descriptors, as FlashInfer keeps
+        # The last update/dispatch's and combine's descriptors, alive until the next of
+        # their kind as FlashInfer keeps its own (the memo may be cleared meanwhile).
+        self._keep_dispatch: tuple[Any, ...] = ()
+        self._keep_combine: tuple[Any, ...] = ()
         self.rounds = 0
         self._logged = False
 
     def record(self, out: Any) -> None:
-        """Take FlashInfer's receive buffer and counts from one of its BF16 dispatches."""
+        """Take FlashInfer's receive buffer and counts from one of its BF16 dispatches
+        (each one: FlashInfer replaces its buffer when a dispatch's shape or dtype
+        differs, and the direct rounds follow it)."""
         self.recv, self.counts = out.expert_tensors, out.expert_counts
 
     def usable(self, handle: Any) -> bool:
@@ -138,7 +148,11 @@ class NativeEager:
     def update(self, handle: Any, topk_ids: torch.Tensor) -> None:
         """Re-target `handle` to this layer's routing (ncclEpUpdateHandle; LL takes no
         layout_info)."""
-        handle._handle.update(self.memo.tensor(handle._ep, topk_ids), layout_info=None, stream=self.stream)
+        ids = self.memo.tensor(handle._ep, topk_ids)
+        handle._handle.update(ids, layout_info=None, stream=self.stream)
+        # As FlashInfer's update keeps the ids it bound: NCCL-EP may read them until the
+        # round's combine.
+        self._keep_dispatch = (ids, topk_ids)
 
     def dispatch(self, handle: Any, x: torch.Tensor) -> tuple:
         """Dispatch `x` (BF16) on `handle`'s routing into FlashInfer's receive buffer;
@@ -149,7 +163,7 @@ class NativeEager:
         inputs = self.memo.bundle(ep.DispatchInputs, ep, tokens=x)
         native.dispatch(inputs, configs[4], layout_info=configs[3], config=configs[1], stream=stream)
         native.complete(stream=stream)
-        self._keep = (inputs,)
+        self._keep_dispatch += (inputs, x)
         self.rounds += 1
         return self.recv, None, self.counts
 
@@ -169,11 +183,9 @@ class NativeEager:
 
     def combine(self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Combine `expert_out` into `out`, weighted by `weights` (the handle's bound ones)."""
-        if not expert_out.is_contiguous():
-            expert_out = expert_out.contiguous()
         ep, memo = handle._ep, self.memo
         inputs = memo.bundle(ep.CombineInputs, ep, tokens=expert_out)
         outputs = memo.bundle(ep.CombineOutputs, ep, tokens=out, topk_weights=weights)
         handle._handle.combine(inputs, outputs, config=self._configs_for(ep)[2], stream=self.stream)
-        self._keep = (inputs, outputs)
+        self._keep_combine = (inputs, outputs)
         return out
