@@ -327,10 +327,7 @@ class HandlePool:
         # Weights are bound to the handle at creation: always copy them. Ids can be
         # bound per call (`update` takes any int64 contiguous CUDA tensor), which saves
         # one copy kernel per layer; other ids, and padded rounds, use the static buffer.
-        view = self._weight_views.get(num_tokens)
-        if view is None:  # a slice costs more host time than a dict lookup
-            view = self._weight_views[num_tokens] = self.topk_weights[:num_tokens]
-        view.copy_(topk_weights, non_blocking=True)
+        self._copy_weights(num_tokens, topk_weights)
         if size == num_tokens and self.bind_ids and topk_ids.dtype == torch.int64 and (
             topk_ids.is_contiguous() and topk_ids.get_device() == self._device_index
         ):
@@ -384,10 +381,7 @@ class HandlePool:
         ):
             self._padded = None
             self._join = False
-            view = self._weight_views.get(num_tokens)
-            if view is None:
-                view = self._weight_views[num_tokens] = self.topk_weights[:num_tokens]
-            view.copy_(topk_weights)
+            self._copy_weights(num_tokens, topk_weights)
             self._current = handle
             self.sent_per_rank = num_tokens
             counters = self.counters
@@ -398,22 +392,21 @@ class HandlePool:
             try:
                 # On a GPU this round is on the handles' own stream 0, which cannot be
                 # captured; without CUDA ask (the simulated capture of the CPU tests).
-                if (
+                direct = self._native_round = (
                     native is not None
                     and (fp8_wire is not None or native.recv is not None)
                     and (self._cuda or not is_capturing())
                     and native.usable(handle)
-                ):
-                    self._native_round = True
+                )
+                if direct:
                     native.update(handle, topk_ids)
-                    if fp8_wire is not None:
-                        return fp8_wire.dispatch(handle, x)
-                    return native.dispatch(handle, x)
-                fi = self._fi
-                handle.update(fi.HandleParams(topk_ids=topk_ids))
+                else:
+                    handle.update(self._fi.HandleParams(topk_ids=topk_ids))
                 if fp8_wire is not None:
                     return fp8_wire.dispatch(handle, x)
-                out = handle.dispatch(fi.DispatchInputParams(x=[x]))
+                if direct:
+                    return native.dispatch(handle, x)
+                out = handle.dispatch(self._fi.DispatchInputParams(x=[x]))
                 if native is not None:
                     native.record(out)
                 return out
@@ -554,6 +547,13 @@ class HandlePool:
             buf = torch.empty(self.capacity, hidden, dtype=dtype, device=device)
             self._pad_buffers[name] = buf
         return buf
+
+    def _copy_weights(self, num_tokens: int, topk_weights: torch.Tensor) -> None:
+        """This layer's weights into the rows the handle of `num_tokens` has bound."""
+        view = self._weight_views.get(num_tokens)
+        if view is None:  # a slice costs more host time than a dict lookup
+            view = self._weight_views[num_tokens] = self.topk_weights[:num_tokens]
+        view.copy_(topk_weights)
 
     def _pad_routing(self, num_tokens: int, size: int) -> None:
         """Rows num_tokens..size of the static routing: the pad pattern, weight 0."""

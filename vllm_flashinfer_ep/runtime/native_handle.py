@@ -29,7 +29,7 @@ handle methods cost about what the native calls cost.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -109,6 +109,18 @@ class DescriptorMemo:
         return ep.Tensor(resolved.data, dtype=resolved.datatype, shape=resolved.sizes)
 
 
+class _Configs(NamedTuple):
+    """What every direct round passes alike, built once per nccl.ep module and receive
+    buffer."""
+
+    ep: Any
+    dispatch: Any  # DispatchConfig: not staged
+    combine: Any  # CombineConfig: not staged
+    layout: Any  # LayoutInfo: the per-expert counters NCCL-EP writes at dispatch
+    received: Any  # DispatchOutputs: FlashInfer's receive buffer
+    recv: torch.Tensor | None  # the buffer they were built for
+
+
 class NativeEager:
     """The direct nccl.ep calls of one pool's eager LL rounds."""
 
@@ -119,7 +131,7 @@ class NativeEager:
         self.recv: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self._usable: dict[int, bool] = {}  # id(handle) -> whether direct calls may run
-        self._configs: tuple[Any, ...] | None = None
+        self._configs: _Configs | None = None
         # The last update/dispatch's and combine's descriptors, alive until the next of
         # their kind as FlashInfer keeps its own (the memo may be cleared meanwhile).
         self._keep_dispatch: tuple[Any, ...] = ()
@@ -161,17 +173,17 @@ class NativeEager:
         ep, native, stream = handle._ep, handle._handle, self.stream
         configs = self._configs_for(ep)
         inputs = self.memo.bundle(ep.DispatchInputs, ep, tokens=x)
-        native.dispatch(inputs, configs[4], layout_info=configs[3], config=configs[1], stream=stream)
+        native.dispatch(inputs, configs.received, layout_info=configs.layout, config=configs.dispatch, stream=stream)
         native.complete(stream=stream)
         self._keep_dispatch += (inputs, x)
         self.rounds += 1
         return self.recv, None, self.counts
 
-    def _configs_for(self, ep: Any) -> tuple[Any, ...]:
+    def _configs_for(self, ep: Any) -> _Configs:
         configs = self._configs
-        if configs is None or configs[0] is not ep or configs[5] is not self.recv:
+        if configs is None or configs.ep is not ep or configs.recv is not self.recv:
             memo = self.memo
-            configs = self._configs = (
+            configs = self._configs = _Configs(
                 ep,
                 ep.DispatchConfig(send_only=0, round_scales=0),
                 ep.CombineConfig(send_only=0),
@@ -186,6 +198,6 @@ class NativeEager:
         ep, memo = handle._ep, self.memo
         inputs = memo.bundle(ep.CombineInputs, ep, tokens=expert_out)
         outputs = memo.bundle(ep.CombineOutputs, ep, tokens=out, topk_weights=weights)
-        handle._handle.combine(inputs, outputs, config=self._configs_for(ep)[2], stream=self.stream)
+        handle._handle.combine(inputs, outputs, config=self._configs_for(ep).combine, stream=self.stream)
         self._keep_combine = (inputs, outputs)
         return out
