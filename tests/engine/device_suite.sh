@@ -3,7 +3,7 @@
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
 #   bash tests/engine/device_suite.sh [step ...]
-#   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine ht-fp8-probe
+#   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
@@ -59,13 +59,11 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
       grep -E "vs no-EP|moved by|passed|failed|Error" "$out/pytest-fp8-kernels.txt" | tail -40 ;;
-    fp8-engine)  # FP8 models (online, block, static) through the engine, against no EP
-      python3 -m pytest tests/engine/test_engine_fp8_world1.py -p no:cacheprovider -rs -s -q \
-        -o addopts="" > "$out/pytest-fp8-engine.txt" 2>&1 || rc=1
-      grep -E "floor|vs no EP|passed|failed|Error" "$out/pytest-fp8-engine.txt" | tail -20 ;;
-    ht-fp8-probe)  # where HT with online FP8 fails (docs/device_vllm.md); prints each engine's outcome
-      python3 tests/engine/ht_fp8_probe.py > "$out/ht-fp8-probe.txt" 2>&1 || rc=1
-      grep -E ": ran|: failed|Error" "$out/ht-fp8-probe.txt" | tail -20 ;;
+    fp8-engine|fp8-engine-ll|fp8-engine-ht)  # FP8 models (online, block, static) through the engine, against no EP
+      select=(); [ "$step" != fp8-engine ] && select=(-k "test_${step#fp8-engine-}_")
+      python3 -m pytest tests/engine/test_engine_fp8_world1.py "${select[@]}" -p no:cacheprovider -rs -s -q \
+        -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
+      grep -E "floor|vs no EP|passed|failed|Error" "$out/pytest-$step.txt" | tail -20 ;;
     probe|sweep)  # the LL experts kernels at the 30B shape, side by side with no-EP's
       flag=(); [ "$step" = sweep ] && flag=(--sweep)
       python3 tests/engine/batched_tile_probe.py "${flag[@]}" > "$out/$step.txt" 2>&1 || rc=1
@@ -107,7 +105,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine ht-fp8-probe probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench)"; rc=2 ;;
   esac
 done
 exit "$rc"

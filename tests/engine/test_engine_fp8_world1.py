@@ -3,10 +3,11 @@
 Three FP8 forms of the tiny Qwen3-MoE of test_engine_world1.py (hidden 2048, 4 MoE
 layers, 64 experts, top_k 8):
 - online: the BF16 checkpoint with `--quantization fp8_per_tensor` (per-tensor weights,
-  dynamic per-tensor activations; vLLM 0.33.0's `fp8` method no longer quantizes online),
-  LL only (HT refuses online FP8 at config time);
+  dynamic per-tensor activations; vLLM 0.33.0's `fp8` method no longer quantizes online);
+  BF16 on the wire, quantized after receive;
 - block: an FP8 checkpoint with 128x128 block scales (dynamic 128-element activation
-  groups, as DeepSeek-V3 and the Qwen3 FP8 checkpoints);
+  groups, as DeepSeek-V3 and the Qwen3 FP8 checkpoints); FP8 on the wire on both
+  backends (LL: NCCL-EP quantizes; HT: vLLM's group quantization before dispatch);
 - static: an FP8 checkpoint with per-tensor weight scales and static input scales.
 Every engine, with EP or without, runs vLLM's Triton experts (`--moe-backend triton`,
 what the package selects for FP8 layers under its backends), so an EP run differs from
@@ -84,17 +85,35 @@ def test_ll_online_fp8_with_cuda_graphs_matches_the_engine_without_ep(
                   "LL FP8 (online) graphs vs no EP")
 
 
-def test_ht_block_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp8_floor):
-    # HT refuses online FP8 at config time (config_validation.py: the engine stopped at
-    # its warm-up with it on the H200); checkpoints run.
-    reference = engines.run("noep-block-graph", _fp8_spec(fp8_models["block"]))
-    run = engines.run("ht-block", _fp8_spec(fp8_models["block"], HT))
+def _check_ht(run: dict) -> None:
     load = run["after_load"]
     assert load["kernels"] == ["FlashInferEPHighThroughputPrepareAndFinalize+TritonExperts"]
-    assert load["quant_dtypes"] == FP8_LAYERS
+    assert load["num_kernels"] == LAYERS and load["quant_dtypes"] == FP8_LAYERS
     assert load["cudagraph_mode"] == "NONE" and load["max_num_batched_tokens"] == 8192
+
+
+def test_ht_block_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp8_floor):
+    reference = engines.run("noep-block-graph", _fp8_spec(fp8_models["block"]))
+    run = engines.run("ht-block", _fp8_spec(fp8_models["block"], HT))
+    _check_ht(run)
+    # 128x128 blocks travel as E4M3 + scales (quantized before dispatch, NCCL-EP's
+    # forward recipe), on by default
+    fp8 = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
+    assert fp8 is not None and fp8 > 0, fp8
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
-                  "HT FP8 (block checkpoint) vs no EP")
+                  "HT FP8 (block checkpoint, FP8 on the wire) vs no EP")
+
+
+def test_ht_online_fp8_matches_the_engine_without_ep(engines, fp8_models, online_no_ep, fp8_floor):
+    """Online per-tensor FP8 under HT: BF16 on the wire, the received rows quantized with
+    a dynamic per-tensor scale taken over them (receive_quant.py). Refused at config time
+    until this ran (a CUDA "invalid argument" at warm-up in earlier runs, which later
+    runs did not reproduce)."""
+    run = engines.run("ht-fp8online", _fp8_spec(fp8_models["online"], HT, online=True))
+    _check_ht(run)
+    assert run["after_decode"]["runtimes"][0]["fp8_dispatches"] is None  # BF16 wire
+    _assert_close(run["prompt_logprobs"], online_no_ep["prompt_logprobs"], fp8_floor,
+                  "HT FP8 (online per tensor) vs no EP")
 
 
 @pytest.mark.parametrize("scheme", ["block", "static"])

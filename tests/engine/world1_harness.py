@@ -47,7 +47,6 @@ _installed = False
 FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
 VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
 BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
-HT_ONLINE_FP8_ENV = "FLASHINFER_EP_TEST_HT_ONLINE_FP8"  # diagnosis: lift HT's online-FP8 refusal
 
 
 def _ours(backend: str | None) -> bool:
@@ -80,25 +79,7 @@ def install() -> None:
         batched_tiles.ENABLED = compact_experts.ENABLED = False
     if os.environ.get(BATCHED_KERNEL_ENV) == "1":  # vLLM's batched kernel, the package tile
         compact_experts.ENABLED = False
-    if os.environ.get(HT_ONLINE_FP8_ENV) == "1":
-        _allow_ht_online_fp8()
     _installed = True
-
-
-def _allow_ht_online_fp8() -> None:
-    """Diagnosis only (tests/engine/ht_fp8_probe.py): let HT build an engine with online
-    FP8, which config validation refuses, to find out where that engine fails."""
-    from vllm_flashinfer_ep import backends
-    from vllm_flashinfer_ep.vllm import config_validation as cv
-
-    original = cv._check_quantization
-
-    def _check_quantization(model, backend, flag):
-        if backend == backends.HIGH_THROUGHPUT and getattr(model, "quantization", None) in cv.ONLINE_FP8:
-            backend = backends.LOW_LATENCY  # the same checks without HT's refusal
-        return original(model, backend, flag)
-
-    cv._check_quantization = _check_quantization
 
 
 def _patch_parallel_config() -> None:

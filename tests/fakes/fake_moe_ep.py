@@ -662,6 +662,11 @@ class Handle:
         _require_contiguous("dispatch x", x)
         self._fleet._require_on_device("dispatch x", x)
         weights = self._require_weights("NCCL-EP dispatch reads the weights bound at creation")
+        return self._send(x, weights)
+
+    def _send(self, x: torch.Tensor, weights: torch.Tensor) -> DispatchOutput:
+        """The collective under every dispatch: x's rows (any dtype) and `weights` (what
+        HT's forward pass carries along) to the ranks holding their experts."""
         sent = (x.clone(), self._routing, weights.to(torch.float32).clone())
         everyone = self._fleet._exchange("dispatch", sent)
         self._round = self._fleet._next_round()

@@ -9,6 +9,13 @@ FlashInfer handle's BF16 dispatch (tests/fakes/fake_moe_ep.py): the received row
 quantized as the recipe does (FP32 scale = amax / 448 per 128 elements, as measured on
 the H200), rows past each expert's count are left NaN.
 
+For HT it takes the forward recipe (QUANT_FWD) runtime/fp8_wire.py's HtFp8Wire issues:
+E4M3 rows and their scales forwarded as they are, and refuses what nccl_ep.h refuses
+there: absent input or output scales, an absent topk_weights (HT's forward pass), a
+non-zero round_scales, output dtypes or row widths unlike the inputs', rows or storage
+not 16-byte aligned, and (loudly, where the library would read past them) input rows
+unlike the handle's routing.
+
 It also takes the plain calls runtime/native_handle.py issues for eager LL rounds
 (`update`, BF16 `dispatch`, `combine`) and, like nccl.ep.Tensor, descriptors made from
 a raw address with dtype and shape (resolved here through the CPU address). It refuses
@@ -29,6 +36,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 GROUP = 128
+_FWD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8, torch.float8_e5m2)
 
 
 class NcclInvalid(ValueError):
@@ -123,7 +131,7 @@ class NativeHandle:
 
     def __init__(self, owner: Any) -> None:
         self._owner = owner
-        self.dispatches = 0  # FP8 (DS_FP8E3M4) dispatches
+        self.dispatches = 0  # FP8 dispatches (DS_FP8E3M4, QUANT_FWD)
         self.bf16_dispatches = 0
         self.updates = 0
         self.combines = 0
@@ -174,8 +182,10 @@ class NativeHandle:
         recipe = config.quantization_recipe if config is not None else DispatchQuantizationRecipe.NONE
         if recipe == DispatchQuantizationRecipe.NONE:
             return self._dispatch_bf16(inputs, outputs, layout_info)
+        if recipe == DispatchQuantizationRecipe.FWD:
+            return self._dispatch_forwarded(inputs, outputs, config)
         if recipe != DispatchQuantizationRecipe.DS_FP8E3M4:
-            raise NotImplementedError("the fake nccl.ep dispatches BF16 or with the DS_FP8E3M4 recipe")
+            raise NotImplementedError(f"the fake nccl.ep has no recipe {recipe!r}")
         owner = self._owner
         if owner._is_ht:
             raise NcclInvalid("DS_FP8E3M4 is an LL-only recipe")
@@ -216,6 +226,54 @@ class NativeHandle:
                 q[e, :n] = (groups / scale[..., None]).to(FP8).view(n, hidden)
                 s[e, :n] = scale
         counters.copy_(counts)
+        self.dispatches += 1
+
+    def _dispatch_forwarded(self, inputs: DispatchInputs, outputs: DispatchOutputs, config: DispatchConfig) -> None:
+        """QUANT_FWD on HT: tokens and scales travel as bytes, into flat outputs."""
+        owner = self._owner
+        owner._check_alive("dispatch")
+        if not owner._is_ht:
+            raise NotImplementedError("the fake nccl.ep forwards quantized rows on HT only")
+        for name in ("tokens", "scales"):
+            if getattr(inputs, name) is None or getattr(outputs, name) is None:
+                raise NcclInvalid(f"QUANT_FWD: inputs.{name} and outputs.{name} are required")
+        if inputs.topk_weights is None:
+            raise NcclInvalid("HT forward dispatch requires inputs.topk_weights")
+        if config.round_scales:
+            raise NcclInvalid("QUANT_FWD: round_scales must be 0")
+        rows = owner._fleet.params.max_tokens_per_rank * owner._fleet.bootstrap.world_size
+        x, s = inputs.tokens.buffer, inputs.scales.buffer
+        q, qs = outputs.tokens.buffer, outputs.scales.buffer
+        for name, t, allowed in (("tokens", x, _FWD_DTYPES), ("scales", s, _FWD_DTYPES + (torch.uint8,))):
+            if t.dim() != 2 or t.dtype not in allowed:
+                raise NcclInvalid(f"QUANT_FWD: inputs.{name} must be 2D of {allowed}, got {t.dtype} {tuple(t.shape)}")
+        for name, src, dst in (("tokens", x, q), ("scales", s, qs)):
+            if dst.dtype != src.dtype or tuple(dst.shape) != (rows, src.shape[1]):
+                raise NcclInvalid(
+                    f"QUANT_FWD: outputs.{name} must be {src.dtype} {(rows, src.shape[1])} like the "
+                    f"inputs, got {dst.dtype} {tuple(dst.shape)}"
+                )
+            for t in (src, dst):
+                if (t.shape[1] * t.element_size()) % 16 or t.data_ptr() % 16:
+                    raise NcclInvalid(f"QUANT_FWD: {name} rows and storage must be 16-byte aligned")
+        if x.shape[0] != owner._num_tokens or s.shape[0] != owner._num_tokens:
+            raise NcclInvalid(
+                f"fake nccl.ep: {x.shape[0]} token / {s.shape[0]} scale rows on a handle routing "
+                f"{owner._num_tokens} (the real library would read past them silently)"
+            )
+        weights = inputs.topk_weights.buffer
+        if weights.dtype != torch.float32 or tuple(weights.shape) != (owner._num_tokens, owner._top_k):
+            raise NcclInvalid(f"inputs.topk_weights must be FP32 {(owner._num_tokens, owner._top_k)}")
+        width = x.shape[1] * x.element_size() // 4  # the row's bytes, as FP32 words
+        packed = torch.cat([x.view(torch.uint8).view(torch.float32), s.view(torch.uint8).view(torch.float32)], 1)
+        got = owner._send(packed, weights)
+        flat = got.expert_tensors.reshape(rows, -1)
+        q.view(torch.uint8).copy_(flat[:, :width].contiguous().view(torch.uint8))
+        qs.view(torch.uint8).copy_(flat[:, width:].contiguous().view(torch.uint8))
+        if outputs.topk_weights is not None:
+            outputs.topk_weights.buffer.copy_(got.recv_topk_weights)
+        if outputs.topk_idx is not None:
+            outputs.topk_idx.buffer.copy_(got.recv_topk_idx)
         self.dispatches += 1
 
     def _dispatch_bf16(self, inputs: DispatchInputs, outputs: DispatchOutputs, layout_info: LayoutInfo | None) -> None:

@@ -191,22 +191,28 @@ def test_ll_fp8_eager_graph_and_history(vllm_env, kind):  # noqa: F811
     cache.destroy()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# block-wire: 128x128 block layers quantized before dispatch with vLLM's group quantization
+# and forwarded as E4M3 + scales (NCCL-EP's forward recipe), on pooled handles (padded
+# rounds included): the experts get the bytes vLLM's own quantization would give them.
+@pytest.mark.parametrize("kind", [*KINDS, "block-wire"])
 def test_ht_fp8_eager(vllm_env, kind):  # noqa: F811
     _, mk, _, _, triton_experts, _ = _modules()
     from vllm_flashinfer_ep.backends import Algorithm
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
     from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
+    from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD, bucket_sizes
     from vllm_flashinfer_ep.vllm.prepare_finalize import (
         FlashInferEPHighThroughputPrepareAndFinalize,
     )
 
-    q1, q2, qc, (d1, d2) = _fp8_layer(kind, seed=6)
+    wire = kind == "block-wire"
+    q1, q2, qc, (d1, d2) = _fp8_layer("block" if wire else kind, seed=6)
     cache = FleetCache(0, 1, vllm_env)
+    sizes = bucket_sizes(0, 256, max_pad=HT_MAX_PAD) if wire else []
     rt = build_runtime(cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, 256, HIDDEN),
-                       TOP_K, torch.device("cuda", 0), [])
+                       TOP_K, torch.device("cuda", 0), sizes)
     kernel = mk.FusedMoEKernel(
-        FlashInferEPHighThroughputPrepareAndFinalize(rt),
+        FlashInferEPHighThroughputPrepareAndFinalize(rt, fp8_dispatch=wire),
         triton_experts(moe_config=_moe_config(HIDDEN, 256), quant_config=qc),
     )
     reference = _no_ep_kernel(qc, 256)
@@ -216,5 +222,8 @@ def test_ht_fp8_eager(vllm_env, kind):  # noqa: F811
         torch.cuda.synchronize()
         _fp8_close(out, _apply(reference, x, q1, q2, w, ids), _torch_moe(x, d1, d2, w, ids),
                    f"HT {kind} T={num_tokens}")
+    if wire:
+        assert rt.fp8_wire is not None and rt.fp8_wire.dispatches == 3
+        assert rt.pool.counters.padded_rounds > 0 and rt.pool.counters.fresh_created == 0
     rt.destroy()
     cache.destroy()

@@ -340,6 +340,53 @@ def test_fp8_dispatch_carries_rows_within_fp8_error(ep_group_world1, hidden):
     del graph
 
 
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_ht_fp8_dispatch_forwards_rows_and_scales_unchanged(ep_group_world1, hidden):
+    """NCCL-EP's forward recipe on HT handles (runtime/fp8_wire.py HtFp8Wire): at world 1
+    every token arrives once with its E4M3 row and FP32 scales byte for byte as quantized
+    before dispatch, on pooled, padded and per-forward handles, on the default and a side
+    stream; padded rows arrive as zeros; combine (BF16) after it matches the reference."""
+    from vllm_flashinfer_ep.runtime.fp8_wire import group_quantize
+    from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD
+
+    pooled = _runtime(ep_group_world1, Algorithm.HIGH_THROUGHPUT, hidden,
+                      sizes=bucket_sizes(0, CAPACITY, max_pad=HT_MAX_PAD))
+    fresh = _runtime(ep_group_world1, Algorithm.HIGH_THROUGHPUT, hidden)
+    rounds = 0
+    for rt in (pooled, fresh):
+        wire = rt.enable_fp8_wire()
+        rnd = HighThroughputRound(rt)
+        for num_tokens in (1, 5, 64, 200, 256):
+            for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+                with torch.cuda.stream(stream):
+                    x, ids, w, s = _inputs(num_tokens, hidden, seed=3 * num_tokens + hidden)
+                    x = x * (1 + 20 * torch.rand(num_tokens, 1, device=x.device)).to(x.dtype)
+                    d = rnd.dispatch(x, ids, w, fp8=True)
+                    q, qs = group_quantize(x)
+                    same = (d.x_scale[:, None, :] == qs[None, :, :]).all(-1)  # [received, sent]
+                    real = same.any(1)
+                    assert int(real.sum()) == num_tokens and bool((same.sum(0) == 1).all())
+                    assert not bool(d.remote_slot.any())
+                    src = same.float().argmax(1)[real]
+                    assert torch.equal(d.x[real].view(torch.uint8), q[src].view(torch.uint8))
+                    assert not bool(d.x[~real].float().any()) and not bool(d.x_scale[~real].any())
+                    deq = (d.x.float().view(d.x.shape[0], -1, 128) * d.x_scale[..., None])
+                    deq = deq.view(d.x.shape).to(torch.bfloat16)
+                    reduce_received_rows(deq, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0]))
+                    out = torch.full_like(x, float("nan"))
+                    rnd.combine(out)
+                    want = reference_moe(x, ids, w, s).float()
+                    torch.testing.assert_close(out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+                torch.cuda.synchronize()
+                rounds += 1
+        assert wire.dispatches == 10
+        print(f"HT_FP8_WIRE hidden={hidden} {'pooled' if rt is pooled else 'per-forward'}: "
+              f"padded rounds {rt.pool.counters.padded_rounds}, fresh {rt.pool.counters.fresh_created}; "
+              f"receive buffers {wire.memory_bytes / 1e6:.1f} MB")
+    assert pooled.pool.counters.fresh_created == 0 and pooled.pool.counters.padded_rounds > 0
+    assert fresh.pool.counters.fresh_created == rounds // 2
+
+
 @pytest.mark.parametrize(
     "algorithm,top_k",
     [(Algorithm.LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(Algorithm.HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],

@@ -258,7 +258,7 @@ def test_a_failing_dispatch_ends_the_round(monkeypatch):
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x, ids, weights, scales = _layer(5, seed=2)
     real = rt.pool.dispatch
-    monkeypatch.setattr(rt.pool, "dispatch", lambda x, wire=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(rt.pool, "dispatch", lambda x, wire=None, scales=None: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         LowLatencyRound(rt).dispatch(x, ids, weights, agreed_tokens=None)  # a fresh handle
     assert rt.pool._current is None and rt.pool.sent_per_rank is None
@@ -291,7 +291,7 @@ def test_padded_rounds_stage_through_persistent_buffers():
     rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[4, 8])
     pool = rt.pool
     staged = {k: v.data_ptr() for k, v in pool._pad_buffers.items()}
-    assert set(staged) == {"x", "out"}  # made at warm-up, before any round
+    assert set(staged) == {"x:torch.bfloat16", "out:torch.bfloat16"}  # made at warm-up, before any round
     for n in (3, 5, 6):
         x, ids, weights, scales = _layer(n, seed=n)
         out, _ = _round(rt, x, ids, weights, scales, out=False)

@@ -236,10 +236,11 @@ def test_policy_is_idle_at_dp_1(tiny_moe):
 
 
 # ---------------------------------------------------------------- FP8 models
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
 @pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block", "fp8_per_channel"])
-def test_online_fp8_is_accepted_and_runs_vllm_s_triton_experts(tiny_moe, quantization, caplog):
+def test_online_fp8_is_accepted_and_runs_vllm_s_triton_experts(tiny_moe, quantization, backend, caplog):
     with caplog.at_level("INFO"):
-        cfg = engine_config(tiny_moe, LOW_LATENCY, quantization=quantization)
+        cfg = engine_config(tiny_moe, backend, quantization=quantization)
     assert cfg.model_config.quantization == quantization
     assert cfg.kernel_config.moe_backend == "triton"  # auto was pinned, and it says so
     assert "--moe-backend auto -> triton" in caplog.text
@@ -264,12 +265,6 @@ def test_fp8_checkpoints(tmp_path, quant, ok, backend):
         return
     with pytest.raises(FlashInferEPConfigError, match="weight_block_size is \\[64, 64\\]"):
         engine_config(model, LOW_LATENCY)
-
-
-@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block", "fp8_per_channel"])
-def test_high_throughput_refuses_online_fp8(tiny_moe, quantization):
-    with pytest.raises(FlashInferEPConfigError, match="serve an FP8 checkpoint"):
-        engine_config(tiny_moe, HIGH_THROUGHPUT, quantization=quantization)
 
 
 def test_bf16_models_keep_the_user_s_moe_backend(tiny_moe):

@@ -1,5 +1,6 @@
-"""FP8 on the LL wire (runtime/fp8_wire.py) on CPU: NCCL-EP's DS_FP8E3M4 dispatch on
-FlashInfer's handle, the layers that take it, and the prepare result vLLM's experts get.
+"""FP8 on the wire (runtime/fp8_wire.py) on CPU: NCCL-EP's DS_FP8E3M4 dispatch (LL) and
+its forward recipe (HT) on FlashInfer's handle, the layers that take them, and the prepare
+result vLLM's experts get.
 
 The fake nccl.ep (tests/fakes/fake_nccl_ep.py) refuses what nccl_ep.h refuses for the
 recipe and quantizes as the H200 measured; the real library runs in
@@ -25,10 +26,13 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError, HandlePoolError
 from vllm_flashinfer_ep.runtime import fp8_wire
-from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Wire
+from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 from vllm_flashinfer_ep.vllm import receive_quant
-from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
+from vllm_flashinfer_ep.vllm.prepare_finalize import (
+    FlashInferEPHighThroughputPrepareAndFinalize,
+    FlashInferEPLowLatencyPrepareAndFinalize,
+)
 
 pytestmark = pytest.mark.usefixtures("fake")
 
@@ -211,3 +215,172 @@ def test_a_captured_fp8_round_issues_on_the_capturing_stream(monkeypatch):
         d = rnd.dispatch(x, ids, weights, fp8=True)
         rnd.combine(torch.zeros(EXPERTS, CAP, HIDDEN, dtype=torch.bfloat16), torch.empty_like(x))
     assert d.expert_x_scale is not None and rt.fp8_wire.dispatches == 1
+
+
+# ------------------------------------------------------------ high throughput
+def _ht_runtime(sizes=(), world=None):
+    rt, fleet = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=sizes
+    )
+    rt.enable_fp8_wire()
+    return rt, fleet
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("num_tokens,sizes", [(1, ()), (6, ()), (5, (8,)), (16, (4, 16))])
+def test_ht_fp8_dispatch_forwards_each_token_s_rows_and_scales_unchanged(num_tokens, sizes):
+    """World 1: every token arrives once, its E4M3 row and scales byte for byte as the
+    sender quantized them (the forward recipe converts nothing); padded rows (a pooled
+    handle above the count) arrive as zeros with weight 0; combine after it matches."""
+    rt, _ = _ht_runtime(sizes)
+    x, ids, weights = _layer(num_tokens, seed=10 + num_tokens)
+    rnd = HighThroughputRound(rt)
+    d = rnd.dispatch(x, ids, weights, fp8=True)
+    sent_q, sent_s = fp8_wire.group_quantize(x)
+    size = rt.pool.sent_per_rank or num_tokens  # None on a per-forward handle
+    assert d.x.dtype == FP8 and d.x.shape == (size, HIDDEN) and d.x_scale.shape == (size, HIDDEN // 128)
+    real = d.topk_weights.sum(1) > 0  # padded rows carry weight 0 only
+    assert int(real.sum()) == num_tokens
+    for row in torch.nonzero(real).flatten().tolist():
+        [j] = torch.nonzero((d.x_scale[row] == sent_s).all(1)).flatten().tolist()
+        assert torch.equal(_bytes(d.x[row]), _bytes(sent_q[j]))
+        assert torch.equal(d.topk_ids[row].sort().values, ids[j].sort().values)
+    assert not bool(d.x[~real].float().any()) and not bool(d.x_scale[~real].any())
+    scales = torch.rand(EXPERTS, generator=torch.Generator().manual_seed(2)) + 0.5
+    from tests.helpers import reduce_received_rows
+
+    deq = _dequantized(d.x, d.x_scale).to(torch.bfloat16)
+    reduce_received_rows(deq, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(size))
+    out = torch.full_like(x, float("nan"))
+    rnd.combine(out)
+    want = reference_moe(x, ids, weights, scales).float()
+    torch.testing.assert_close(out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+    assert rt.fp8_wire.dispatches == 1 and rt.pool.counters.padded_rounds == int(size != num_tokens)
+
+
+def test_ht_fp8_dispatch_crosses_ranks():
+    """Two fake ranks: each receives exactly the tokens routed to its experts, with the
+    sender's bytes and the routing weights HT's forward pass carries."""
+    from tests.fakes.world import run_ranks
+
+    def rank_fn(rank, group):
+        rt, _ = build_fake_runtime(
+            Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K,
+            sizes=(), rank=rank, world_size=2, process_group=group,
+        )
+        rt.enable_fp8_wire()
+        everyone = [_layer(4 + r, seed=40 + r) for r in range(2)]
+        x, ids, weights = everyone[rank]
+        d = HighThroughputRound(rt).dispatch(x, ids, weights, fp8=True)
+        mine = rank * (EXPERTS // 2)
+        want = sum(int(((i >= mine) & (i < mine + EXPERTS // 2)).any(1).sum()) for _, i, _ in everyone)
+        matched = 0
+        for row in range(d.x.shape[0]):
+            for xs, _, ws in everyone:
+                q, s = fp8_wire.group_quantize(xs)
+                hits = torch.nonzero((s == d.x_scale[row]).all(1)).flatten().tolist()
+                if hits:
+                    assert torch.equal(_bytes(q[hits[0]]), _bytes(d.x[row]))
+                    here = ~d.remote_slot[row]
+                    assert bool(here.any()) and torch.equal(d.topk_weights[row][here], ws[hits[0]][here])
+                    matched += 1
+        rt.pool.end()
+        return d.x.shape[0] == want == matched
+
+    assert run_ranks(2, rank_fn, timeout_s=60) == [True, True]
+
+
+def test_ht_prepare_hands_the_experts_the_forwarded_fp8_without_quantizing_after_receive(monkeypatch):
+    """The HT prepare quantizes before dispatch with the layer's group quantization
+    (vLLM's; its Triton kernel needs a GPU, so the torch one stands in here) and hands the
+    experts what arrived; nothing is quantized after receive."""
+    monkeypatch.setattr(receive_quant, "group_quantize", fp8_wire.group_quantize)
+    monkeypatch.setattr(receive_quant, "_vllm_quantize", lambda *a: pytest.fail("quantized after receive"))
+    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP,
+                               top_k=TOP_K, sizes=())
+    pf = FlashInferEPHighThroughputPrepareAndFinalize(rt, fp8_dispatch=True)
+    assert isinstance(rt.fp8_wire, HtFp8Wire) and rt.fp8_wire.quantize is fp8_wire.group_quantize
+    x, ids, weights = _layer(5, seed=8)
+    a1q, scales, meta, recv_ids, recv_w = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
+    assert meta is None and a1q.dtype == FP8 and a1q.shape == (5, HIDDEN)
+    assert scales.shape == (5, HIDDEN // 128) and scales.data_ptr() == rt.fp8_wire.scales.data_ptr()
+    assert recv_ids.shape == recv_w.shape == (5, TOP_K)
+    assert rt.fp8_wire.dispatches == 1
+    rt.pool.end()
+
+
+def test_ht_router_weight_on_input_is_applied_before_quantizing():
+    x, ids, _ = _layer(3, seed=9)
+    ids = ids[:, :1].contiguous()  # one expert per token (what apply_router_weight_on_input allows)
+    w = torch.full((3, 1), 0.5)
+    rt2, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP,
+                                top_k=1, sizes=())
+    rt2.enable_fp8_wire()
+    d = HighThroughputRound(rt2).dispatch(x, ids, w, fp8=True, apply_router_weight_on_input=True)
+    q, s = fp8_wire.group_quantize(x * 0.5)
+    for row in range(3):
+        [j] = torch.nonzero((d.x_scale[row] == s).all(1)).flatten().tolist()
+        assert torch.equal(_bytes(d.x[row]), _bytes(q[j]))
+    assert bool((d.topk_weights == 1).all())
+    rt2.pool.end()
+
+
+def test_ht_fp8_wire_refuses_rows_it_cannot_forward():
+    rt, _ = _ht_runtime()
+    x, ids, weights = _layer(4, seed=3)
+    q, s = fp8_wire.group_quantize(x)
+    pool, wire = rt.pool, rt.fp8_wire
+    for bad_x, bad_s, message in [
+        (x, s, "E4M3|float8"),  # BF16 rows: the forward recipe converts nothing
+        (q, None, "no scales"),
+        (q, s[:, :4].contiguous(), "scales"),
+        (q[:3], s[:3], "routes 4 tokens"),
+    ]:
+        pool.begin(ids, weights)
+        with pytest.raises(HandlePoolError, match=message):
+            pool.dispatch(bad_x, wire, bad_s)
+        pool.end()
+    with pytest.raises(ValueError, match="multiple of 512"):
+        HtFp8Wire(16, 3200, torch.zeros(16, 2))
+    with pytest.raises(HandlePoolError, match="pass no scales"):
+        Fp8Wire(2, 16, HIDDEN, CPU).dispatch(SimpleNamespace(), torch.zeros(1, HIDDEN), torch.zeros(1, 16))
+
+
+def test_the_fake_refuses_what_nccl_ep_refuses_for_forwarded_rows():
+    rt, _ = _ht_runtime()
+    x, ids, weights = _layer(4, seed=2)
+    q, s = fp8_wire.group_quantize(x)
+    rt.pool.begin(ids, weights)
+    handle, ep, wire = rt.pool._current, fake_nccl_ep, rt.fp8_wire
+    fwd = ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.FWD)
+    w = ep.Tensor(rt.pool.topk_weights[:4])
+    good_in = ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(s), topk_weights=w)
+    good_out = ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(wire.scales))
+    odd = torch.zeros(4, 3)  # 12-byte scale rows
+    cases = {
+        "inputs.scales and outputs.scales are required": (
+            ep.DispatchInputs(tokens=ep.Tensor(q), topk_weights=w), good_out, fwd),
+        "requires inputs.topk_weights": (ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(s)), good_out, fwd),
+        "round_scales must be 0": (
+            good_in, good_out, ep.DispatchConfig(round_scales=1, quantization_recipe=ep.DispatchQuantizationRecipe.FWD)),
+        "like the inputs": (
+            good_in, ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens.view(torch.uint8)), scales=ep.Tensor(wire.scales)),
+            fwd),
+        "16-byte aligned": (
+            ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(odd), topk_weights=w),
+            ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(torch.zeros(CAP, 3))), fwd),
+        "token / 4 scale rows": (
+            ep.DispatchInputs(tokens=ep.Tensor(torch.cat([q, q])), scales=ep.Tensor(s), topk_weights=w),
+            good_out, fwd),
+    }
+    for message, (inputs, outputs, config) in cases.items():
+        with pytest.raises(fake_nccl_ep.NcclInvalid, match=message):
+            handle._handle.dispatch(inputs, outputs, config=config, stream=0)
+    with pytest.raises(fake_nccl_ep.NcclInvalid, match="LL-only"):
+        handle._handle.dispatch(
+            ep.DispatchInputs(tokens=ep.Tensor(x)), good_out,
+            config=ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4), stream=0)
+    rt.pool.end()

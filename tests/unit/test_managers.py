@@ -247,14 +247,18 @@ def _block_qc():
     return fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
 
 
-def test_block_fp8_layers_send_fp8_on_the_wire_and_others_log_why_not_once(build, caplog):
+@pytest.mark.parametrize("backend", [backends.LOW_LATENCY, backends.HIGH_THROUGHPUT])
+def test_block_fp8_layers_send_fp8_on_the_wire_and_others_log_why_not_once(build, caplog, backend):
     import logging
 
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
-    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Wire
+
+    mgr = build(backend, _vllm_config())
     pf = mgr.make_prepare_finalize(_moe(), _block_qc())
-    assert pf._fp8 and pf.runtime.fp8_wire is not None
+    want = HtFp8Wire if backend == backends.HIGH_THROUGHPUT else Fp8Wire
+    assert pf._fp8 and isinstance(pf.runtime.fp8_wire, want)
     one = torch.ones(8, dtype=torch.float32)
     with caplog.at_level(logging.INFO):
         for _ in range(3):
@@ -262,19 +266,23 @@ def test_block_fp8_layers_send_fp8_on_the_wire_and_others_log_why_not_once(build
     assert sum("quantize after receive" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_flashinfer_without_what_the_wire_needs_keeps_bf16_at_load(build, caplog, monkeypatch):
+@pytest.mark.parametrize("backend,recipe", [(backends.LOW_LATENCY, "DS_FP8E3M4"), (backends.HIGH_THROUGHPUT, "FWD")])
+def test_a_flashinfer_without_what_the_wire_needs_keeps_bf16_at_load(build, caplog, monkeypatch, backend, recipe):
     """Checked at model load against a warmed handle: the model loads and runs BF16 on the
     wire, logged, instead of failing in its first forward."""
     import logging
 
     from tests.fakes import fake_nccl_ep
 
-    monkeypatch.delattr(fake_nccl_ep, "DispatchQuantizationRecipe")
-    mgr = build(backends.LOW_LATENCY, _vllm_config())
+    class OlderRecipes:  # an nccl.ep without the recipe this backend's wire uses
+        NONE = 0
+
+    monkeypatch.setattr(fake_nccl_ep, "DispatchQuantizationRecipe", OlderRecipes)
+    mgr = build(backend, _vllm_config())
     with caplog.at_level(logging.INFO):
         pf = mgr.make_prepare_finalize(_moe(), _block_qc())
     assert not pf._fp8 and pf.runtime.fp8_wire is None
-    assert any("DS_FP8E3M4" in r.getMessage() for r in caplog.records)
+    assert any(f"no {recipe} dispatch recipe" in r.getMessage() for r in caplog.records)
 
 
 def test_the_wire_needs_the_pool(build, monkeypatch):

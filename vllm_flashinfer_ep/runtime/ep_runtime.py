@@ -15,7 +15,7 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime import buffer_sizes, fp8_wire
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire
+from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Wire, Quantizer
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
 from vllm_flashinfer_ep.runtime.rounds import Round, make_round
 
@@ -30,7 +30,7 @@ class EPRuntime:
     rank: int
     world_size: int
     round: Round = field(init=False)  # one per runtime: layers share its staging
-    fp8_wire: Fp8Wire | None = field(init=False, default=None)  # see enable_fp8_wire
+    fp8_wire: Fp8Wire | HtFp8Wire | None = field(init=False, default=None)  # see enable_fp8_wire
 
     def __post_init__(self) -> None:
         self.round = make_round(self)
@@ -39,31 +39,35 @@ class EPRuntime:
         """Why this runtime cannot send FP8 on the wire (None: it can), checked at model
         load against a warmed handle, so a FlashInfer or nccl.ep without what
         runtime/fp8_wire.py needs keeps BF16 instead of failing in the first forward."""
-        if self.spec.algorithm != Algorithm.LOW_LATENCY:
-            return "FP8 dispatch is a low-latency path"
         reason = fp8_wire.hidden_reason(self.spec.hidden_size)
         if reason is not None:
             return reason
         handle = self.pool.any_handle()
         if handle is None:
             return "no pooled handle to dispatch on (the handle pool is off)"
-        return fp8_wire.native_reason(handle)
+        ht = self.spec.algorithm == Algorithm.HIGH_THROUGHPUT
+        return fp8_wire.native_reason(handle, "FWD" if ht else "DS_FP8E3M4")
 
-    def enable_fp8_wire(self) -> Fp8Wire:
-        """FP8 on the LL wire for this runtime's layers (runtime/fp8_wire.py): its receive
-        buffers, allocated once, at model load (before vLLM sizes the KV cache)."""
+    def enable_fp8_wire(self, quantize: Quantizer | None = None) -> Fp8Wire | HtFp8Wire:
+        """FP8 on the wire for this runtime's layers (runtime/fp8_wire.py): its receive
+        buffers, allocated once, at model load (before vLLM sizes the KV cache).
+        `quantize`: HT only, the layers' group quantization (default: fp8_wire's)."""
         if self.fp8_wire is None:
-            if self.spec.algorithm != Algorithm.LOW_LATENCY:
-                raise ValueError("FP8 dispatch is a low-latency path")
-            self.fp8_wire = Fp8Wire(
-                self.num_local_experts,
-                self.capacity * self.world_size,
-                self.spec.hidden_size,
-                self.pool.device,
-            )
+            rows = self.capacity * self.world_size
+            hidden = self.spec.hidden_size
+            if self.spec.algorithm == Algorithm.HIGH_THROUGHPUT:
+                wire = HtFp8Wire(rows, hidden, self.pool.topk_weights, quantize or fp8_wire.group_quantize)
+                self.pool.stage_padding("x", hidden, wire.tokens.dtype)
+                self.pool.stage_padding("scales", wire.scales.shape[1], torch.float32)
+                self.fp8_wire = wire
+            else:
+                if quantize is not None:
+                    raise ValueError("the LL FP8 dispatch quantizes in NCCL-EP's kernel")
+                self.fp8_wire = Fp8Wire(self.num_local_experts, rows, hidden, self.pool.device)
             logger.info(
-                "flashinfer_ep: FP8 dispatch (E4M3 + FP32 scales per 128 elements on the wire, "
+                "flashinfer_ep: %s FP8 dispatch (E4M3 + FP32 scales per 128 elements on the wire, "
                 "%d instead of %d bytes per row) for hidden %d; receive buffers %.1f MB",
+                self.spec.algorithm,
                 fp8_wire.bytes_per_row(self.spec.hidden_size, True),
                 fp8_wire.bytes_per_row(self.spec.hidden_size, False),
                 self.spec.hidden_size,

@@ -1,4 +1,7 @@
-"""FP8 on the LL wire: NCCL-EP quantizes BF16 activations to E4M3 inside its dispatch.
+"""FP8 on the wire: block-FP8 layers dispatch E4M3 rows with one FP32 scale per 128 elements.
+
+Low latency (`Fp8Wire`): NCCL-EP quantizes the BF16 activations inside its dispatch.
+High throughput (`HtFp8Wire`): the caller quantizes, NCCL-EP forwards the rows and scales.
 
 Why: 128x128 block-FP8 MoE layers quantize their activations to E4M3 with one FP32
 scale per 128 elements before the experts. NCCL-EP's LL dispatch does exactly that in
@@ -14,10 +17,20 @@ so this module issues the dispatch on the nccl.ep handle underneath it, through 
 attributes in native_handle.NATIVE_ATTRIBUTES, checked once per handle class
 (`native_reason`). Update and combine (BF16) stay the pool's (FlashInfer's, or its direct
 calls). Remove when FlashInfer's handle takes a dispatch quantization recipe.
+
+High throughput: the DS_FP8E3M4 recipe is LL-only (nccl_ep.h), so HT layers quantize
+before dispatch (vLLM's group quantization, passed in by the adapter; `group_quantize`
+without vLLM) and NCCL-EP's forward recipe (QUANT_FWD) carries the E4M3 rows and their
+scales as they are, into flat [received, hidden] and [received, hidden / 128] buffers. Its
+rule: token and scale rows 16-byte aligned, so the same hidden % 512 (hidden / 32 scale
+bytes per row). HT's forward pass also sends the routing weights, as FlashInfer's BF16 HT
+dispatch does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,15 +52,28 @@ def hidden_reason(hidden: int) -> str | None:
     return None
 
 
-def native_reason(handle: Any) -> str | None:
-    """Why this handle cannot take the FP8 dispatch (None: it can)."""
-    reason = native_handle.native_reason(handle)
+def native_reason(handle: Any, recipe: str = "DS_FP8E3M4") -> str | None:
+    """Why this handle cannot take the FP8 dispatch with `recipe` (None: it can)."""
+    reason = native_handle.native_reason(handle, ht=recipe == "FWD")
     if reason is not None:
         return reason
     recipes = getattr(handle._ep, "DispatchQuantizationRecipe", None)
-    if recipes is None or not hasattr(recipes, "DS_FP8E3M4"):
-        return "the installed nccl.ep has no DS_FP8E3M4 dispatch recipe (nccl-extensions >= 0.1.0)"
+    if recipes is None or not hasattr(recipes, recipe):
+        return f"the installed nccl.ep has no {recipe} dispatch recipe (nccl-extensions >= 0.1.0)"
     return None
+
+
+def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, hidden] -> (E4M3 [tokens, hidden], FP32 scales [tokens, hidden / 128]),
+    scale = amax / 448 per 128 elements: vLLM's per_token_group_quant_fp8 convention,
+    for callers without vLLM (benchmark, transport tests). Zero groups get the smallest
+    normal scale, so every scale is finite and positive."""
+    rows, hidden = x.shape
+    groups = x.float().view(rows, hidden // SCALE_GROUP, SCALE_GROUP)
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    scales = (groups.abs().amax(-1) / fmax).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (groups / scales[..., None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+    return q.view(rows, hidden), scales
 
 
 def bytes_per_row(hidden: int, fp8: bool) -> int:
@@ -79,9 +105,13 @@ class Fp8Wire:
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.tokens, self.scales))
 
-    def dispatch(self, handle: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dispatch x [tokens, hidden] BF16 on `handle`'s current routing; returns the
         E4M3 tokens, their scales and the per-expert received counts (device tensors)."""
+        if scales is not None:
+            raise HandlePoolError("the LL FP8 dispatch quantizes BF16 itself: pass no scales")
         kind = type(handle)
         if kind not in self._checked:
             reason = native_reason(handle)
@@ -110,3 +140,102 @@ class Fp8Wire:
         self._inputs = inputs
         self.dispatches += 1
         return self.tokens, self.scales, counts
+
+
+@dataclass
+class HtFp8Received:
+    """What an HT FP8 dispatch wrote (flat rows, like FlashInfer's BF16 HT output)."""
+
+    expert_tensors: torch.Tensor  # [rows, hidden] E4M3, the first `received` rows valid
+    scales: torch.Tensor  # [rows, hidden / 128] FP32
+    recv_topk_idx: torch.Tensor  # [rows, top_k] int64 local expert ids, -1 = another rank
+    recv_topk_weights: torch.Tensor  # [rows, top_k] FP32
+
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class HtFp8Wire:
+    """The FP8 receive buffers of one HT runtime (shared by its layers) and the
+    forward-recipe dispatch that fills them.
+
+    `weights`: the pool's static routing weights, the memory every handle of the pool has
+    bound (HandlePool.topk_weights); HT's forward pass sends a handle's rows of it.
+    `quantize`: BF16 rows -> (E4M3, FP32 scales per 128), the layers' own quantization."""
+
+    def __init__(
+        self, rows: int, hidden: int, weights: torch.Tensor, quantize: Quantizer = group_quantize,
+        dtype: torch.dtype = torch.float8_e4m3fn,
+    ) -> None:
+        reason = hidden_reason(hidden)
+        if reason is not None:
+            raise ValueError(reason.replace("DS_FP8E3M4", "QUANT_FWD: 16-byte scale rows"))
+        device, top_k = weights.device, weights.shape[1]
+        self.hidden = hidden
+        self.quantize = quantize
+        self._weights = weights
+        self.tokens = torch.empty(rows, hidden, dtype=dtype, device=device)
+        self.scales = torch.empty(rows, hidden // SCALE_GROUP, dtype=torch.float32, device=device)
+        self.topk_weights = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+        self.topk_idx = torch.empty(rows, top_k, dtype=torch.int64, device=device)
+        self.received = HtFp8Received(self.tokens, self.scales, self.topk_idx, self.topk_weights)
+        self._checked: set[type] = set()
+        self._descriptors: tuple[Any, ...] | None = None
+        self._inputs: Any = None  # this dispatch's inputs, alive until the next one
+        self.dispatches = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.tokens, self.scales, self.topk_weights, self.topk_idx)
+        )
+
+    def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None) -> HtFp8Received:
+        """Dispatch x [tokens, hidden] E4M3 with its scales [tokens, hidden / 128] FP32
+        (the caller's quantization) on `handle`'s current routing."""
+        kind = type(handle)
+        if kind not in self._checked:
+            reason = native_reason(handle, "FWD")
+            if reason is not None:
+                raise HandlePoolError(f"flashinfer_ep HT FP8 dispatch: {reason}")
+            self._checked.add(kind)
+        rows = handle._num_tokens_in
+        groups = self.hidden // SCALE_GROUP
+        if (
+            scales is None
+            or x.dtype != self.tokens.dtype
+            or tuple(x.shape) != (rows, self.hidden)
+            or scales.dtype != torch.float32
+            or tuple(scales.shape) != (rows, groups)
+        ):
+            got = "no scales" if scales is None else f"{scales.dtype} scales {tuple(scales.shape)}"
+            raise HandlePoolError(
+                f"HT FP8 dispatch takes {self.tokens.dtype} rows {(rows, self.hidden)} and FP32 "
+                f"scales {(rows, groups)} (the handle routes {rows} tokens); got {x.dtype} "
+                f"{tuple(x.shape)} and {got}"
+            )
+        if not (x.is_contiguous() and scales.is_contiguous()):  # read by pointer, row by row
+            x, scales = x.contiguous(), scales.contiguous()
+        ep = handle._ep
+        d = self._descriptors
+        if d is None or d[0] is not ep:
+            d = self._descriptors = (
+                ep,
+                ep.DispatchOutputs(
+                    tokens=ep.Tensor(self.tokens),
+                    scales=ep.Tensor(self.scales),
+                    topk_weights=ep.Tensor(self.topk_weights),
+                    topk_idx=ep.Tensor(self.topk_idx),
+                ),
+                ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.FWD, round_scales=0),
+            )
+        inputs = ep.DispatchInputs(
+            tokens=ep.Tensor(x), scales=ep.Tensor(scales), topk_weights=ep.Tensor(self._weights[:rows])
+        )
+        stream = handle._op_stream()
+        handle._handle.dispatch(inputs, d[1], layout_info=None, config=d[2], stream=stream)
+        handle._handle.complete(stream=stream)
+        self._inputs = inputs
+        self.dispatches += 1
+        return self.received

@@ -262,10 +262,9 @@ class HandlePool:
             self.counters.updates += 1
             self._handles[size] = handle
             self.counters.pooled_created += 1
-        if len(self._handles) > 1 or (self._handles and min(self._handles) > 1):
-            # Some count will pad: its staging exists before vLLM sizes the KV cache.
-            for name in ("x", "out"):
-                self._pad_buffer(name, self.spec.hidden_size, torch.bfloat16, self.device)
+        # Some count will pad: its staging exists before vLLM sizes the KV cache.
+        for name in ("x", "out"):
+            self.stage_padding(name, self.spec.hidden_size, torch.bfloat16)
         self.warm_after = memory_snapshot(self.device)
         return self.sizes
 
@@ -355,8 +354,10 @@ class HandlePool:
         topk_weights: torch.Tensor,
         agreed_tokens: int | None | str = LOCAL,
         fp8_wire: Any = None,
+        scales: torch.Tensor | None = None,
     ) -> Any:
         """`begin` then `dispatch`, in one call; a failed dispatch ends the round.
+        `fp8_wire`, `scales`: see `dispatch`.
 
         The common round runs inline here: a pooled handle of exactly this round's size,
         routing ids it can bind, and handle work on torch's current stream (no join).
@@ -403,7 +404,7 @@ class HandlePool:
                 else:
                     handle.update(self._fi.HandleParams(topk_ids=topk_ids))
                 if fp8_wire is not None:
-                    return fp8_wire.dispatch(handle, x)
+                    return fp8_wire.dispatch(handle, x, scales)
                 if direct:
                     return native.dispatch(handle, x)
                 out = handle.dispatch(self._fi.DispatchInputParams(x=[x]))
@@ -415,7 +416,7 @@ class HandlePool:
                 raise
         self.begin(topk_ids, topk_weights, agreed_tokens=agreed_tokens)
         try:
-            return self.dispatch(x, fp8_wire)
+            return self.dispatch(x, fp8_wire, scales)
         except BaseException:
             self.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
             raise
@@ -440,20 +441,19 @@ class HandlePool:
         finally:
             self.end()
 
-    def dispatch(self, x: torch.Tensor, fp8_wire: Any = None) -> Any:
+    def dispatch(self, x: torch.Tensor, fp8_wire: Any = None, scales: torch.Tensor | None = None) -> Any:
         """Dispatch on this round's handle: FlashInfer's BF16 dispatch, or NCCL-EP's FP8
-        one when `fp8_wire` (a runtime.fp8_wire.Fp8Wire) is given."""
+        one when `fp8_wire` (runtime/fp8_wire.py) is given: LL quantizes x (BF16) in the
+        kernel, HT forwards x (E4M3) with its `scales`. Padded rows are zeros (weight 0)."""
         handle = self._current
         if handle is None:
             self._require_current()
         if self._padded is not None:
-            real, size = self._padded
-            padded = self._pad_buffer("x", x.shape[1], x.dtype, x.device)[:size]
-            padded[:real].copy_(x)
-            padded[real:].zero_()
-            x = padded
+            x = self._padded_rows(x)
+            if scales is not None:
+                scales = self._padded_rows(scales, "scales")
         if fp8_wire is not None:
-            return self._ordered(fp8_wire.dispatch, handle, x)
+            return self._ordered(fp8_wire.dispatch, handle, x, scales)
         if self._join:
             return self._ordered(handle.dispatch, self._fi.DispatchInputParams(x=[x]))
         return handle.dispatch(self._fi.DispatchInputParams(x=[x]))
@@ -470,7 +470,7 @@ class HandlePool:
             return handle.combine(params).x
         real, size = self._padded
         dtype = out.dtype if out is not None else expert_out.dtype
-        staging = self._pad_buffer("out", self.spec.hidden_size, dtype, expert_out.device)[:size]
+        staging = self._pad_buffer(f"out:{dtype}", self.spec.hidden_size, dtype, expert_out.device)[:size]
         params = self._fi.CombineInputParams(x=[expert_out], out=staging)
         self._ordered(handle.combine, params)
         if out is None:
@@ -547,6 +547,21 @@ class HandlePool:
             buf = torch.empty(self.capacity, hidden, dtype=dtype, device=device)
             self._pad_buffers[name] = buf
         return buf
+
+    def stage_padding(self, name: str, width: int, dtype: torch.dtype) -> None:
+        """Allocate the staging of padded rows of `name` now (at model load, before vLLM
+        sizes the KV cache) if some token count of this pool will pad."""
+        if len(self._handles) > 1 or (self._handles and min(self._handles) > 1):
+            self._pad_buffer(f"{name}:{dtype}", width, dtype, self.device)
+
+    def _padded_rows(self, rows: torch.Tensor, name: str = "x") -> torch.Tensor:
+        """This round's rows followed by zero rows up to its pooled size (one staging
+        buffer per name and dtype: BF16 and FP8 layers may share a runtime)."""
+        real, size = self._padded
+        padded = self._pad_buffer(f"{name}:{rows.dtype}", rows.shape[1], rows.dtype, rows.device)[:size]
+        padded[:real].copy_(rows)
+        padded[real:].zero_()
+        return padded
 
     def _copy_weights(self, num_tokens: int, topk_weights: torch.Tensor) -> None:
         """This layer's weights into the rows the handle of `num_tokens` has bound."""

@@ -46,20 +46,25 @@ NATIVE_ATTRIBUTES = {
     "_stream": "the handle's own stream (FlashInfer's op stream outside capture)",
     "_recv_count_t": "the per-local-expert received counts NCCL-EP writes at dispatch",
     "_num_tokens_in": "the token count the handle's routing holds",
-    "_is_ht": "LL only",
+    "_is_ht": "the algorithm the handle runs (the direct eager calls are LL only)",
     "_is_rank_major": "expert-major layout only",
     "_staged": "no split send/complete mode",
 }
 
 
-def native_reason(handle: Any) -> str | None:
-    """Why this package cannot issue nccl.ep calls under `handle` (None: it can)."""
+def native_reason(handle: Any, ht: bool = False) -> str | None:
+    """Why this package cannot issue nccl.ep calls under `handle` (None: it can); `ht`:
+    for an HT handle (the HT FP8 dispatch), else for an LL expert-major one."""
     missing = [name for name in NATIVE_ATTRIBUTES if not hasattr(handle, name)]
     if missing:
         return (
             f"the installed FlashInfer's handle ({type(handle).__name__}) lacks {missing}; "
             "the direct nccl.ep calls are written against flashinfer-python 0.7.2.post1"
         )
+    if ht:
+        if not handle._is_ht or handle._staged:
+            return "the HT FP8 dispatch needs an HT handle without split send/complete"
+        return None
     if handle._is_ht or handle._is_rank_major or handle._staged:
         return "direct nccl.ep calls are LL expert-major only, without split send/complete"
     return None

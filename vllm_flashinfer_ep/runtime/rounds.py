@@ -14,6 +14,7 @@ import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.runtime.fp8_wire import HtFp8Received
 from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class HighThroughputDispatch:
     topk_ids: torch.Tensor  # [received, top_k] int64 global ids (other-rank slots remapped)
     topk_weights: torch.Tensor  # [received, top_k] fp32, 0 for other-rank slots
     remote_slot: torch.Tensor  # [received, top_k] bool, True where the expert is on another rank
+    # FP8 dispatch (runtime/fp8_wire.py HtFp8Wire): x is E4M3 and these are its FP32
+    # scales, [received, hidden / 128]; None for BF16.
+    x_scale: torch.Tensor | None = None
 
 
 def check_activations(a1: torch.Tensor, runtime: EPRuntime) -> None:
@@ -81,7 +85,8 @@ class Round:
     ) -> Any:
         """Bind this layer's routing to a handle and dispatch; the algorithm's view of
         what arrived (`_received`). `agreed_tokens`: see HandlePool.begin. `fp8`: FP8 on
-        the wire (LL; the runtime's `fp8_wire` must be enabled)."""
+        the wire (the runtime's `fp8_wire` must be enabled; HT quantizes a1 here, after
+        the router weights, with the wire's quantizer)."""
         # Host-bound in eager mode: the checks run in full only when one fails.
         if a1.dtype != torch.bfloat16 or a1.dim() != 2 or a1.shape[1] != self._hidden:
             check_activations(a1, self.runtime)
@@ -91,12 +96,15 @@ class Round:
         if apply_router_weight_on_input:
             a1, weights = router_weights(a1, topk_weights, True)
         pool = self._pool
-        wire = None
+        wire = scales = None
         if fp8:
             wire = self.runtime.fp8_wire
             if wire is None:
                 raise FlashInferEPConfigError("FP8 dispatch asked of a runtime without an FP8 wire")
-        out = pool.begin_dispatch(a1, topk_ids, weights, agreed_tokens, wire)
+            quantize = getattr(wire, "quantize", None)  # HT: forwarded as quantized here
+            if quantize is not None:
+                a1, scales = quantize(a1)
+        out = pool.begin_dispatch(a1, topk_ids, weights, agreed_tokens, wire, scales)
         try:
             return self._received(out)
         except BaseException:
@@ -153,7 +161,8 @@ class HighThroughputRound(Round):
         ids, weights, remote = self.globalize(
             out.recv_topk_idx[:received], out.recv_topk_weights[:received], received
         )
-        return HighThroughputDispatch(x, ids, weights, remote)
+        scales = out.scales[:received] if isinstance(out, HtFp8Received) else None
+        return HighThroughputDispatch(x, ids, weights, remote, scales)
 
     def combine_buffer(self, received: int) -> torch.Tensor:
         """Where the caller writes each received row's reduced output before combine."""

@@ -248,22 +248,13 @@ ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
 FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
 
 
-def _check_quantization(model: Any, backend: str, flag: str) -> None:
-    """BF16, FP8 checkpoints (per-tensor scales or 128x128 blocks) and, under low latency,
-    online FP8 (--quantization fp8_per_tensor / fp8_per_block / fp8_per_channel on a
-    BF16 checkpoint). Anything else is refused."""
+def _check_quantization(model: Any, flag: str) -> None:
+    """BF16, FP8 checkpoints (per-tensor scales or 128x128 blocks) and online FP8
+    (--quantization fp8_per_tensor / fp8_per_block / fp8_per_channel on a BF16
+    checkpoint), on both backends. Anything else is refused."""
     quant = getattr(model, "quantization", None)
     if not quant:
         return
-    if quant in ONLINE_FP8 and backend == backends.HIGH_THROUGHPUT:
-        # Measured on the H200 (docs/device_vllm.md): the engine with this backend and
-        # --quantization fp8_per_tensor stops at its warm-up forward with a CUDA "invalid
-        # argument" error, while the same MoE layers from an FP8 checkpoint match the
-        # engine without EP exactly. Refused until the cause is found.
-        raise FlashInferEPConfigError(
-            f"{flag} does not run online FP8 quantization (--quantization {quant}) yet; serve "
-            "an FP8 checkpoint, or use --all2all-backend flashinfer_ep_low_latency."
-        )
     if quant not in FP8_METHODS:
         raise FlashInferEPConfigError(
             f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "
@@ -318,7 +309,7 @@ def _pin_fp8_experts(vllm_config: Any, flag: str) -> None:
 def _validate_model(model: Any, backend: str, flag: str) -> None:
     if getattr(model, "is_moe", True) is False:
         return
-    _check_quantization(model, backend, flag)
+    _check_quantization(model, flag)
     dtype = getattr(model, "dtype", None)
     if isinstance(dtype, torch.dtype) and dtype != torch.bfloat16:
         raise FlashInferEPConfigError(

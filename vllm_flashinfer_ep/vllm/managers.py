@@ -119,14 +119,15 @@ class _FlashInferEPManager(All2AllManagerBase):
             )
         )
         cls = PREPARE_FINALIZE[self.algorithm]
+        fp8 = self._fp8_dispatch(runtime, moe, quant_config)
+        agreement = agreed_token_count
         if self.algorithm != Algorithm.LOW_LATENCY:
             # HT: ranks far apart in tokens run per-forward handles (forward_state.py).
-            return cls(runtime, agreement_fn=partial(agreed_token_count, max_spread=handle_pool.HT_MAX_PAD))
-        fp8 = self._fp8_dispatch(runtime, moe, quant_config)
-        return cls(runtime, agreement_fn=agreed_token_count, fp8_dispatch=fp8)
+            agreement = partial(agreed_token_count, max_spread=handle_pool.HT_MAX_PAD)
+        return cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
 
     def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:
-        """Whether this LL layer sends FP8 on the wire (runtime/fp8_wire.py), decided at
+        """Whether this layer sends FP8 on the wire (runtime/fp8_wire.py), decided at
         model load and agreed by every EP rank (a dispatch is collective: ranks mixing FP8
         and BF16 rows for one layer would corrupt or hang it). Logged once per reason."""
         from vllm_flashinfer_ep.vllm.receive_quant import fp8_dispatch_reason

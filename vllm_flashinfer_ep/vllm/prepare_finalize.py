@@ -7,8 +7,10 @@
   (FP8 layers allocate their quantized activations); CUDA-graph capturable through the
   persistent handle pool.
 - FP8 layers get their activations quantized after receive, as their experts expect
-  (vllm/receive_quant.py); LL 128x128 block-FP8 layers get them quantized on the wire
-  instead, by NCCL-EP's dispatch (runtime/fp8_wire.py). Everything else dispatches BF16.
+  (vllm/receive_quant.py); 128x128 block-FP8 layers send them in FP8 instead
+  (runtime/fp8_wire.py): LL through NCCL-EP's quantizing dispatch, HT quantized here
+  with vLLM's group quantization and forwarded with their scales. Everything else
+  dispatches BF16.
 - High throughput: flat dispatch -> vLLM's Standard format with global expert ids;
   the received row count is read on the host (not capturable); the experts'
   per-(row, k) output is weighted and reduced per received row before combine.
@@ -50,14 +52,18 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     ) -> None:
         """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for the
         current forward (vllm/forward_state.py); by default every rank runs its own.
-        `fp8_dispatch`: FP8 on the wire (LL, block-FP8 layers; runtime/fp8_wire.py)."""
+        `fp8_dispatch`: FP8 on the wire (block-FP8 layers; runtime/fp8_wire.py)."""
         super().__init__()
         self.runtime = runtime
         self._round = runtime.round
         self._agreed = agreement_fn or _local
         self._fp8 = fp8_dispatch
         if fp8_dispatch:
-            runtime.enable_fp8_wire()
+            runtime.enable_fp8_wire(self._wire_quantizer())
+
+    def _wire_quantizer(self):
+        """What quantizes before an FP8 dispatch (None: NCCL-EP's kernel does)."""
+        return None
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -153,6 +159,9 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
+    def _wire_quantizer(self):
+        return receive_quant.group_quantize
+
     def post_init_setup(self, fused_experts) -> None:
         """FP8 layers need vLLM's Triton experts (the scale layout quantized here)."""
         receive_quant.check_experts(
@@ -160,6 +169,8 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
         )
 
     def _prepare_result(self, out, quant_config, defer: bool) -> mk.PrepareResultType:
+        if out.x_scale is not None:  # quantized before dispatch, as the experts expect
+            return out.x, out.x_scale, None, out.topk_ids, out.topk_weights
         x, scales = receive_quant.quantize_received_rows(out.x, quant_config, defer)
         return x, scales, None, out.topk_ids, out.topk_weights
 

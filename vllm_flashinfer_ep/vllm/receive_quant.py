@@ -65,10 +65,11 @@ def refusal(quant_config: Any, flag: str) -> str | None:
 
 
 def fp8_dispatch_reason(quant_config: Any, hidden: int) -> str | None:
-    """Why a low-latency layer keeps BF16 on the wire (None: NCCL-EP's FP8 dispatch
-    carries its activations, runtime/fp8_wire.py). Only 128x128 block-FP8 layers qualify:
-    the recipe's E4M3 + FP32 scale per 128 elements is their activation layout; per-tensor
-    and per-token layers need one scale over more than 128 elements."""
+    """Why a layer keeps BF16 on the wire (None: NCCL-EP's FP8 dispatch carries its
+    activations, runtime/fp8_wire.py; both backends). Only 128x128 block-FP8 layers
+    qualify: E4M3 + one FP32 scale per 128 elements is their activation layout; per-tensor
+    and per-token layers need one scale over more than 128 elements (vLLM's DeepEP
+    backends draw the same line)."""
     from vllm_flashinfer_ep import envs
     from vllm_flashinfer_ep.runtime import fp8_wire
 
@@ -85,6 +86,17 @@ def fp8_dispatch_reason(quant_config: Any, hidden: int) -> str | None:
     if not envs.fp8_dispatch_enabled():
         return f"{envs.FP8_DISPATCH}=0"
     return None
+
+
+def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, hidden] BF16 -> (E4M3, FP32 scales [tokens, hidden / 128], row-major):
+    what a 128x128 block-FP8 layer's Triton experts would compute from x (vLLM's
+    per_token_group_quant_fp8), done before an HT FP8 dispatch."""
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    return moe_kernel_quantize_input(
+        x, None, quant_dtype=fp8_dtype(), per_act_token_quant=False, block_shape=[GROUP, GROUP]
+    )
 
 
 def quantize_received_rows(
