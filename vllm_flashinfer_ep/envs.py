@@ -31,7 +31,7 @@ FT_TIMEOUT_MS = "VLLM_FLASHINFER_EP_FT_TIMEOUT_MS"
 RDMA_BUFFER_BYTES = "VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES"
 # "1" skips the worker-side environment checks (nvcc, libnccl version). For experts only.
 SKIP_ENV_CHECKS = "VLLM_FLASHINFER_EP_SKIP_ENV_CHECKS"
-# "0" sends 128x128 block-FP8 layers' activations in BF16 under low latency (quantized
+# "0" sends 128x128 block-FP8 layers' activations in BF16 on both backends (quantized
 # after receive) instead of FP8 on the wire (runtime/fp8_wire.py).
 FP8_DISPATCH = "VLLM_FLASHINFER_EP_FP8_DISPATCH"
 # "0" issues eager LL rounds through FlashInfer's handle methods instead of the nccl.ep
@@ -124,7 +124,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         FP8_DISPATCH, "1", BOOL_ACCEPTED, _parse_bool,
-        "0 keeps block-FP8 layers' LL dispatch in BF16 (quantized after receive)",
+        "0 keeps block-FP8 layers' dispatch in BF16 (quantized after receive)",
     ),
     EnvVar(
         NATIVE_EAGER, "1", BOOL_ACCEPTED, _parse_bool,
