@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench", bench, "decode-step LL all2all benchmark (needs a GPU)"),
         ("bench-ht", bench_ht, "prefill-step HT all2all benchmark vs raw FlashInfer, and LL vs HT (needs a GPU)"),
         ("bench-fp8", bench_fp8,
-         "block-FP8 LL decode step: BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)"),
+         "block-FP8 LL decode step (or HT step): BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)"),
         ("bench-memory", bench_memory,
          "device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)"),
     )

@@ -4,7 +4,7 @@
 #
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
-#          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench
+#          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -91,6 +91,9 @@ for step in "${steps[@]}"; do
     fp8bench)  # block-FP8 LL decode step: BF16 wire + vLLM's quantization vs FP8 on the wire
       python3 -m vllm_flashinfer_ep.bench.fp8_run --hidden 7168 --no-progress \
         --json "$out/bench_fp8_world1_h7168.json" 2>&1 | tail -9 || rc=1 ;;
+    fp8bench-ht)  # block-FP8 HT step: BF16 wire + vLLM's quantization after receive vs FP8 on the wire
+      python3 -m vllm_flashinfer_ep.bench.fp8_run --backend ht --hidden 7168 --layers 8 \
+        --tokens 256,1024,4096 --no-progress --json "$out/bench_fp8_ht_world1_h7168.json" 2>&1 | tail -7 || rc=1 ;;
     direct)  # eager LL rounds as direct nccl.ep calls (runtime/native_handle.py), padding, graphs
       python3 -m pytest tests/kernels/test_transport_gpu.py -k "direct_eager or pad or pool_cuda_graph or unwarmed" \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-direct.txt" 2>&1 || rc=1
@@ -105,7 +108,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -9,7 +9,7 @@ FlashInfer handle's BF16 dispatch (tests/fakes/fake_moe_ep.py): the received row
 quantized as the recipe does (FP32 scale = amax / 448 per 128 elements, as measured on
 the H200), rows past each expert's count are left NaN.
 
-For HT it takes the forward recipe (QUANT_FWD) runtime/fp8_wire.py's HtFp8Wire issues:
+For HT it takes the forward recipe (FWD) runtime/fp8_wire.py's HtFp8Wire issues:
 E4M3 rows and their scales forwarded as they are, and refuses what nccl_ep.h refuses
 there: absent input or output scales, an absent topk_weights (HT's forward pass), a
 non-zero round_scales, output dtypes or row widths unlike the inputs', rows or storage
@@ -131,7 +131,7 @@ class NativeHandle:
 
     def __init__(self, owner: Any) -> None:
         self._owner = owner
-        self.dispatches = 0  # FP8 dispatches (DS_FP8E3M4, QUANT_FWD)
+        self.dispatches = 0  # FP8 dispatches (DS_FP8E3M4, FWD)
         self.bf16_dispatches = 0
         self.updates = 0
         self.combines = 0
@@ -229,33 +229,33 @@ class NativeHandle:
         self.dispatches += 1
 
     def _dispatch_forwarded(self, inputs: DispatchInputs, outputs: DispatchOutputs, config: DispatchConfig) -> None:
-        """QUANT_FWD on HT: tokens and scales travel as bytes, into flat outputs."""
+        """FWD on HT: tokens and scales travel as bytes, into flat outputs."""
         owner = self._owner
         owner._check_alive("dispatch")
         if not owner._is_ht:
             raise NotImplementedError("the fake nccl.ep forwards quantized rows on HT only")
         for name in ("tokens", "scales"):
             if getattr(inputs, name) is None or getattr(outputs, name) is None:
-                raise NcclInvalid(f"QUANT_FWD: inputs.{name} and outputs.{name} are required")
+                raise NcclInvalid(f"FWD: inputs.{name} and outputs.{name} are required")
         if inputs.topk_weights is None:
             raise NcclInvalid("HT forward dispatch requires inputs.topk_weights")
         if config.round_scales:
-            raise NcclInvalid("QUANT_FWD: round_scales must be 0")
+            raise NcclInvalid("FWD: round_scales must be 0")
         rows = owner._fleet.params.max_tokens_per_rank * owner._fleet.bootstrap.world_size
         x, s = inputs.tokens.buffer, inputs.scales.buffer
         q, qs = outputs.tokens.buffer, outputs.scales.buffer
         for name, t, allowed in (("tokens", x, _FWD_DTYPES), ("scales", s, _FWD_DTYPES + (torch.uint8,))):
             if t.dim() != 2 or t.dtype not in allowed:
-                raise NcclInvalid(f"QUANT_FWD: inputs.{name} must be 2D of {allowed}, got {t.dtype} {tuple(t.shape)}")
+                raise NcclInvalid(f"FWD: inputs.{name} must be 2D of {allowed}, got {t.dtype} {tuple(t.shape)}")
         for name, src, dst in (("tokens", x, q), ("scales", s, qs)):
             if dst.dtype != src.dtype or tuple(dst.shape) != (rows, src.shape[1]):
                 raise NcclInvalid(
-                    f"QUANT_FWD: outputs.{name} must be {src.dtype} {(rows, src.shape[1])} like the "
+                    f"FWD: outputs.{name} must be {src.dtype} {(rows, src.shape[1])} like the "
                     f"inputs, got {dst.dtype} {tuple(dst.shape)}"
                 )
             for t in (src, dst):
                 if (t.shape[1] * t.element_size()) % 16 or t.data_ptr() % 16:
-                    raise NcclInvalid(f"QUANT_FWD: {name} rows and storage must be 16-byte aligned")
+                    raise NcclInvalid(f"FWD: {name} rows and storage must be 16-byte aligned")
         if x.shape[0] != owner._num_tokens or s.shape[0] != owner._num_tokens:
             raise NcclInvalid(
                 f"fake nccl.ep: {x.shape[0]} token / {s.shape[0]} scale rows on a handle routing "

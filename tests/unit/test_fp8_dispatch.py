@@ -10,6 +10,7 @@ tests/kernels/test_transport_gpu.py::test_fp8_dispatch_*.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,11 @@ def test_bench_fp8_counts_the_bytes_each_dispatch_moves():
     # hidden 7168: BF16 rows of 14336 bytes; E4M3 rows of 7168 bytes + 56 FP32 scales
     assert dispatch_bytes(1, 8, 7168) == {"bf16": 8 * 14336, "fp8": 8 * (7168 + 224)}
     assert dispatch_bytes(256, 8, 2048)["fp8"] == 256 * 8 * (2048 + 64)
+    # HT sends a token once per rank holding one of its experts: one row at world 1, at
+    # most top_k rows however many ranks
+    assert dispatch_bytes(4, 8, 7168, ht_world=1) == {"bf16": 4 * 14336, "fp8": 4 * (7168 + 224)}
+    assert dispatch_bytes(4, 8, 7168, ht_world=4)["bf16"] == 4 * 4 * 14336
+    assert dispatch_bytes(4, 8, 7168, ht_world=16)["bf16"] == 4 * 8 * 14336
 
 
 @pytest.mark.parametrize("hidden", [3000, 3072])
@@ -200,6 +206,22 @@ def test_bench_fp8_refuses_a_hidden_size_naming_the_flag(hidden):
     add_arguments(parser)
     with pytest.raises(SystemExit, match="--hidden"):
         validate_arguments(parser.parse_args(["--hidden", str(hidden)]))
+
+
+def test_bench_fp8_ht_takes_hidden_sizes_outside_the_ll_set_and_prefill_token_counts():
+    """HT's forward recipe needs only 16-byte scale rows (hidden % 512), not an LL size."""
+    from vllm_flashinfer_ep.bench.fp8_run import add_arguments, modes, validate_arguments
+
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "ht", "--hidden", "3072"])
+    validate_arguments(args)
+    assert args.tokens == [256, 1024, 4096] and modes("ht") == ("bf16_quant_eager", "fp8_wire_eager")
+    with pytest.raises(SystemExit, match="--hidden"):
+        validate_arguments(parser.parse_args(["--backend", "ht", "--hidden", "3000"]))
+    ll = parser.parse_args([])
+    validate_arguments(ll)
+    assert ll.tokens == [1, 8, 32, 128, 256] and "fp8_wire" in modes("ll")
 
 
 def test_a_captured_fp8_round_issues_on_the_capturing_stream(monkeypatch):
@@ -218,7 +240,7 @@ def test_a_captured_fp8_round_issues_on_the_capturing_stream(monkeypatch):
 
 
 # ------------------------------------------------------------ high throughput
-def _ht_runtime(sizes=(), world=None):
+def _ht_runtime(sizes: tuple[int, ...] = ()) -> tuple[Any, Any]:
     rt, fleet = build_fake_runtime(
         Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=sizes
     )
@@ -333,15 +355,18 @@ def test_ht_fp8_wire_refuses_rows_it_cannot_forward():
     x, ids, weights = _layer(4, seed=3)
     q, s = fp8_wire.group_quantize(x)
     pool, wire = rt.pool, rt.fp8_wire
+    groups = HIDDEN // 128
     for bad_x, bad_s, message in [
-        (x, s, "E4M3|float8"),  # BF16 rows: the forward recipe converts nothing
-        (q, None, "no scales"),
-        (q, s[:, :4].contiguous(), "scales"),
-        (q[:3], s[:3], "routes 4 tokens"),
+        (x, s, "rows must be torch.float8_e4m3fn .*got torch.bfloat16"),  # the recipe converts nothing
+        (q[:3], s[:3], rf"routes 4 tokens\): rows must be \(4, {HIDDEN}\), got \(3, {HIDDEN}\)"),
+        (q, None, "no scales were given"),
+        (q, s.to(torch.bfloat16), "scales must be torch.float32, got torch.bfloat16"),
+        (q, s[:, :4].contiguous(), rf"scales must be \(4, {groups}\) .*got \(4, 4\)"),
     ]:
         pool.begin(ids, weights)
-        with pytest.raises(HandlePoolError, match=message):
+        with pytest.raises(HandlePoolError, match=message) as err:
             pool.dispatch(bad_x, wire, bad_s)
+        assert "VLLM_FLASHINFER_EP_FP8_DISPATCH=0" in str(err.value)  # how to turn the wire off
         pool.end()
     with pytest.raises(ValueError, match="multiple of 512"):
         HtFp8Wire(16, 3200, torch.zeros(16, 2))
@@ -384,3 +409,23 @@ def test_the_fake_refuses_what_nccl_ep_refuses_for_forwarded_rows():
             ep.DispatchInputs(tokens=ep.Tensor(x)), good_out,
             config=ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4), stream=0)
     rt.pool.end()
+
+
+def test_ht_fp8_padding_is_staged_when_the_wire_is_enabled():
+    """At model load (before vLLM sizes the KV cache), not in the first padded round:
+    the E4M3 rows and FP32 scales of padded rounds go through buffers made then."""
+    rt, _ = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=(4, 8)
+    )
+    pool = rt.pool
+    before = set(pool._pad_buffers)
+    rt.enable_fp8_wire()
+    staged = {k: v.data_ptr() for k, v in pool._pad_buffers.items()}
+    assert set(staged) - before == {"x:torch.float8_e4m3fn", "scales:torch.float32"}
+    rnd = HighThroughputRound(rt)
+    for n in (3, 5, 7):  # each pads to a pooled size
+        x, ids, weights = _layer(n, seed=n)
+        d = rnd.dispatch(x, ids, weights, fp8=True)
+        assert d.x.shape[0] == (4 if n <= 4 else 8)
+        rnd.combine(torch.empty_like(x))
+    assert {k: v.data_ptr() for k, v in pool._pad_buffers.items()} == staged

@@ -1,5 +1,5 @@
-"""GPU side of bench-fp8 (bench/fp8_run.py): one LL runtime with its FP8 wire, the two
-prepares of a block-FP8 layer, checked against each other, then timed."""
+"""GPU side of bench-fp8 (bench/fp8_run.py): one runtime (LL or HT) with its FP8 wire, the
+two prepares of a block-FP8 layer, checked against each other, then timed."""
 
 from __future__ import annotations
 
@@ -8,53 +8,83 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.fp8_run import MODES
+from vllm_flashinfer_ep.bench.fp8_run import modes
 from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress
 from vllm_flashinfer_ep.bench.results import Row
+from vllm_flashinfer_ep.runtime import handle_pool
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
-from vllm_flashinfer_ep.runtime.fleet import FleetSpec
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 
 
 class Fp8Harness(TimedModes):
-    def __init__(self, args: Any) -> None:
-        super().__init__(args)
+    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+        super().__init__(args, fleets, device)
         try:
             from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
         except ImportError as exc:  # the BF16 mode quantizes with vLLM's own kernels
             raise SystemExit(f"bench-fp8 needs vLLM for its BF16 mode's quantization: {exc}") from None
-        spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, max(args.tokens), args.hidden)
-        self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, list(args.tokens))
-        self.rt.enable_fp8_wire()
-        self.round = LowLatencyRound(self.rt)
+        from vllm_flashinfer_ep.vllm import receive_quant
+
+        self.ht = args.backend == "ht"
+        self.modes = modes(args.backend)
+        capacity = max(args.tokens)
+        if self.ht:  # as the HT manager: eager buckets up to the capacity, FP8 by vLLM's quantization
+            spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
+            sizes = handle_pool.bucket_sizes(0, capacity, max_pad=handle_pool.HT_MAX_PAD)
+            self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, sizes)
+            self.rt.enable_fp8_wire(receive_quant.group_quantize)
+        else:  # as the LL manager under graphs: one pooled handle per step size
+            spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
+            self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, list(args.tokens))
+            self.rt.enable_fp8_wire()
+        self.round = self.rt.round
         one = torch.ones(args.num_experts, dtype=torch.float32, device=self.device)
         self.quant_config = fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
         rows = self.rt.capacity * self.world_size
-        # The experts' output stand-in, the same in both modes (combine is BF16 in both).
-        self.expert_out = torch.zeros(
+        # LL: the experts' output stand-in, the same in both modes (combine is BF16 in both);
+        # HT combines the round's own staging (zeros: what the experts write there is not timed).
+        self.expert_out = None if self.ht else torch.zeros(
             self.rt.num_local_experts, rows, args.hidden, dtype=torch.bfloat16, device=self.device
         )
 
+    def _combine(self, out: torch.Tensor) -> None:
+        if self.ht:
+            self.round.combine(out)
+        else:
+            self.round.combine(self.expert_out, out)
+
     def _bf16_quant_step(self, layers, keep: list | None = None) -> None:
-        from vllm_flashinfer_ep.vllm.receive_quant import quantize_expert_buffer
+        from vllm_flashinfer_ep.vllm.receive_quant import (
+            quantize_expert_buffer,
+            quantize_received_rows,
+        )
 
         for x, ids, w, out in layers:
             d = self.round.dispatch(x, ids, w)
-            q, s = quantize_expert_buffer(d.expert_x, d.expert_num_tokens, self.quant_config, False)
-            if keep is not None:
-                keep.append((q.clone(), s.clone(), d.expert_num_tokens.clone()))
-            self.round.combine(self.expert_out, out)
+            if self.ht:  # the received rows, as the HT prepare quantizes them after receive
+                q, s = quantize_received_rows(d.x, self.quant_config, False)
+                if keep is not None:  # one "expert": every received row (none: no scales)
+                    keep.append(_one_expert(q, s))
+            else:
+                q, s = quantize_expert_buffer(d.expert_x, d.expert_num_tokens, self.quant_config, False)
+                if keep is not None:
+                    keep.append((q.clone(), s.clone(), d.expert_num_tokens.clone()))
+            self._combine(out)
 
     def _fp8_step(self, layers, keep: list | None = None) -> None:
         for x, ids, w, out in layers:
             d = self.round.dispatch(x, ids, w, fp8=True)
             if keep is not None:
-                keep.append((d.expert_x.clone(), d.expert_x_scale.clone(), d.expert_num_tokens.clone()))
-            self.round.combine(self.expert_out, out)
+                if self.ht:
+                    keep.append(_one_expert(d.x, d.x_scale))
+                else:
+                    keep.append((d.expert_x.clone(), d.expert_x_scale.clone(), d.expert_num_tokens.clone()))
+            self._combine(out)
 
     def _check(self, num_tokens: int, layers) -> None:
-        """Per expert, the sum of the dequantized received rows agrees (order-free)."""
+        """Per expert (HT: over all received rows), the sum of the dequantized received
+        rows agrees (order-free)."""
         a: list = []
         b: list = []
         self._bf16_quant_step(layers[:2], a)
@@ -76,23 +106,33 @@ class Fp8Harness(TimedModes):
                     )
 
     def _steps(self, layers) -> dict[str, Any]:
-        return {
+        steps = {
             "bf16_quant_eager": lambda: self._bf16_quant_step(layers),
             "fp8_wire_eager": lambda: self._fp8_step(layers),
-            "bf16_quant": capture_graph(lambda: self._bf16_quant_step(layers)).replay,
-            "fp8_wire": capture_graph(lambda: self._fp8_step(layers)).replay,
         }
+        if not self.ht:
+            steps["bf16_quant"] = capture_graph(lambda: self._bf16_quant_step(layers)).replay
+            steps["fp8_wire"] = capture_graph(lambda: self._fp8_step(layers)).replay
+        return steps
 
     def run(self) -> list[Row]:
         rows = []
-        progress = _Progress(len(self.args.tokens) * len(MODES), self.rank == 0 and not self.args.no_progress)
+        progress = _Progress(len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress)
         for num_tokens in self.args.tokens:
             layers = self._layers(num_tokens, seed=num_tokens, loud=True)
             self._check(num_tokens, layers)
-            rows.append(self._measure(Row(num_tokens), MODES, self._steps(layers), progress))
+            rows.append(self._measure(Row(num_tokens), self.modes, self._steps(layers), progress))
         progress.close()
         return rows
 
     def close(self) -> None:
         self.rt.destroy()
         self.fleets.destroy()
+
+
+def _one_expert(q: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HT's received rows [rows, hidden] in the check's per-expert layout [1, rows, ...]."""
+    rows = q.shape[0]
+    if s is None:  # nothing arrived: nothing was quantized
+        s = torch.empty(rows, q.shape[1] // 128, dtype=torch.float32, device=q.device)
+    return q[None].clone(), s[None].clone(), torch.tensor([rows])

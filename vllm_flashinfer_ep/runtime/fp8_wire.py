@@ -20,7 +20,7 @@ calls). Remove when FlashInfer's handle takes a dispatch quantization recipe.
 
 High throughput: the DS_FP8E3M4 recipe is LL-only (nccl_ep.h), so HT layers quantize
 before dispatch (vLLM's group quantization, passed in by the adapter; `group_quantize`
-without vLLM) and NCCL-EP's forward recipe (QUANT_FWD) carries the E4M3 rows and their
+without vLLM) and NCCL-EP's forward recipe (FWD) carries the E4M3 rows and their
 scales as they are, into flat [received, hidden] and [received, hidden / 128] buffers. Its
 rule: token and scale rows 16-byte aligned, so the same hidden % 512 (hidden / 32 scale
 bytes per row). HT's forward pass also sends the routing weights, as FlashInfer's BF16 HT
@@ -35,11 +35,13 @@ from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.errors import HandlePoolError
 from vllm_flashinfer_ep.runtime import native_handle
 
 SCALE_GROUP = 128  # elements per FP32 scale (the recipe's, and 128x128 blocks' K group)
 HIDDEN_MULTIPLE = 512  # the recipe's hidden-size rule (16-byte aligned FP8 payload)
+OFF = f" (set {envs.FP8_DISPATCH}=0 to dispatch BF16 and quantize after receive)"
 
 
 def hidden_reason(hidden: int) -> str | None:
@@ -47,7 +49,7 @@ def hidden_reason(hidden: int) -> str | None:
     if hidden % HIDDEN_MULTIPLE:
         return (
             f"hidden size {hidden} is not a multiple of {HIDDEN_MULTIPLE} (NCCL-EP's FP8 "
-            "dispatch recipe DS_FP8E3M4)"
+            "dispatch reads E4M3 rows and FP32 scale rows in 16-byte units)"
         )
     return None
 
@@ -116,7 +118,7 @@ class Fp8Wire:
         if kind not in self._checked:
             reason = native_reason(handle)
             if reason is not None:
-                raise HandlePoolError(f"flashinfer_ep FP8 dispatch: {reason}")
+                raise HandlePoolError(f"flashinfer_ep FP8 dispatch: {reason}{OFF}")
             self._checked.add(kind)
         if x.shape[0] != handle._num_tokens_in or x.shape[1] != self.tokens.shape[2]:
             raise HandlePoolError(
@@ -169,7 +171,7 @@ class HtFp8Wire:
     ) -> None:
         reason = hidden_reason(hidden)
         if reason is not None:
-            raise ValueError(reason.replace("DS_FP8E3M4", "QUANT_FWD: 16-byte scale rows"))
+            raise ValueError(reason)
         device, top_k = weights.device, weights.shape[1]
         self.hidden = hidden
         self.quantize = quantize
@@ -191,6 +193,23 @@ class HtFp8Wire:
             for t in (self.tokens, self.scales, self.topk_weights, self.topk_idx)
         )
 
+    def _input_error(self, x: torch.Tensor, scales: torch.Tensor | None, rows: int) -> str | None:
+        """What is wrong with a forwarded dispatch's inputs (None: nothing); the recipe
+        converts nothing, so the rows must already be what the receive buffers hold."""
+        want_x = (rows, self.hidden)
+        want_s = (rows, self.hidden // SCALE_GROUP)
+        if x.dtype != self.tokens.dtype:
+            return f"rows must be {self.tokens.dtype} (quantized before dispatch), got {x.dtype}"
+        if tuple(x.shape) != want_x:
+            return f"rows must be {want_x}, got {tuple(x.shape)}"
+        if scales is None:
+            return "no scales were given: the forward recipe carries the caller's scales"
+        if scales.dtype != torch.float32:
+            return f"scales must be torch.float32, got {scales.dtype}"
+        if tuple(scales.shape) != want_s:
+            return f"scales must be {want_s} (one per {SCALE_GROUP} elements), got {tuple(scales.shape)}"
+        return None
+
     def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None) -> HtFp8Received:
         """Dispatch x [tokens, hidden] E4M3 with its scales [tokens, hidden / 128] FP32
         (the caller's quantization) on `handle`'s current routing."""
@@ -198,23 +217,12 @@ class HtFp8Wire:
         if kind not in self._checked:
             reason = native_reason(handle, "FWD")
             if reason is not None:
-                raise HandlePoolError(f"flashinfer_ep HT FP8 dispatch: {reason}")
+                raise HandlePoolError(f"flashinfer_ep HT FP8 dispatch: {reason}{OFF}")
             self._checked.add(kind)
         rows = handle._num_tokens_in
-        groups = self.hidden // SCALE_GROUP
-        if (
-            scales is None
-            or x.dtype != self.tokens.dtype
-            or tuple(x.shape) != (rows, self.hidden)
-            or scales.dtype != torch.float32
-            or tuple(scales.shape) != (rows, groups)
-        ):
-            got = "no scales" if scales is None else f"{scales.dtype} scales {tuple(scales.shape)}"
-            raise HandlePoolError(
-                f"HT FP8 dispatch takes {self.tokens.dtype} rows {(rows, self.hidden)} and FP32 "
-                f"scales {(rows, groups)} (the handle routes {rows} tokens); got {x.dtype} "
-                f"{tuple(x.shape)} and {got}"
-            )
+        wrong = self._input_error(x, scales, rows)
+        if wrong is not None:
+            raise HandlePoolError(f"HT FP8 dispatch (the handle routes {rows} tokens): {wrong}{OFF}")
         if not (x.is_contiguous() and scales.is_contiguous()):  # read by pointer, row by row
             x, scales = x.contiguous(), scales.contiguous()
         ep = handle._ep

@@ -241,7 +241,8 @@ def _lower_step_budget(vllm_config: Any, flag: str, limit: int, why: str, log_wh
     )
 
 
-# Quantization methods whose MoE layers this package runs (BF16 wire, FP8 after receive):
+# Quantization methods whose MoE layers this package runs (128x128 block layers: FP8 on
+# the wire; the others: BF16 on the wire, FP8 after receive):
 # FP8 checkpoints (vLLM's `fp8` method) and vLLM 0.33.0's online FP8 shorthands.
 CHECKPOINT_FP8 = ("fp8",)
 ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
@@ -301,8 +302,10 @@ def _pin_fp8_experts(vllm_config: Any, flag: str) -> None:
     kernel.moe_backend = "triton"
     logger.info(
         "%s: FP8 MoE layers use vLLM's Triton experts (--moe-backend auto -> triton); "
-        "activations travel in BF16 and are quantized to FP8 after receive.",
+        "128x128 block-FP8 layers dispatch FP8 (%s=0: BF16), the others dispatch BF16 and "
+        "quantize to FP8 after receive.",
         flag,
+        envs.FP8_DISPATCH,
     )
 
 

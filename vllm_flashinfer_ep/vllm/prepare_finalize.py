@@ -34,6 +34,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
+from vllm_flashinfer_ep.runtime.fp8_wire import Quantizer
 from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, receive_quant
 
@@ -61,7 +62,7 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         if fp8_dispatch:
             runtime.enable_fp8_wire(self._wire_quantizer())
 
-    def _wire_quantizer(self):
+    def _wire_quantizer(self) -> Quantizer | None:
         """What quantizes before an FP8 dispatch (None: NCCL-EP's kernel does)."""
         return None
 
@@ -159,7 +160,7 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
-    def _wire_quantizer(self):
+    def _wire_quantizer(self) -> Quantizer | None:
         return receive_quant.group_quantize
 
     def post_init_setup(self, fused_experts) -> None:

@@ -1,7 +1,9 @@
-"""FP8 MoE layers over a BF16 wire: quantize what arrived, as the selected experts expect.
+"""FP8 MoE layers: what the experts get, quantized after receive or before dispatch.
 
-Both backends dispatch BF16 (FlashInfer 0.7.2.post1's NCCL-EP handle sets no dispatch
-quantization recipe) and hand the experts FP8 activations with the scales their quant
+128x128 block-FP8 layers send FP8 on the wire when NCCL-EP can carry it
+(`fp8_dispatch_reason`; runtime/fp8_wire.py: LL quantizes in NCCL-EP's kernel, HT with
+`group_quantize` before the dispatch). Every other FP8 layer (and a block layer whose wire
+is off) dispatches BF16 and hands the experts FP8 activations with the scales their quant
 config describes: per tensor (static from the checkpoint, or dynamic), per token, or per
 128-element group (128x128 block checkpoints). The quantization is vLLM's own
 (`moe_kernel_quantize_input`); only what it is applied to is this module's business:
