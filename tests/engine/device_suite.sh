@@ -4,6 +4,7 @@
 #
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
+#          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
@@ -59,8 +60,16 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
       grep -E "vs no-EP|moved by|passed|failed|Error" "$out/pytest-fp8-kernels.txt" | tail -40 ;;
-    fp8-engine|fp8-engine-ll|fp8-engine-ht)  # FP8 models (online, block, static) through the engine, against no EP
-      select=(); [ "$step" != fp8-engine ] && select=(-k "test_${step#fp8-engine-}_")
+    fp8-engine|fp8-engine-ll|fp8-engine-ht|fp8-engine-online-*)
+      # FP8 models (online, block, static) through the engine, against no EP;
+      # fp8-engine-online-WORD[-WORD] = the online fp8_per_block / fp8_per_channel
+      # schemes whose test ids hold every WORD (block, channel, ll, ht)
+      case $step in
+        fp8-engine) select=(-k "not online_scheme") ;;
+        fp8-engine-online-*) words=${step#fp8-engine-online-}
+          select=(-k "online_scheme and ${words//-/ and }") ;;
+        *) select=(-k "test_${step#fp8-engine-}_") ;;
+      esac
       python3 -m pytest tests/engine/test_engine_fp8_world1.py "${select[@]}" -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "floor|vs no EP|passed|failed|Error" "$out/pytest-$step.txt" | tail -20 ;;
@@ -108,7 +117,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -4,7 +4,10 @@ Three FP8 forms of the tiny Qwen3-MoE of test_engine_world1.py (hidden 2048, 4 M
 layers, 64 experts, top_k 8):
 - online: the BF16 checkpoint with `--quantization fp8_per_tensor` (per-tensor weights,
   dynamic per-tensor activations; vLLM 0.33.0's `fp8` method no longer quantizes online);
-  BF16 on the wire, quantized after receive;
+  BF16 on the wire, quantized after receive. The other two online shorthands the package
+  accepts: `fp8_per_block` (128x128 weight blocks, 128-element activation groups: FP8 on
+  the wire) and `fp8_per_channel` (per-channel weights, dynamic per-token activations:
+  BF16 on the wire, quantized per row after receive);
 - block: an FP8 checkpoint with 128x128 block scales (dynamic 128-element activation
   groups, as DeepSeek-V3 and the Qwen3 FP8 checkpoints); FP8 on the wire on both
   backends (LL: NCCL-EP quantizes; HT: vLLM's group quantization before dispatch);
@@ -40,10 +43,12 @@ def fp8_models(models, tmp_path_factory):
     }
 
 
-def _fp8_spec(model: str, backend: str | None = None, online: bool = False, **kw) -> dict:
+def _fp8_spec(
+    model: str, backend: str | None = None, online: bool | str = False, **kw
+) -> dict:
     extra = {"moe_backend": "triton"} if backend is None else {}
     if online:
-        extra["quantization"] = ONLINE
+        extra["quantization"] = ONLINE if online is True else online
     return _spec(model, backend, **extra, **kw)
 
 
@@ -128,3 +133,23 @@ def test_ll_fp8_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp
     assert (fp8 is not None and fp8 > 0) if scheme == "block" else fp8 is None, fp8
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
                   f"LL FP8 ({scheme} checkpoint) graphs vs no EP")
+
+
+@pytest.mark.parametrize("backend", [LL, HT], ids=["ll", "ht"])
+@pytest.mark.parametrize("scheme", ["fp8_per_block", "fp8_per_channel"])
+def test_online_scheme_matches_the_engine_without_ep(
+    engines, fp8_models, fp8_floor, scheme, backend
+):
+    """The online shorthands besides fp8_per_tensor, which config validation accepts on
+    both backends: fp8_per_block layers dispatch E4M3 + scales, fp8_per_channel layers
+    dispatch BF16 and quantize each received row."""
+    model = fp8_models["online"]
+    reference = engines.run(f"noep-{scheme}-graph", _fp8_spec(model, online=scheme))
+    assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
+    name = "ll" if backend == LL else "ht"
+    run = engines.run(f"{name}-{scheme}", _fp8_spec(model, backend, online=scheme))
+    (_check_ll if backend == LL else _check_ht)(run)
+    fp8 = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
+    assert (fp8 is not None and fp8 > 0) if scheme == "fp8_per_block" else fp8 is None, fp8
+    _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
+                  f"{name.upper()} FP8 (online {scheme}) vs no EP")
