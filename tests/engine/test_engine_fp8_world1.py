@@ -43,18 +43,24 @@ def fp8_models(models, tmp_path_factory):
     }
 
 
-def _fp8_spec(
-    model: str, backend: str | None = None, online: bool | str = False, **kw
-) -> dict:
+def _fp8_spec(model: str, backend: str | None = None, online: str | None = None, **kw) -> dict:
+    """`online`: the --quantization shorthand that quantizes the BF16 checkpoint."""
     extra = {"moe_backend": "triton"} if backend is None else {}
     if online:
-        extra["quantization"] = ONLINE if online is True else online
+        extra["quantization"] = online
     return _spec(model, backend, **extra, **kw)
+
+
+def _assert_wire(run: dict, fp8: bool) -> None:
+    """FP8 dispatches were counted during decode exactly when the layers carry FP8 on
+    the wire (None: the runtime never dispatched FP8)."""
+    count = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
+    assert (count is not None and count > 0) if fp8 else count is None, count
 
 
 @pytest.fixture(scope="module")
 def online_no_ep(engines, fp8_models):
-    run = engines.run("noep-fp8online-graph", _fp8_spec(fp8_models["online"], online=True))
+    run = engines.run("noep-fp8online-graph", _fp8_spec(fp8_models["online"], online=ONLINE))
     assert run["after_load"]["quant_dtypes"] == FP8_LAYERS
     return run
 
@@ -62,7 +68,7 @@ def online_no_ep(engines, fp8_models):
 @pytest.fixture(scope="module")
 def fp8_floor(engines, fp8_models, online_no_ep):
     eager = engines.run(
-        "noep-fp8online-eager", _fp8_spec(fp8_models["online"], online=True, enforce_eager=True)
+        "noep-fp8online-eager", _fp8_spec(fp8_models["online"], online=ONLINE, enforce_eager=True)
     )
     stats = _diff(online_no_ep["prompt_logprobs"], eager["prompt_logprobs"])
     print(f"FP8 floor (no EP, graphs vs eager): {stats}")
@@ -84,7 +90,7 @@ def _check_ll(run: dict) -> None:
 def test_ll_online_fp8_with_cuda_graphs_matches_the_engine_without_ep(
     engines, fp8_models, online_no_ep, fp8_floor
 ):
-    run = engines.run("ll-fp8online-graph", _fp8_spec(fp8_models["online"], LL, online=True))
+    run = engines.run("ll-fp8online-graph", _fp8_spec(fp8_models["online"], LL, online=ONLINE))
     _check_ll(run)
     _assert_close(run["prompt_logprobs"], online_no_ep["prompt_logprobs"], fp8_floor,
                   "LL FP8 (online) graphs vs no EP")
@@ -103,8 +109,7 @@ def test_ht_block_checkpoint_matches_the_engine_without_ep(engines, fp8_models, 
     _check_ht(run)
     # 128x128 blocks travel as E4M3 + scales (quantized before dispatch, NCCL-EP's
     # forward recipe), on by default
-    fp8 = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
-    assert fp8 is not None and fp8 > 0, fp8
+    _assert_wire(run, fp8=True)
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
                   "HT FP8 (block checkpoint, FP8 on the wire) vs no EP")
 
@@ -114,9 +119,9 @@ def test_ht_online_fp8_matches_the_engine_without_ep(engines, fp8_models, online
     a dynamic per-tensor scale taken over them (receive_quant.py). Refused at config time
     until this ran (a CUDA "invalid argument" at warm-up in earlier runs, which later
     runs did not reproduce)."""
-    run = engines.run("ht-fp8online", _fp8_spec(fp8_models["online"], HT, online=True))
+    run = engines.run("ht-fp8online", _fp8_spec(fp8_models["online"], HT, online=ONLINE))
     _check_ht(run)
-    assert run["after_decode"]["runtimes"][0]["fp8_dispatches"] is None  # BF16 wire
+    _assert_wire(run, fp8=False)
     _assert_close(run["prompt_logprobs"], online_no_ep["prompt_logprobs"], fp8_floor,
                   "HT FP8 (online per tensor) vs no EP")
 
@@ -129,8 +134,7 @@ def test_ll_fp8_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp
     _check_ll(run)
     # 128x128 blocks travel as E4M3 + scales (NCCL-EP's FP8 dispatch, on by default);
     # per-tensor scales stay BF16 on the wire, quantized after receive.
-    fp8 = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
-    assert (fp8 is not None and fp8 > 0) if scheme == "block" else fp8 is None, fp8
+    _assert_wire(run, fp8=scheme == "block")
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
                   f"LL FP8 ({scheme} checkpoint) graphs vs no EP")
 
@@ -149,7 +153,6 @@ def test_online_scheme_matches_the_engine_without_ep(
     name = "ll" if backend == LL else "ht"
     run = engines.run(f"{name}-{scheme}", _fp8_spec(model, backend, online=scheme))
     (_check_ll if backend == LL else _check_ht)(run)
-    fp8 = run["after_decode"]["runtimes"][0]["fp8_dispatches"]
-    assert (fp8 is not None and fp8 > 0) if scheme == "fp8_per_block" else fp8 is None, fp8
+    _assert_wire(run, fp8=scheme == "fp8_per_block")
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
                   f"{name.upper()} FP8 (online {scheme}) vs no EP")
