@@ -192,3 +192,12 @@ def rdma_buffer_bytes() -> int:
 
 def skip_env_checks() -> bool:
     return BY_NAME[SKIP_ENV_CHECKS].value()
+
+
+# How one rank checks its host and issues its calls: its peers see the same collectives.
+RANK_LOCAL = (SKIP_ENV_CHECKS, NATIVE_EAGER)
+
+
+def settings() -> dict[str, Any]:
+    """The parsed values every EP rank must share (managers compare them across ranks)."""
+    return {var.name: var.value() for var in VARIABLES if var.name not in RANK_LOCAL}

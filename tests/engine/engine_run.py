@@ -37,6 +37,7 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         "capture_sizes": sorted(int(s) for s in (comp.cudagraph_capture_sizes or [])),
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "data_parallel_size": cfg.parallel_config.data_parallel_size,
+        "model_runner": "v2" if cfg.use_v2_model_runner else "v1",
     }
     try:
         comm = get_ep_group().device_communicator
@@ -54,6 +55,8 @@ def worker_probe(worker: Any) -> dict[str, Any]:
             "world_size": rt.world_size,
             "top_k": rt.pool.top_k,
             "pool_sizes": rt.pool.sizes,
+            # sizes learned from vLLM's capture (runtime/capture.py's capture phase)
+            "pool_learned": list(getattr(rt.pool, "learned", [])),
             "pool_memory_bytes": rt.pool.memory_bytes,
             "pool_first_handle_bytes": rt.pool.first_handle_bytes,
             "pool_average_handle_bytes": rt.pool.average_handle_bytes,
@@ -108,6 +111,8 @@ def _build(spec: dict[str, Any]) -> Any:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     if spec.get("compilation_config"):
         kwargs["compilation_config"] = spec["compilation_config"]
+    if spec.get("speculative_config"):
+        kwargs["speculative_config"] = spec["speculative_config"]
     for key in ("quantization", "moe_backend"):
         if spec.get(key):
             kwargs[key] = spec[key]

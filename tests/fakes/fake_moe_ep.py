@@ -30,7 +30,15 @@ What it enforces, with FlashInfer's exception types and message style
   library refuses CPU ids in `update` and reads strided memory as garbage, so the fake
   raises instead. Combine never converts dtypes: `out` must have the expert output's
   dtype. Non-int64 ids are converted (the handle then holds a copy), as in FlashInfer.
-- Every collective's op must agree across ranks (a rank that skips one is caught).
+- Every collective (create_handle, update, dispatch, combine, the readmitting
+  clear_faults) must pair across ranks: same op, same handle identity (fleet and handle
+  creation index: a handle pairs with the peer handle created at the same position of
+  its fleet's creation sequence, a fleet with the peer fleet created at the same
+  position on its FakeGroup) and, for handles re-targeted with `update` (the package's
+  pooled handles, paired at one agreed size), the same token count; per-forward handles
+  carry each rank's own count, as NCCL-EP allows (`Handle._op`). On real NCCL-EP a
+  mismatch hangs or exchanges garbage; here every rank raises the same RuntimeError
+  naming the op, the ranks and what differs (`FakeGroup.exchange`).
 - `create_handle` under capture raises (NCCL-EP: handles are created outside capture).
 - use of a destroyed handle or fleet raises RuntimeError; combine needs a dispatch.
 - LL hidden sizes as `validate_ll_hidden_size`; FT only with LOW_LATENCY.
@@ -312,6 +320,9 @@ class FakeFleet:
             raise ValueError(
                 f"FakeGroup has {self._group.world_size} ranks, bootstrap {bootstrap.world_size}"
             )
+        # This fleet's position in this rank's fleet-creation sequence on the group: the
+        # peer fleet it pairs with is the one created at the same position.
+        self.index = self._group.register_fleet(bootstrap.rank) if self._group is not None else 0
         # The fake's "GPU": the CUDA device the bootstrap names where CUDA is usable,
         # else the CPU (unit tests). Tensors handed to NCCL-EP must live there.
         self.device = (
@@ -320,7 +331,7 @@ class FakeFleet:
         self._rounds = itertools.count()
         self._destroyed = False
         self._any_handle_created = False
-        self._ids = itertools.count()
+        self._ids = itertools.count()  # handle creation indexes (Handle.id), per fleet
         self._hot: dict[str, torch.Tensor] = {}
         self.log: list[Call] = []
         self.ft_log: list[str] = []
@@ -385,7 +396,9 @@ class FakeFleet:
             raise RuntimeError("Fleet used after destroy()")
 
     def _exchange(self, op: str, payload: Any) -> list[Any]:
-        """This collective's payloads of every rank (world 1: just ours)."""
+        """This collective's payloads of every rank (world 1: just ours). Every rank must
+        name the same op, fleet and, for a handle's collective (`op` a `HandleOp`), the
+        same handle and token count."""
         if self._bootstrap.world_size == 1:
             return [payload]
         if self._group is None:
@@ -393,7 +406,14 @@ class FakeFleet:
                 "the fake moves tokens between ranks only through a FakeGroup passed as "
                 "BootstrapConfig.process_group (see tests/fakes/world.py)"
             )
-        return self._group.exchange(self._bootstrap.rank, op, payload)
+        return self._group.exchange(
+            self._bootstrap.rank,
+            str(op),
+            payload,
+            fleet=self.index,
+            handle=getattr(op, "handle", None),
+            tokens=getattr(op, "tokens", None),
+        )
 
     def _next_round(self) -> int:
         return next(self._rounds)
@@ -452,15 +472,26 @@ class FakeFleet:
         self._mask.copy_(torch.tensor([ACTIVE if v == ACTIVE else MASKED for v in values]))
 
     def clear_faults(self, *, readmit: bool = False) -> None:
+        """readmit=False: clear the async flag (local). readmit=True: ncclEpMaskClean,
+        COLLECTIVE over the ranks (a rank that skips it is caught by the exchange),
+        then the flag is cleared, like FlashInfer's pairing. A peer marked dead
+        (`kill_peer`) cannot take part: the clean's barrier times out on it, it stays
+        masked, and no exchange runs (the fake has no survivors-only collective)."""
         self._require_ft("clear_faults")
         if readmit:
             _reject_graph_capture("clear_faults")
+            self._check_alive()
             if not self._any_handle_created:
                 raise RuntimeError(
                     "clear_faults(readmit=True) requires at least one handle to have been "
                     "created on this Fleet."
                 )
+            dead = getattr(self, "_dead_peers", set())
+            if not dead:
+                self._exchange("clear_faults(readmit=True)", None)
             self._mask.fill_(ACTIVE)
+            for rank in dead:
+                self._mask[rank] = MASKED
         self.ft_log.append(f"clear_faults(readmit={readmit})")
         self._async_error = False
 
@@ -475,34 +506,120 @@ class FakeFleet:
         """NCCL-EP set its pinned host async-error flag."""
         self._async_error = True
 
+    def kill_peer(self, rank: int) -> None:
+        """A peer died: it times out (masked, flag raised) and can never be re-admitted."""
+        self.mask_rank(rank)
+        self.raise_fault_flag()
+        if not hasattr(self, "_dead_peers"):
+            self._dead_peers: set[int] = set()
+        self._dead_peers.add(rank)
+
 
 # ------------------------------------------------------------------- N ranks, one process
+class HandleOp(str):
+    """A handle's collective: compares and prints as its op name (so code that checks
+    `op == "combine"` is unaffected) and carries the handle's creation index on its fleet
+    and its token count, which every rank's call must match."""
+
+    handle: int
+    tokens: int
+
+    def __new__(cls, name: str, handle: int, tokens: int) -> HandleOp:
+        op = super().__new__(cls, name)
+        op.handle, op.tokens = handle, tokens
+        return op
+
+
+class Collective(NamedTuple):
+    """What one rank says a collective is; every rank's must be equal for it to pair."""
+
+    op: str
+    fleet: int | None = None  # the fleet's creation index on the group
+    handle: int | None = None  # the handle's creation index on its fleet
+    tokens: int | None = None  # the handle's token count
+
+    def describe(self) -> str:
+        where = ""
+        if self.handle is not None:
+            where = f" on handle {self.handle} of fleet {self.fleet}"
+        elif self.fleet is not None:
+            where = f" on fleet {self.fleet}"
+        size = f" with {self.tokens} tokens" if self.tokens is not None else ""
+        return f"{self.op}{where}{size}"
+
+
+_FIELD_NAMES = {
+    "op": "the op",
+    "fleet": "the fleet (creation index on the group)",
+    "handle": "the handle (creation index on its fleet)",
+    "tokens": "the token count",
+}
+
+
+def _disagreement(keys: list[Collective]) -> str:
+    """The error every rank raises when `keys` (one per rank) do not all match."""
+    by_key: dict[Collective, list[int]] = {}
+    for rank, key in enumerate(keys):
+        by_key.setdefault(key, []).append(rank)
+    views = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {key.describe()}"
+        for key, ranks in by_key.items()
+    )
+    differ = [
+        name for field, name in _FIELD_NAMES.items() if len({getattr(k, field) for k in keys}) > 1
+    ]
+    return (
+        f"fake NCCL-EP: the EP ranks disagree on the collective ({views}); they differ in "
+        f"{' and '.join(differ)}. NCCL-EP itself checks none of this: it would pair these "
+        "calls anyway (a hang or garbage)."
+    )
+
+
 class FakeGroup:
     """One EP group of `world_size` ranks simulated in one process, one thread per rank.
 
     Pass it as `BootstrapConfig(process_group=...)` to every rank's fleet; each rank's
     package code runs on its own thread (see `tests/fakes/world.py`). Every collective
-    (create_handle, update, dispatch, combine) publishes this rank's payload and waits
-    for all ranks, so tokens really move between ranks and a rank that skips or
-    reorders a collective is caught (the ops must agree) instead of deadlocking forever.
+    (create_handle, update, dispatch, combine, ...) publishes this rank's payload and
+    waits for all ranks, so tokens really move between ranks. Each rank also publishes
+    what it believes the collective is (`Collective`: op, fleet, handle, token count):
+    a rank that skips, reorders or mis-pairs a collective (another handle, another size)
+    is caught on every rank, instead of deadlocking or exchanging garbage as NCCL-EP would.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 30.0) -> None:
         self.world_size = world_size
         self._barrier = threading.Barrier(world_size, timeout=timeout_s)
         self._slots: list[Any] = [None] * world_size
+        self._fleets_created = [0] * world_size
 
-    def exchange(self, rank: int, op: str, payload: Any) -> list[Any]:
-        """All ranks' payloads of this collective, in rank order."""
+    def register_fleet(self, rank: int) -> int:
+        """The creation index of `rank`'s next fleet on this group (0, 1, ...)."""
+        index = self._fleets_created[rank]
+        self._fleets_created[rank] += 1
+        return index
+
+    def exchange(
+        self,
+        rank: int,
+        op: str,
+        payload: Any,
+        *,
+        fleet: int | None = None,
+        handle: int | None = None,
+        tokens: int | None = None,
+    ) -> list[Any]:
+        """All ranks' payloads of this collective, in rank order. Raises RuntimeError on
+        every rank unless every rank named the same op, fleet, handle and token count."""
         if self.world_size == 1:
             return [payload]
-        self._slots[rank] = (op, payload)
+        self._slots[rank] = (Collective(op, fleet, handle, tokens), payload)
         self._barrier.wait()
         got = list(self._slots)
         self._barrier.wait()
-        ops = {o for o, _ in got}
-        if len(ops) != 1:
-            raise RuntimeError(f"ranks disagree on the collective: {[o for o, _ in got]}")
+        keys = [key for key, _ in got]
+        if any(key != keys[0] for key in keys[1:]):
+            raise RuntimeError(_disagreement(keys))
         return [p for _, p in got]
 
 
@@ -521,7 +638,10 @@ class Handle:
         self, fleet: FakeFleet, handle_id: int, params: HandleParams, algo_knobs: Sequence[AlgoKnob]
     ) -> None:
         self._fleet = fleet
+        # The creation index on its fleet (0, 1, ...): with the fleet's index, the handle's
+        # identity across ranks; it pairs with the peers' handle of the same index.
         self.id = handle_id
+        self._retargeted = False  # updated at least once: a pooled handle (see _op)
         self.knobs = _index_knobs(algo_knobs)
         self.destroyed = False
         self._is_ht = fleet.params.algorithm is EpAlgorithm.HIGH_THROUGHPUT
@@ -626,6 +746,7 @@ class Handle:
 
     def _native_update(self, ids: torch.Tensor) -> None:
         """ncclEpUpdateHandle: FlashInfer's update after its checks, or a direct call."""
+        self._retargeted = True
         self._bind(ids, "update")
         self._dispatched = False
         self._fleet.log.append(Call("update", self.id, self._num_tokens))
@@ -636,7 +757,7 @@ class Handle:
         # metadata step is collective: HT learns how many rows it will receive.
         self.bound_ids = ids
         self._routing = ids.clone()
-        everyone = self._fleet._exchange(op, self._routing)
+        everyone = self._fleet._exchange(self._op(op), self._routing)
         if self._recv_target is not None:
             received = sum(int(self._mine(r).any(dim=1).sum()) for r in everyone)
             self._recv_target.fill_(received)
@@ -668,7 +789,7 @@ class Handle:
         """The collective under every dispatch: x's rows (any dtype) and `weights` (what
         HT's forward pass carries along) to the ranks holding their experts."""
         sent = (x.clone(), self._routing, weights.to(torch.float32).clone())
-        everyone = self._fleet._exchange("dispatch", sent)
+        everyone = self._fleet._exchange(self._op("dispatch"), sent)
         self._round = self._fleet._next_round()
         out = self._dispatch_ht(x, everyone) if self._is_ht else self._dispatch_ll(x, everyone)
         self._dispatched = True
@@ -773,7 +894,8 @@ class Handle:
         acc = torch.zeros(self._num_tokens, hidden, dtype=torch.float32, device=x.device)
         if self._is_ht:
             x2d = x.reshape(-1, hidden)
-            everyone = self._fleet._exchange("combine", (x2d[: len(self._received)].clone(), self._received))
+            sent = (x2d[: len(self._received)].clone(), self._received)
+            everyone = self._fleet._exchange(self._op("combine"), sent)
             for rows, received in everyone:
                 for row, (src, t) in enumerate(received):
                     if src == rank:
@@ -786,7 +908,8 @@ class Handle:
                 raise ValueError(
                     f"LL combine input has shape {tuple(x.shape)}, expected {(e_local, rows, hidden)}"
                 )
-            everyone = self._fleet._exchange("combine", (x.clone(), self._placed))
+            sent = (x.clone(), self._placed)
+            everyone = self._fleet._exchange(self._op("combine"), sent)
             # Read the bound weights NOW (like the native combine), not at creation.
             w = weights.to(torch.float32)
             routing = self._routing
@@ -810,6 +933,17 @@ class Handle:
         self._fleet.log.append(Call("destroy", self.id, self._num_tokens))
 
     # ---------------------------------------------------------------- helpers
+    def _op(self, name: str) -> HandleOp:
+        """This handle's collective `name`, carrying what the peers' must match.
+
+        The token count is compared for handles re-targeted with `update` only: those are
+        the package's pooled handles, which every rank runs at one agreed size (the
+        received-rows experts bound their work by it). A per-forward handle (created,
+        used once, destroyed) carries each rank's own count, which NCCL-EP pairs: each
+        rank's `topk_idx` is its own [num_tokens, top_k], bounded by the fleet's
+        max_dispatch_tokens_per_rank only (nccl_ep.h)."""
+        return HandleOp(name, self.id, self._num_tokens if self._retargeted else None)
+
     def _check_alive(self, op: str) -> None:
         if self.destroyed:
             raise RuntimeError(f"Handle.{op}() called on a destroyed handle (id {self.id})")

@@ -435,6 +435,40 @@ def test_unwarmed_size_under_capture_raises(ep_group_world1):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("hidden", [2048, 7168])
+def test_capture_phase_learns_the_counts_the_engine_captures(ep_group_world1, hidden):
+    """Counts the configured sizes lack (speculative decoding's 3, 9, 18) are learned from
+    the eager warm-up vLLM runs on a side stream inside its capture phase, then captured
+    and replayed for new routing on real NCCL-EP; no handle is created in a capture."""
+    from vllm_flashinfer_ep.runtime.capture import capture_phase
+
+    rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=[8, 16])
+    pool, rnd = rt.pool, LowLatencyRound(rt)
+    for num_tokens in (18, 9, 3):  # vLLM captures the largest first
+        layers = [_inputs(num_tokens, hidden, seed=500 * i + num_tokens) for i in range(NUM_LAYERS)]
+        outs = [torch.empty_like(layer[0]) for layer in layers]
+
+        def step(layers=layers, outs=outs):
+            for (x, ids, w, s), out in zip(layers, outs):
+                _ll_step(rnd, x, ids, w, s, out)
+
+        with capture_phase():
+            graph = capture_graph(step)
+        assert num_tokens in pool.sizes and pool.learned[-1] == num_tokens
+        assert pool.counters.created_during_capture == 0 and pool.counters.fresh_created == 0
+        for i, (x, ids, w, s) in enumerate(layers):
+            nx, nids, nw, ns = _inputs(num_tokens, hidden, seed=91 + i + num_tokens)
+            x.copy_(nx), ids.copy_(nids), w.copy_(nw), s.copy_(ns)
+        created = pool.counters.pooled_created
+        graph.replay()
+        torch.cuda.synchronize()
+        for (x, ids, w, s), got in zip(layers, outs):
+            torch.testing.assert_close(got, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+        assert pool.counters.pooled_created == created
+        del graph
+    assert pool.learned == [18, 9, 3] and pool.sizes == [3, 8, 9, 16, 18]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _destroy_fleets():
     yield

@@ -17,7 +17,7 @@ from tests.fakes.world import run_ranks
 from tests.helpers import scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
-from vllm_flashinfer_ep.errors import HandlePoolError
+from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.runtime import handle_pool
 from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, bucket_sizes
 from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
@@ -233,14 +233,17 @@ def test_ht_ranks_far_apart_in_tokens_all_run_per_forward_handles():
 def test_the_ht_prepare_takes_the_spread_bound():
     from vllm_flashinfer_ep.vllm import managers
 
-    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=32, sizes=[8])
+    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=512, sizes=[8])
     mgr = managers.FlashInferEPHighThroughputManager.__new__(managers.FlashInferEPHighThroughputManager)
     mgr.algorithm, mgr.get_handle = Algorithm.HIGH_THROUGHPUT, lambda kw: rt
     pf = mgr.make_prepare_finalize(
-        type("Moe", (), dict(num_experts=8, max_num_tokens=32, hidden_dim=HIDDEN, experts_per_token=2))(), None
+        type("Moe", (), dict(num_experts=8, max_num_tokens=512, hidden_dim=HIDDEN, experts_per_token=2))(), None
     )
-    with override_forward_context(_context([1, 2000])):
+    with override_forward_context(_context([1, 400])):
         assert pf._agreed(1) is None
+    # Above the capacity every rank refuses alike, spread or not (nobody waits in NCCL-EP).
+    with override_forward_context(_context([1, 600])), pytest.raises(DispatchCapacityError):
+        pf._agreed(1)
 
 
 def test_a_round_that_failed_before_its_combine_leaves_no_padding_behind():

@@ -43,7 +43,8 @@ def test_fleet_gets_the_fault_tolerance_knob(monkeypatch):
     monkeypatch.setenv(envs.FT_TIMEOUT_MS, "1234")
     assert _ft_fleet().fault_tolerance_knob.timeout_ms == 1234
     plain = create_fleet(
-        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
+        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN),
+        fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0),
     )
     assert not plain.supports_fault_tolerance
     with pytest.raises(FlashInferEPConfigError, match="low-latency"):
@@ -51,7 +52,9 @@ def test_fleet_gets_the_fault_tolerance_knob(monkeypatch):
 
 
 def test_built_runtime_fleet_has_fault_tolerance():
-    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, fault_tolerance=True, sizes=[4])
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, fault_tolerance=True, sizes=[4]
+    )
     adapter = FaultToleranceAdapter([fleet], "cpu")
     assert adapter.enabled
     assert adapter.query_active_mask().tolist() == [0]
@@ -73,7 +76,6 @@ def test_mask_polarity_is_vllm_s():
 def test_query_fault_is_a_bool_tensor_and_sees_mask_changes():
     fleet = _ft_fleet()
     adapter = FaultToleranceAdapter([fleet], "cpu")
-    adapter.snapshot_baseline()
     fault = adapter.query_fault()
     assert _is_bool_scalar(fault) and not bool(fault)
     # NCCL-EP masks a peer in place in its own buffer: the baseline must be a copy.
@@ -84,57 +86,45 @@ def test_query_fault_is_a_bool_tensor_and_sees_mask_changes():
     assert bool(adapter.query_fault())
 
 
-def test_first_query_takes_the_baseline():
+def test_the_baseline_is_all_active_not_the_first_mask_seen():
     fleet = _ft_fleet()
-    fleet.mask_rank(1)  # masked before anyone looked: that is the baseline
+    fleet.mask_rank(1)  # masked before anyone looked: still a fault, never a baseline
     adapter = FaultToleranceAdapter([fleet], "cpu")
-    assert not bool(adapter.query_fault())
-    fleet.mask_rank(2)
     assert bool(adapter.query_fault())
+    assert adapter.query_active_mask().tolist() == [0, 1, 0, 0]
 
 
 def test_host_fault_flag_is_a_fault_even_with_an_unchanged_mask():
     fleet = _ft_fleet()
     adapter = FaultToleranceAdapter([fleet], "cpu")
-    adapter.snapshot_baseline()
     fleet.raise_fault_flag()
     fault = adapter.query_fault()
     assert _is_bool_scalar(fault) and bool(fault)
     assert adapter.query_active_mask().tolist() == [0, 0, 0, 0]
 
 
-def test_clean_buffers_clears_the_flag_and_rebaselines():
-    fleet = _ft_fleet()
-    adapter = FaultToleranceAdapter([fleet], "cpu")
-    adapter.snapshot_baseline()
-    fleet.mask_rank(2)
-    fleet.raise_fault_flag()
-    assert bool(adapter.query_fault())
-    fleet.ft_log.clear()
-    adapter.clean_buffers()
-    assert "clear_faults(readmit=False)" in fleet.ft_log  # rank-local, no re-admission
-    assert not bool(adapter.query_fault())  # degraded but healthy vs the new baseline
-    assert adapter.query_active_mask().tolist() == [0, 0, 1, 0]  # still masked
-    fleet.mask_rank(1)  # a second failure after recovery is a new fault
-    assert bool(adapter.query_fault())
-
-
-def test_clean_buffers_clears_every_fault_tolerant_fleet():
-    a, b = _ft_fleet(), _ft_fleet()
-    plain = create_fleet(
-        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
-    )
+def test_clean_buffers_readmits_in_every_fault_tolerant_fleet():
+    # World size 1 (re-admission is collective; two ranks: tests/unit/test_ft_recovery.py),
+    # fleets with a handle, as re-admission needs one.
+    _, a = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, fault_tolerance=True, sizes=[4])
+    _, b = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=4096, fault_tolerance=True, sizes=[4])
+    _, plain = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[4])
     adapter = FaultToleranceAdapter([plain, a, b], "cpu")
     assert adapter.enabled
-    a.raise_fault_flag()
-    b.raise_fault_flag()
+    b.raise_fault_flag()  # only the second FT fleet faults: still a fault
+    assert bool(adapter.query_fault())
     adapter.clean_buffers()
+    assert a.ft_log.count("clear_faults(readmit=True)") == 1
+    assert b.ft_log.count("clear_faults(readmit=True)") == 1
+    assert plain.ft_log == []
     assert not a.query_fault() and not b.query_fault()
+    assert not bool(adapter.query_fault())
 
 
 def test_without_a_fault_tolerant_fleet():
     plain = create_fleet(
-        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN), fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0)
+        FleetSpec(Algorithm.LOW_LATENCY, 8, 16, HIDDEN),
+        fake_moe_ep.BootstrapConfig(world_size=WORLD, rank=0),
     )
     adapter = FaultToleranceAdapter([plain], "cpu")
     assert not adapter.enabled
@@ -142,18 +132,14 @@ def test_without_a_fault_tolerant_fleet():
         adapter.query_fault()
 
 
-@pytest.mark.parametrize(
-    "call",
-    ["query_active_mask", "query_fault", "clean_buffers", "snapshot_baseline"],
-)
+@pytest.mark.parametrize("call", ["query_active_mask", "query_fault", "clean_buffers"])
 def test_adapter_refuses_every_call_under_capture(monkeypatch, call):
     fleet = _ft_fleet()
     adapter = FaultToleranceAdapter([fleet], "cpu")
-    adapter.snapshot_baseline()
     fleet.raise_fault_flag()
     fleet.ft_log.clear()
-    # Only the adapter's view of capture: the refusal must be the adapter's own, not
-    # FlashInfer's (whose clear_faults(readmit=False) does not check capture at all).
+    # Only the adapter's view of capture: the refusal must be the adapter's own, before
+    # FlashInfer is touched at all.
     monkeypatch.setattr(fault_tolerance, "is_capturing", lambda: True)
     with pytest.raises(
         RuntimeError, match="fault tolerance: .* cannot run under CUDA-graph capture"
@@ -168,7 +154,12 @@ def test_fake_fleet_refuses_ft_calls_under_capture(monkeypatch):
     fleet = _ft_fleet()
     adapter = FaultToleranceAdapter([fleet], "cpu")
     with switch.capturing():
-        for call in (fleet.query_active_mask, fleet.query_fault):
+        for call in (
+            fleet.query_active_mask,
+            fleet.query_fault,
+            lambda: fleet.set_active_mask([1] * WORLD),
+            lambda: fleet.clear_faults(readmit=True),
+        ):
             with pytest.raises(RuntimeError, match="must not be called during CUDA-graph capture"):
                 call()
         with pytest.raises(RuntimeError, match="cannot run under CUDA-graph capture"):

@@ -1,8 +1,37 @@
-"""CUDA stream-capture state, safe to ask on hosts without a usable GPU."""
+"""CUDA stream-capture state, safe to ask on hosts without a usable GPU, and the
+engine's capture phase.
+
+The capture phase is the span in which the engine captures its CUDA graphs (vLLM: its
+`graph_capture` context). Before each capture the engine runs one eager warm-up forward
+of the same token count on every rank; a handle pool seeing a count it lacks there
+learns it (handle_pool.HandlePool.begin), so the pool holds exactly what the engine
+captures, whatever the engine's sizing rules (speculative decoding, sequence-parallel
+MoE, drafter graphs) made of the configured sizes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+_phase_depth = 0
+
+
+@contextmanager
+def capture_phase() -> Iterator[bool]:
+    """Mark the engine's capture phase (re-entrant); yields True for the outermost entry."""
+    global _phase_depth
+    _phase_depth += 1
+    try:
+        yield _phase_depth == 1
+    finally:
+        _phase_depth -= 1
+
+
+def in_capture_phase() -> bool:
+    return _phase_depth > 0
 
 
 def is_capturing() -> bool:

@@ -6,72 +6,147 @@ Conventions differ, so this adapter converts:
 - fault signal: FlashInfer's `query_fault()` is a host bool read from a pinned flag;
   vLLM calls `query_fault()` every step on its output-copy stream and copies the
   result to the CPU non-blocking, so it must be a stream-ordered GPU bool tensor.
-  The adapter compares the current mask with the baseline taken at the last
-  recovery on the GPU and ORs in the host flag.
+  The adapter compares the current masks with the baseline on the GPU and ORs in
+  the host flags.
+
+Every fault-tolerant fleet counts (one per MoE shape, fleets created after the
+adapter included: it reads the fleet list at each call). A rank is masked if any
+fleet masks it; a fault in any fleet is a fault.
+
+The baseline is the all-active mask, and only that: it is what the fleets start
+with and the only state recovery may return to. `clean_buffers` (vLLM's retry)
+re-admits every masked peer with `clear_faults(readmit=True)`, collective over the
+survivors of each fleet, so after a retry that reached every engine all live peers
+take part again. A peer that could not be re-admitted (dead, or the re-admission
+failed) is still masked afterwards, so it keeps reading as a fault: the adapter
+never reports healthy while any fleet masks a peer (no degraded serving).
+
 None of these calls may run under CUDA-graph capture (FlashInfer raises there too).
 Low latency only: NCCL-EP has no FT for high throughput.
+
+EXPERT_MAJOR and re-admission: FlashInfer warns that `ncclEpMaskClean` computes its
+buffer-reset offsets for the RANK_MAJOR layout, so under EXPERT_MAJOR (our layout)
+it "may leave stale bytes in the LL staging buffer" -- receive-side count/flag words
+or rows of the aborted round that the clean did not reach. The plugin cannot reset
+that buffer itself (NCCL-EP allocates it; FlashInfer exposes no handle on it), and
+an extra "flush" round would not provably drain it: a stale signal is consumed by
+whichever round comes next in place of the real one, whose own signal is then left
+for the round after. So nothing is added here; docs/fault_tolerance.md states the
+risk (outputs of the first rounds after a re-admission are FlashInfer's to vouch
+for) and the clean alternative (restart the engines).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import is_capturing
+
+logger = get_logger(__name__)
+
+# flashinfer/moe_ep/core/comm/fault_tolerance.py
+ACTIVE = 1
 
 
 class FaultToleranceAdapter:
-    def __init__(self, fleets: list[Any], device: torch.device | int | str) -> None:
-        self._fleets = fleets
+    def __init__(
+        self,
+        fleets: Sequence[Any] | Callable[[], Sequence[Any]],
+        device: torch.device | int | str,
+    ) -> None:
+        """`fleets`: the fleets, or a callable returning the current ones (a manager
+        passes `FleetCache.fleets`, so fleets created later are seen too)."""
+        self._fleets: Callable[[], Sequence[Any]] = (
+            fleets if callable(fleets) else (lambda fixed=tuple(fleets): fixed)
+        )
         self.device = torch.device(device)
+        # The all-active mask (FlashInfer polarity), built at the first query from the
+        # fleets' own mask. Never a snapshot of a live mask: see the module docstring.
         self._baseline: torch.Tensor | None = None
 
     @property
     def enabled(self) -> bool:
-        return any(getattr(f, "supports_fault_tolerance", False) for f in self._fleets)
+        return bool(self._ft_fleets(required=False))
 
-    def _primary(self) -> Any:
-        for fleet in self._fleets:
-            if getattr(fleet, "supports_fault_tolerance", False):
-                return fleet
-        raise RuntimeError(
-            "no flashinfer_ep fleet with fault tolerance: start vLLM with "
-            "--enable-fault-tolerance and --all2all-backend flashinfer_ep_low_latency"
-        )
+    def _ft_fleets(self, *, required: bool = True) -> list[Any]:
+        fleets = [f for f in self._fleets() if getattr(f, "supports_fault_tolerance", False)]
+        if required and not fleets:
+            raise RuntimeError(
+                "no flashinfer_ep fleet with fault tolerance: start vLLM with "
+                "--enable-fault-tolerance and --all2all-backend flashinfer_ep_low_latency"
+            )
+        return fleets
 
-    def _raw_mask(self, op: str) -> torch.Tensor:
-        """FlashInfer's mask (1 = active), copied out of its fleet-owned buffer."""
+    def _masked(self, op: str) -> torch.Tensor:
+        """Bool [ep_world] on the GPU: True where any FT fleet masks the rank.
+
+        Built from fresh tensors, never from FlashInfer's fleet-owned mask buffer
+        (NCCL-EP writes it in place)."""
         _reject_capture(op)
-        return self._primary().query_active_mask().to(torch.int32).clone()
-
-    def snapshot_baseline(self) -> None:
-        """Remember the current mask as 'no new fault' (after startup or recovery)."""
-        self._baseline = self._raw_mask("snapshot_baseline")
+        masked: torch.Tensor | None = None
+        for fleet in self._ft_fleets():
+            mask = fleet.query_active_mask().to(torch.int32)
+            if self._baseline is None:
+                self._baseline = torch.full_like(mask, ACTIVE)
+            off = torch.ne(mask, self._baseline)
+            masked = off if masked is None else masked | off
+        assert masked is not None
+        return masked
 
     def query_active_mask(self) -> torch.Tensor:
-        """int32 [ep_world] on the GPU, vLLM polarity: 0 = live, 1 = masked."""
-        return 1 - self._raw_mask("query_active_mask")
+        """int32 [ep_world] on the GPU, vLLM polarity: 0 = live, 1 = masked (by any fleet)."""
+        return self._masked("query_active_mask").to(torch.int32)
 
     def query_fault(self) -> torch.Tensor:
-        """Scalar bool on the GPU: a fault appeared since the last baseline."""
-        mask = self._raw_mask("query_fault")
-        if self._baseline is None:
-            self._baseline = mask.clone()
-        fault = torch.ne(mask, self._baseline).any()
-        if self._primary().query_fault():
-            fault = torch.ones((), dtype=torch.bool, device=mask.device)
+        """Scalar bool on the GPU: some FT fleet masks a peer or raised its fault flag."""
+        fault = self._masked("query_fault").any()
+        if any(fleet.query_fault() for fleet in self._ft_fleets()):
+            fault = torch.ones((), dtype=torch.bool, device=fault.device)
         return fault
 
     def clean_buffers(self) -> None:
-        """Rank-local recovery: clear NCCL-EP's sticky error flag and re-baseline."""
+        """vLLM's retry: re-admit every masked peer in every FT fleet.
+
+        `clear_faults(readmit=True)` is collective over the survivors of each fleet
+        (it completes only if vLLM's retry reached every engine) and also clears the
+        fleet's fault flag. It is called on every FT fleet, in the same order on
+        every rank, whatever this rank's own view shows: another rank may mask a
+        peer that this one does not. A failure is logged, not raised, so the retry
+        still re-creates vLLM's DP group on every rank; the peer stays masked (or
+        the flag stays set) and `query_fault` keeps reporting the fault.
+        """
         _reject_capture("clean_buffers")
-        for fleet in self._fleets:
-            if getattr(fleet, "supports_fault_tolerance", False):
-                fleet.clear_faults(readmit=False)
-        self.snapshot_baseline()
+        failed: list[str] = []
+        for index, fleet in enumerate(self._ft_fleets()):
+            try:
+                fleet.clear_faults(readmit=True)
+            except Exception as exc:  # noqa: BLE001 - reported through query_fault
+                failed.append(f"fleet {index}: {type(exc).__name__}: {exc}")
+        masked = self._masked("clean_buffers").nonzero().flatten().tolist()
+        flagged = [i for i, fleet in enumerate(self._ft_fleets()) if fleet.query_fault()]
+        detail = "".join(f"; {f}" for f in failed)
+        if masked or flagged:
+            logger.error(
+                "flashinfer_ep: recovery incomplete, the fault stays reported (masked EP "
+                "ranks %s, fleets with the fault flag %s%s). Re-admission is collective: "
+                "send retry to every engine; a dead engine needs a restart.",
+                masked,
+                flagged,
+                detail,
+            )
+        elif failed:
+            # E.g. a fleet no round ever ran on (no handle yet): nothing was masked here.
+            logger.warning("flashinfer_ep: re-admission refused, no peer masked here%s", detail)
+        else:
+            logger.info("flashinfer_ep: recovery re-admitted every EP rank")
 
 
 def _reject_capture(op: str) -> None:
     if is_capturing():
-        raise RuntimeError(f"flashinfer_ep fault tolerance: {op} cannot run under CUDA-graph capture")
+        raise RuntimeError(
+            f"flashinfer_ep fault tolerance: {op} cannot run under CUDA-graph capture"
+        )

@@ -38,6 +38,7 @@ from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import (
     current_raw_stream,
     current_stream_capturing,
+    in_capture_phase,
     is_capturing,
 )
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
@@ -53,6 +54,20 @@ T = TypeVar("T")
 # `agreed_tokens` for callers that drive every rank with the same token count (benchmarks,
 # kernel tests, a single rank): the agreed count is this rank's own.
 LOCAL = "local"
+
+
+LARGEST_RANK = "the largest EP rank (every rank refuses this forward)"
+
+
+def over_capacity(num_tokens: int, capacity: int, whose: str) -> DispatchCapacityError:
+    """The error of a round above the fleet capacity. Raised before any collective; when
+    `whose` is the largest rank's count (read alike by every rank), every rank raises it
+    and none is left waiting in NCCL-EP."""
+    return DispatchCapacityError(
+        f"{num_tokens} tokens on {whose} exceed the flashinfer_ep fleet capacity of "
+        f"{capacity} tokens per rank; raise --max-num-batched-tokens (the fleet is sized "
+        "from it) or lower the batch size."
+    )
 
 
 def bucket_sizes(above: int, capacity: int, max_pad: int | None = None) -> list[int]:
@@ -187,6 +202,12 @@ class HandlePool:
         self._handles: dict[int, Any] = {}
         self._current: Any = None
         self._current_is_fresh = False
+        # Called with (item, value) before a size learned in the capture phase is created:
+        # every EP rank must learn the same size at the same round, and a rank that would
+        # not is refused there, before the collective creation (runtime/rank_agreement.py).
+        # None: a single rank, or callers that drive every rank alike (benchmarks, tests).
+        self.agree: Callable[[str, Any], None] | None = None
+        self.learned: list[int] = []  # sizes learned in the engine's capture phase
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -268,6 +289,24 @@ class HandlePool:
         self.warm_after = memory_snapshot(self.device)
         return self.sizes
 
+    def _learn(self, size: int) -> None:
+        """Pool `size`, the agreed count of an eager warm-up forward in the engine's capture
+        phase: the engine captures that count next, and a handle cannot be created inside
+        the capture. Every rank runs the same warm-ups, so every rank learns alike; `agree`
+        checks that before the collective creation."""
+        if size > self.capacity:
+            return  # the round refuses it (begin); nothing to learn
+        if self.agree is not None:
+            self.agree("token count learned in the capture phase", size)
+        self.warm([size])
+        self.learned.append(size)
+        logger.info(
+            "flashinfer_ep: pooled a handle for %d tokens, a size the engine captures beyond "
+            "its configured capture sizes (speculative decoding, sequence-parallel MoE or "
+            "a drafter's graphs)",
+            size,
+        )
+
     def any_handle(self) -> Any:
         """A warmed handle (to check what the installed FlashInfer offers), or None."""
         return next(iter(self._handles.values()), None)
@@ -311,6 +350,10 @@ class HandlePool:
         handle = self._handles.get(agreed) if agreed == num_tokens else None
         size = num_tokens
         if handle is None and isinstance(agreed, int) and agreed >= num_tokens:
+            if agreed > self.capacity:  # every rank reads the same count: all refuse alike
+                raise over_capacity(agreed, self.capacity, LARGEST_RANK)
+            if agreed not in self._handles and not capturing and in_capture_phase():
+                self._learn(agreed)
             size = self.pooled_size(agreed)
             handle = self._handles.get(size) if size is not None else None
         if capturing and (handle is None or size != num_tokens):
@@ -318,8 +361,10 @@ class HandlePool:
             raise HandlePoolError(
                 f"no warmed flashinfer_ep handle for {num_tokens} tokens (pooled sizes: "
                 f"{self.sizes}); a handle cannot be created inside CUDA-graph capture. The "
-                "pool is warmed with vLLM's cudagraph capture sizes; if you changed them after "
-                "model load, restart, or run with --enforce-eager."
+                "pool learns each captured size from the engine's eager warm-up forward of "
+                "that size; this capture had none (or ran outside the engine's capture "
+                "phase). Please report this with the vLLM command line; --enforce-eager "
+                "avoids it."
             )
         if handle is None:
             return self._begin_fresh(topk_ids, topk_weights, agreed)
@@ -528,11 +573,7 @@ class HandlePool:
                 f"this pool was built for top_k={self.top_k}, got routing with top_k={top_k}"
             )
         if num_tokens > self.capacity:
-            raise DispatchCapacityError(
-                f"{num_tokens} tokens on this rank exceed the flashinfer_ep fleet capacity of "
-                f"{self.capacity} tokens per rank; raise --max-num-batched-tokens (the fleet is "
-                "sized from it) or lower the batch size."
-            )
+            raise over_capacity(num_tokens, self.capacity, "this rank")
         raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
 
     def _pad_buffer(self, name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
 
 
-def agreed_token_count(num_tokens: int, max_spread: int | None = None) -> int | str | None:
+def agreed_token_count(
+    num_tokens: int, max_spread: int | None = None, capacity: int | None = None
+) -> int | str | None:
     """The MoE token count every EP rank agrees on for this forward: the largest rank's.
 
     `max_spread`: when the largest and the smallest rank's counts differ by more, None
@@ -21,7 +23,11 @@ def agreed_token_count(num_tokens: int, max_spread: int | None = None) -> int | 
 
     A rank whose own count exceeds the metadata's largest is an error, not a fallback to
     a per-forward handle: the other ranks would update their pooled handle while this one
-    created a new one, and the collectives would pair up wrongly (a hang).
+    created a new one, and the collectives would pair up wrongly (a hang). Only that rank
+    can see it; the others end through NCCL-EP's timeout (docs/fault_tolerance.md).
+
+    `capacity`: a largest count above it is refused here, on every rank alike, before
+    any collective (a rank left alone in a dispatch would wait for the others).
     """
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -45,6 +51,10 @@ def agreed_token_count(num_tokens: int, max_spread: int | None = None) -> int | 
             f"says the largest rank runs {agreed} ({list(sizes)}); the EP ranks cannot agree "
             "on a handle. Please report this with the vLLM command line."
         )
+    if capacity is not None and agreed > capacity:
+        from vllm_flashinfer_ep.runtime.handle_pool import LARGEST_RANK, over_capacity
+
+        raise over_capacity(agreed, capacity, LARGEST_RANK)
     if max_spread is not None and counts and agreed - min(counts) > max_spread:
         return None
     return agreed

@@ -20,7 +20,7 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import env_checks, handle_pool
+from vllm_flashinfer_ep.runtime import env_checks, handle_pool, rank_agreement
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
@@ -64,6 +64,12 @@ class _FlashInferEPManager(All2AllManagerBase):
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._cpu_group = cpu_group
         self._fleets = FleetCache(self.rank, self.world_size, cpu_group)
+        # Cross-rank checks before collectives (runtime/rank_agreement.py); None: one rank.
+        self._exchange = (
+            rank_agreement.torch_exchange(cpu_group)
+            if self.world_size > 1 and cpu_group is not None
+            else None
+        )
         self._runtimes: dict[tuple, EPRuntime] = {}
         self._ft: FaultToleranceAdapter | None = None
         self._logged: set[str] = set()
@@ -82,12 +88,35 @@ class _FlashInferEPManager(All2AllManagerBase):
         runtime = self._runtimes.get(key)
         if runtime is None:
             sizes = self._pool_sizes(spec.effective_max_tokens_per_rank)
+            self._require_ranks_agree(spec, top_k, sizes)
             runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes)
+            if self._exchange is not None:
+                runtime.pool.agree = self._agree_on
             self._runtimes[key] = runtime
-            if self._fault_tolerance:
-                self._ft = FaultToleranceAdapter(self._fleets.fleets(), self._device)
-                self._ft.snapshot_baseline()
+            if self._fault_tolerance and self._ft is None:  # reads the cache's fleets at each call
+                self._ft = FaultToleranceAdapter(self._fleets.fleets, self._device)
         return runtime
+
+    def _require_ranks_agree(self, spec: FleetSpec, top_k: int, sizes: list[int]) -> None:
+        """Every EP rank builds this runtime alike, or every rank refuses, naming what
+        differs (before the fleet and handle creations pair up)."""
+        if self._exchange is None:
+            return
+        rank_agreement.require_same(
+            self._exchange,
+            {
+                "fleet shape": (spec.algorithm.value, spec.num_experts, spec.hidden_size, top_k),
+                "fleet capacity (tokens per rank)": spec.effective_max_tokens_per_rank,
+                "fault tolerance": spec.fault_tolerance,
+                "pooled token counts": sizes,
+                "package variables": envs.settings(),
+                "library versions": rank_agreement.library_versions(),
+            },
+        )
+
+    def _agree_on(self, item: str, value: Any) -> None:
+        assert self._exchange is not None
+        rank_agreement.require_same(self._exchange, {item: value})
 
     @property
     def backend_name(self) -> str:
@@ -120,10 +149,12 @@ class _FlashInferEPManager(All2AllManagerBase):
         )
         cls = PREPARE_FINALIZE[self.algorithm]
         fp8 = self._fp8_dispatch(runtime, moe, quant_config)
-        agreement = agreed_token_count
+        agreement = partial(agreed_token_count, capacity=runtime.capacity)
         if self.algorithm != Algorithm.LOW_LATENCY:
             # HT: ranks far apart in tokens run per-forward handles (forward_state.py).
-            agreement = partial(agreed_token_count, max_spread=handle_pool.HT_MAX_PAD)
+            agreement = partial(
+                agreed_token_count, max_spread=handle_pool.HT_MAX_PAD, capacity=runtime.capacity
+            )
         return cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
 
     def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:

@@ -142,6 +142,19 @@ PATCHES: tuple[Patch, ...] = (
         upstream="ask the manager's `support_fault_tolerance`", removal="then",
     ),
     Patch(
+        "capture_phase", "worker",
+        "vllm.distributed.parallel_state:GroupCoordinator.graph_capture", WRAP,
+        W.make_graph_capture, ("self", "graph_capture_context"),
+        what="the handle pools learn every token count vLLM captures",
+        why="vLLM captures counts the configured capture sizes do not list (rounded to "
+        "1 + num_speculative_tokens, ceil(size / tp) under sequence-parallel MoE, drafter "
+        "graphs), sized after model load; a handle cannot be created inside a capture",
+        how="wrap the method (entered for the TP, PP and DP groups around every capture "
+        "loop): runtime/capture.py's capture phase while it is open",
+        upstream="the captured token counts handed to the all2all manager before capture",
+        removal="then",
+    ),
+    Patch(
         "router_gate_width", "worker",
         "vllm.model_executor.layers.fused_moe.router.gate_linear:GateLinear.forward", WRAP,
         W.make_gate_forward, ("self", "x"),

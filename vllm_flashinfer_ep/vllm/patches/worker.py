@@ -6,10 +6,12 @@ Each `make_*` takes what vLLM 0.33.0 has and returns what replaces it; the table
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from vllm_flashinfer_ep.backends import BACKENDS, LOW_LATENCY, is_ours
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.runtime.capture import capture_phase
 from vllm_flashinfer_ep.runtime.limits import round_up_ll_hidden_size
 
 logger = get_logger(__name__)
@@ -114,3 +116,15 @@ def make_gate_forward(original):
         return original(self, x, *args, **kwargs)
 
     return forward
+
+
+def make_graph_capture(original):
+    """The engine's capture phase (runtime/capture.py) spans vLLM's graph_capture: the
+    handle pools learn the token counts vLLM warms up before capturing them."""
+
+    @contextlib.contextmanager
+    def graph_capture(self, *args, **kwargs):
+        with capture_phase(), original(self, *args, **kwargs) as context:
+            yield context
+
+    return graph_capture
