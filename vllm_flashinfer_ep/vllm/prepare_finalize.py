@@ -112,9 +112,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
         so the experts must leave weighting to the prepare/finalize; expert biases are
         refused (neither experts path applies them). vLLM's batched Triton
-        experts compute only the received rows when unquantized or 128x128 block FP8
-        (vllm/compact_experts.py) and otherwise get their tile per batch
-        (vllm/batched_tiles.py)."""
+        experts compute only the received rows when unquantized (128x128 block FP8 too,
+        once compact_experts.FP8_ENABLED is on; vllm/compact_experts.py) and otherwise get
+        their tile per batch (vllm/batched_tiles.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
