@@ -1,17 +1,75 @@
 #!/usr/bin/env bash
-# Install vLLM 0.33.0 + vllm-flashinfer-ep in a virtualenv, check the host, and serve an
-# MoE model with expert parallelism over all local GPUs through the NCCL-EP low-latency
-# backend (CUDA graphs on).
+# Serve an MoE model with expert parallelism over all local GPUs through the NCCL-EP
+# low-latency backend (CUDA graphs on), from a virtualenv with vLLM 0.33.0 and this package.
 #   bash scripts/serve.sh [MODEL] [extra vllm serve args...]
+# In order, each step ending the script with one message when it fails:
+#   1. two or more GPUs (nvidia-smi; CUDA_VISIBLE_DEVICES if set), before anything is installed;
+#   2. the virtualenv (SERVE_VENV, default .venv): created if missing; the package installed
+#      only when missing or its sources changed since the last install here (built from a
+#      temporary copy: nothing is left in the source tree);
+#   3. `vllm-flashinfer-ep doctor` with the same serve arguments vllm serve gets;
+#   4. vllm serve --data-parallel-size <GPUs> --enable-expert-parallel
+#      --all2all-backend flashinfer_ep_low_latency [extra args] (later arguments win).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-model="${1:-Qwen/Qwen3-30B-A3B}"
-shift || true
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q .
-gpus=$(nvidia-smi -L | wc -l)
-.venv/bin/vllm-flashinfer-ep doctor --model "$model"
-exec .venv/bin/vllm serve "$model" \
-  --data-parallel-size "$gpus" --enable-expert-parallel \
-  --all2all-backend flashinfer_ep_low_latency "$@"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+model="Qwen/Qwen3-30B-A3B"
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+  model="$1"
+  shift
+fi
+venv="${SERVE_VENV:-$repo/.venv}"
+
+fail() {
+  echo "serve.sh: $*" >&2
+  exit 1
+}
+
+# 1. GPUs, before anything is installed.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  fail "no NVIDIA GPU found (nvidia-smi is not on PATH): the flashinfer_ep backends need 2 or more sm_90+ GPUs on this host. Nothing was installed."
+fi
+listing="$(nvidia-smi -L 2>/dev/null)" || listing=""
+gpus="$(printf '%s\n' "$listing" | grep -c '^GPU ' || true)"
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+  visible="$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '[^[:space:]]' || true)"
+  if [ "$visible" -lt "$gpus" ]; then gpus="$visible"; fi
+fi
+if [ "$gpus" -lt 2 ]; then
+  fail "found $gpus usable GPU(s); expert parallelism over NCCL-EP needs 2 or more (with one, --data-parallel-size 1 leaves the backend idle). Nothing was installed."
+fi
+
+# 2. The virtualenv and the package, only when missing or out of date.
+stamp_file="$venv/.vllm-flashinfer-ep-sources"
+sources_digest() {
+  { find pyproject.toml README.md vllm_flashinfer_ep -type f ! -name '*.pyc' -print0 |
+      LC_ALL=C sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1
+}
+digest="$(sources_digest)"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv" || fail "could not create the virtualenv $venv (python3 -m venv)."
+fi
+if [ ! -x "$venv/bin/vllm" ] || [ ! -x "$venv/bin/vllm-flashinfer-ep" ] ||
+  [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$digest" ]; then
+  echo "serve.sh: installing vllm-flashinfer-ep and vLLM 0.33.0 into $venv" >&2
+  staging="$(mktemp -d)"
+  trap 'rm -rf "$staging"' EXIT
+  cp -R pyproject.toml README.md vllm_flashinfer_ep "$staging/"
+  "$venv/bin/python" -m pip install -q --upgrade pip &&
+    "$venv/bin/python" -m pip install -q "$staging" ||
+    fail "pip install failed (output above); nothing was started."
+  rm -rf "$staging"
+  trap - EXIT
+  printf '%s\n' "$digest" >"$stamp_file"
+fi
+
+# 3. doctor with the arguments vllm serve gets.
+serve_args=(--data-parallel-size "$gpus" --enable-expert-parallel
+  --all2all-backend flashinfer_ep_low_latency "$@")
+if ! "$venv/bin/vllm-flashinfer-ep" doctor --model "$model" "${serve_args[@]}"; then
+  fail "doctor found problems (listed above): fix them and run again. vllm serve was not started."
+fi
+
+# 4. Serve.
+echo "serve.sh: starting vllm serve $model on $gpus GPUs: ${serve_args[*]}" >&2
+exec "$venv/bin/vllm" serve "$model" "${serve_args[@]}"

@@ -40,7 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if not getattr(args, "accepts_serve_args", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # doctor takes `vllm serve` arguments: it reads those it checks, ignores the rest.
+        from vllm_flashinfer_ep.doctor import split_eplb_overrides
+
+        args.eplb_overrides, args.ignored_serve_args = split_eplb_overrides(unknown)
     return int(args.func(args) or 0)
 
 

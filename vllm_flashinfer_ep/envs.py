@@ -93,6 +93,34 @@ def _int_parser(minimum: int, accepted: str) -> Callable[[str, str], int]:
     return parse
 
 
+# A fixed RDMA buffer (NCCL-EP allocates exactly this and never grows it) must hold the
+# LL fleet's layout (runtime/buffer_sizes.py ll_layout_bytes). Any value is checked against
+# the fleet at engine-config time; here, a shape-free range: at least the smallest layout
+# of any fleet the package builds, ll_layout_bytes(1 token, hidden 2048, 1 expert, top_k 1,
+# EP world 1) (a test keeps the two equal; this module imports nothing of the package's
+# but its errors), at most 1 TiB (more than any GPU's memory).
+RDMA_MIN_BYTES = 17_024
+RDMA_MAX_BYTES = 1 << 40
+
+
+def rdma_min_bytes() -> int:
+    """The smallest accepted non-zero VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES."""
+    return RDMA_MIN_BYTES
+
+
+RDMA_ACCEPTED = (
+    f"0 (NCCL-EP sizes the buffer) or an integer number of bytes from {RDMA_MIN_BYTES} "
+    f"(NCCL-EP's smallest low-latency layout) to {RDMA_MAX_BYTES} (1 TiB)"
+)
+
+
+def _parse_rdma_bytes(name: str, raw: str) -> int:
+    value = _int_parser(0, RDMA_ACCEPTED)(name, raw)
+    if value != 0 and not RDMA_MIN_BYTES <= value <= RDMA_MAX_BYTES:
+        raise _error(name, raw, RDMA_ACCEPTED)
+    return value
+
+
 def _parse_transport(name: str, raw: str) -> str:
     if raw not in TRANSPORTS:
         raise _error(name, raw, " or ".join(TRANSPORTS))
@@ -114,9 +142,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "FlashInfer transport",
     ),
     EnvVar(
-        RDMA_BUFFER_BYTES, "0", "an integer number of bytes >= 0 (0 = sized by NCCL-EP)",
-        _int_parser(0, "an integer number of bytes >= 0 (0 = sized by NCCL-EP)"),
-        "fixed NCCL-EP RDMA buffer size",
+        RDMA_BUFFER_BYTES, "0", RDMA_ACCEPTED, _parse_rdma_bytes,
+        "fixed NCCL-EP RDMA buffer size (config time also checks it against the LL fleet's layout)",
     ),
     EnvVar(
         SKIP_ENV_CHECKS, "0", BOOL_ACCEPTED, _parse_bool,

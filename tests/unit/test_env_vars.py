@@ -20,9 +20,9 @@ vllm_flashinfer_ep.register()
 
 BAD = [
     (envs.HANDLE_POOL, "maybe", "1/true/yes/on"),
-    (envs.RDMA_BUFFER_BYTES, "-5", ">= 0"),
-    (envs.RDMA_BUFFER_BYTES, "abc", ">= 0"),
-    (envs.RDMA_BUFFER_BYTES, "1.5e9", ">= 0"),
+    (envs.RDMA_BUFFER_BYTES, "-5", "0 (NCCL-EP sizes the buffer) or an integer number of bytes from"),
+    (envs.RDMA_BUFFER_BYTES, "abc", "0 (NCCL-EP sizes the buffer) or an integer number of bytes from"),
+    (envs.RDMA_BUFFER_BYTES, "1.5e9", "0 (NCCL-EP sizes the buffer) or an integer number of bytes from"),
     (envs.TRANSPORT, "foo", "nccl_ep or nixl_ep"),
     (envs.SKIP_ENV_CHECKS, "2", "0/false/no/off"),
     (envs.FT_TIMEOUT_MS, "0", ">= 1"),

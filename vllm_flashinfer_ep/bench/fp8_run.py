@@ -26,9 +26,12 @@ from dataclasses import asdict
 from typing import Any
 
 from vllm_flashinfer_ep.bench.results import Row
+from vllm_flashinfer_ep.bench.run import run_harness
 from vllm_flashinfer_ep.runtime.fp8_wire import bytes_per_row, hidden_reason
 from vllm_flashinfer_ep.runtime.limits import SUPPORTED_HIDDEN_SIZES
 
+COMMAND = "bench-fp8"
+MODULE = "vllm_flashinfer_ep.bench.fp8_run"
 MODES = ("bf16_quant", "fp8_wire", "bf16_quant_eager", "fp8_wire_eager")
 HT_MODES = ("bf16_quant_eager", "fp8_wire_eager")  # HT is never captured
 DEFAULT_TOKENS = {"ll": [1, 8, 32, 128, 256], "ht": [256, 1024, 4096]}
@@ -108,14 +111,13 @@ def format_table(rows: list[Row], args: Any, world_size: int) -> str:
 
 def main(args: argparse.Namespace) -> int:
     validate_arguments(args)
-    from vllm_flashinfer_ep.bench.fp8_harness import Fp8Harness
 
-    harness = Fp8Harness(args)
-    try:
-        rows = harness.run()
-    finally:
-        harness.close()
-    if harness.rank == 0:
+    def make_harness():
+        from vllm_flashinfer_ep.bench.fp8_harness import Fp8Harness
+
+        return Fp8Harness(args)
+
+    def report(harness, rows) -> None:
         print(format_table(rows, args, harness.world_size))
         if args.json_path:
             payload = {
@@ -128,12 +130,13 @@ def main(args: argparse.Namespace) -> int:
             }
             with open(args.json_path, "w", encoding="utf-8") as fh:
                 json.dump(payload, fh, indent=2)
-    return 0
+
+    return run_harness(make_harness, report, COMMAND, MODULE)
 
 
 def cli() -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_flashinfer_ep.bench.fp8_run", description=__doc__,
+        prog=f"python -m {MODULE}", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)

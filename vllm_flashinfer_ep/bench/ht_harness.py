@@ -29,8 +29,9 @@ class HtHarness(TimedModes):
         super().__init__(args, fleets, device)
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
-        # As the package's HT manager: no pool sizes (HT is never captured), so every
-        # round creates and destroys a fresh handle.
+        # No pool sizes: every round creates and destroys a fresh handle, the HT manager's
+        # path where no pooled size fits (pool off, or DP counts more than HT_MAX_PAD
+        # apart); `ht_pooled` below is the pooled path it serves by default.
         self.ht_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         self.fleet = self.ht_rt.fleet  # raw_ht_fresh creates its handles on the same fleet
         rows = self.ht_rt.capacity * self.world_size

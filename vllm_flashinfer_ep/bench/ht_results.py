@@ -11,7 +11,7 @@ from vllm_flashinfer_ep.bench.results import Row
 HT_MODES = ("ht", "raw_ht_fresh")
 LL_MODE = "ll_pooled"
 # Opt-in (--ht-pooled): the package's HT round on a pooled HT handle per token count,
-# re-targeted with `update` (the HT manager does not pool yet; this measures whether it should).
+# re-targeted with `update`: the pooled path a served HT engine runs (unpadded here).
 HT_POOLED_MODE = "ht_pooled"
 # The target for the package's HT step against FlashInfer's own per-forward path.
 HT_TARGET = 1.05

@@ -8,15 +8,19 @@ EP world size every token comes back as itself. Modes, interleaved in one proces
   ht           - the package's HT round (runtime/rounds.py HighThroughputRound, what the
                  vLLM prepare/finalize drives): dispatch, host read of the received
                  count, global ids, reduced rows into `combine_buffer`, combine; a
-                 fresh handle per layer, as the package's HT manager warms no pool
+                 fresh handle per layer: the served HT path only where no pooled size
+                 fits (VLLM_FLASHINFER_EP_HANDLE_POOL=0, or DP ranks' counts more than
+                 HT_MAX_PAD apart)
   raw_ht_fresh - FlashInfer alone, its own per-forward path: per layer a handle created
                  with the layer's routing (weights and received-count knobs), dispatch,
                  the same expert op on the received rows, combine, destroy
   ll_pooled    - (unless --no-ll) the package's LL eager round on its persistent
                  handle pool at the same T, for the LL-vs-HT comparison (needs an LL
                  hidden size and an LL fleet sized for the largest T: large buffers)
-  ht_pooled    - (with --ht-pooled) as ht, on a pooled HT handle per token count re-targeted
-                 with `update` (what pooling HT would give; the HT manager does not pool)
+  ht_pooled    - (with --ht-pooled) as ht, on pooled HT handles re-targeted with `update`:
+                 what a served HT engine runs (its manager pools buckets from 1 to the
+                 capacity, at most HT_MAX_PAD = 256 rows apart, and pads a step to the
+                 smallest that fits); here one handle per --tokens count, unpadded
 All modes must reproduce the input before anything is timed.
 """
 

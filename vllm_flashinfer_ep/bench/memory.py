@@ -22,25 +22,15 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-from vllm_flashinfer_ep.bench.run import gpu_refusal
+from vllm_flashinfer_ep.bench.run import refuse_without_gpu
+
+# The pool a served engine warms; also what the config-time and doctor estimates count.
+from vllm_flashinfer_ep.runtime.buffer_sizes import (  # noqa: F401
+    served_pool_sizes,
+    vllm_default_capture_sizes,
+)
 
 MB = 1e6
-
-
-def vllm_default_capture_sizes(max_num_seqs: int = 256, max_size: int = 512) -> list[int]:
-    """vLLM 0.33.0's default capture sizes on Hopper (config/vllm.py): 1, 2, 4, then steps
-    of 8 below 256 and of 16 from 256, up to min(2 x max_num_seqs, 512)."""
-    top = min(2 * max_num_seqs, max_size)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
-    return [s for s in sizes if s <= top]
-
-
-def served_pool_sizes(capacity: int) -> list[int]:
-    """The sizes a served LL engine with default capture sizes warms for `capacity`."""
-    from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
-
-    captured = [s for s in vllm_default_capture_sizes() if s <= capacity]
-    return sorted(set(captured) | set(bucket_sizes(max(captured, default=0), capacity)))
 
 
 @dataclass
@@ -140,9 +130,7 @@ def validate_arguments(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     validate_arguments(args)
-    refusal = gpu_refusal("bench-memory", "vllm_flashinfer_ep.bench.memory")
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if refuse_without_gpu("bench-memory", "vllm_flashinfer_ep.bench.memory"):
         return 2
     from vllm_flashinfer_ep.bench.harness import torchrun_fleets
 

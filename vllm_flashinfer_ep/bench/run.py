@@ -78,13 +78,21 @@ def gpu_refusal(command: str = "bench", module: str = "vllm_flashinfer_ep.bench.
     return None
 
 
-def run_harness(make_harness: Callable[[], Any], report: Callable[[Any, list], None],
-                command: str = "bench", module: str = "vllm_flashinfer_ep.bench.run") -> int:
-    """Both benchmarks' driver: refuse without a GPU (exit 2), build the harness, run it,
-    always close it, and let rank 0 report the rows."""
+def refuse_without_gpu(command: str, module: str) -> bool:
+    """Every benchmark's first step: without a GPU, print the one-line refusal (stderr)
+    and return True (the caller exits 2) before anything imports the GPU stack."""
     refusal = gpu_refusal(command, module)
     if refusal:
         print(refusal, file=sys.stderr)
+        return True
+    return False
+
+
+def run_harness(make_harness: Callable[[], Any], report: Callable[[Any, list], None],
+                command: str = "bench", module: str = "vllm_flashinfer_ep.bench.run") -> int:
+    """The harness benchmarks' driver: refuse without a GPU (exit 2), build the harness,
+    run it, always close it, and let rank 0 report the rows."""
+    if refuse_without_gpu(command, module):
         return 2
     harness = make_harness()
     try:

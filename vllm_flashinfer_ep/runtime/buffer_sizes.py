@@ -26,6 +26,13 @@ capacities 512 and 4096, hidden 2048/4096/7168):
 - 10,752 bytes per pooled handle (torch allocator; no device-wide growth measurable);
 - the pool's staging of padded rounds, 2 x [capacity, hidden] BF16 (exact; added after the
   bench-memory run).
+
+What NCCL-EP itself requires of a fixed RDMA buffer (`ll_layout_bytes`): with
+VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES set, NCCL-EP allocates exactly that many bytes at group
+creation and `ncclEpInitHandle` fails ("requested layout needs N bytes but user-specified
+rdma_buffer_size is M bytes") when the handle's `LowLatencyLayout` does not fit. That layout
+is computed here as common.hpp computes it; the measured first-handle growths above exceed
+it by 0.1-0.6 % (NCCL-EP's own small allocations).
 """
 
 from __future__ import annotations
@@ -121,3 +128,49 @@ def ll_max_tokens_within(budget_bytes: int, hidden: int, num_experts: int, top_k
         + ll_pad_staging_bytes(1, hidden)
     )
     return max(0, math.floor((budget_bytes - LL_FLEET_FIXED_BYTES) / per_token))
+
+
+# nccl-extensions 0.1.0 nccl/ep/include/nccl_ep/common.hpp: NUM_BUFFER_ALIGNMENT_BYTES.
+NCCL_EP_BUFFER_ALIGNMENT = 128
+
+
+def _align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def ll_layout_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, world: int) -> int:
+    """Bytes of NCCL-EP's LL RDMA buffer for one handle: `LowLatencyLayout(tokens,
+    max_token_bytes = hidden x 2 (FlashInfer's BF16 group config), world, experts, top_k,
+    EXPERT_MAJOR).total_bytes` (nccl/ep/include/nccl_ep/common.hpp), rounded up as
+    `get_low_latency_rdma_size_hint_for_layout` rounds it.
+
+    Two payload slots, each max(dispatch send + receive, combine send + receive), and two
+    signalling slots of one int per expert. The dispatch header of the expert-major layout
+    is the token id plus one 2-byte expert id per top_k slot, 16-byte aligned; a combine
+    message carries one bfloat162 of scale metadata per 128 elements.
+    """
+    token_bytes = hidden * BF16_BYTES
+    header = _align(4 + 2 * top_k, 16)
+    dispatch_msg = header + token_bytes
+    combine_msg = (token_bytes // BF16_BYTES // 128) * 4 + token_bytes
+    dispatch = tokens_per_rank * dispatch_msg * (1 + world)
+    combine = tokens_per_rank * combine_msg * (num_experts + top_k)
+    signal = _align(num_experts * 4, NCCL_EP_BUFFER_ALIGNMENT)
+    total = 2 * max(dispatch, combine) + 2 * signal
+    return (total + NCCL_EP_BUFFER_ALIGNMENT) // NCCL_EP_BUFFER_ALIGNMENT * NCCL_EP_BUFFER_ALIGNMENT
+
+
+def vllm_default_capture_sizes(max_num_seqs: int = 256, max_size: int = 512) -> list[int]:
+    """vLLM 0.33.0's default capture sizes on Hopper (config/vllm.py): 1, 2, 4, then steps
+    of 8 below 256 and of 16 from 256, up to min(2 x max_num_seqs, 512)."""
+    top = min(2 * max_num_seqs, max_size)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
+    return [s for s in sizes if s <= top]
+
+
+def served_pool_sizes(capacity: int) -> list[int]:
+    """The sizes a served LL engine with default capture sizes warms for `capacity`."""
+    from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
+
+    captured = [s for s in vllm_default_capture_sizes() if s <= capacity]
+    return sorted(set(captured) | set(bucket_sizes(max(captured, default=0), capacity)))

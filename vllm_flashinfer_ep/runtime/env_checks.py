@@ -31,10 +31,12 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    # ok, but the engine would change something or cannot check it here (`fix` says what)
+    warn: bool = False
 
     def line(self) -> str:
-        mark = "ok  " if self.ok else "FAIL"
-        tail = f"  -> {self.fix}" if (self.fix and not self.ok) else ""
+        mark = "FAIL" if not self.ok else ("warn" if self.warn else "ok  ")
+        tail = f"  -> {self.fix}" if (self.fix and (self.warn or not self.ok)) else ""
         return f"[{mark}] {self.name}: {self.detail}{tail}"
 
 

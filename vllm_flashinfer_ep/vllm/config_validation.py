@@ -5,35 +5,31 @@ that builds the engine config, before any worker starts. Every failure is one
 FlashInferEPConfigError that names the flag to change. Checks that need a GPU or the
 native library (libnccl version, libnccl_ep load, nvcc, compute capability) run in
 the worker, in the manager's constructor, before model load.
+
+The model rules are plain functions of the model's shape (model_shape.py, the one reader
+of Hugging Face configs) that return the refusal message or None (`quantization_reason`,
+`dtype_reason`, `top_k_reason`, `hidden_reason`, `ll_memory_verdict`,
+`rdma_buffer_reason`): `vllm-flashinfer-ep doctor` applies the same functions to a
+config.json and the `vllm serve` arguments, so it gives the engine's verdicts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
-
-from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep import backends, envs, model_shape
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError, FlashInferEPEnvVarError
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.model_shape import ModelShape
 from vllm_flashinfer_ep.runtime import buffer_sizes, env_checks
 from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
-    config_top_k,
     max_top_k,
-    round_up_ll_hidden_size,
 )
 
 logger = get_logger(__name__)
 GIB = float(1 << 30)
-# Names under which Hugging Face configs carry the number of routed experts.
-EXPERT_COUNT_CONFIG_KEYS: tuple[str, ...] = (
-    "num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
-)
-
-def model_top_k(hf_config: Any) -> int | None:
-    return config_top_k(lambda name: getattr(hf_config, name, None))
 
 
 def validate(vllm_config: Any) -> None:
@@ -71,13 +67,16 @@ def validate(vllm_config: Any) -> None:
         )
     model = vllm_config.model_config
     if model is not None:
-        _validate_model(model, backend, flag)
+        _validate_model(model, model_shape.from_vllm_config(vllm_config), backend, flag)
         if par.use_all2all:
             _pin_fp8_experts(vllm_config, flag)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)
     if backend == backends.LOW_LATENCY and par.use_all2all:
         _check_ll_capacity(vllm_config, flag)
+    if par.use_all2all:
+        _check_rdma_buffer(vllm_config, backend, flag)
+        _log_parallel_layout(par, flag)
 
     if not par.use_all2all:
         logger.warning(
@@ -121,11 +120,14 @@ def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
     sched = vllm_config.scheduler_config
     if sched is None or sched.max_num_batched_tokens <= HT_MAX_TOKENS_PER_RANK:
         return
+    _refuse_unchunked(
+        vllm_config, flag, HT_MAX_TOKENS_PER_RANK,
+        f"takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
+    )
     _lower_step_budget(
         vllm_config,
         flag,
         HT_MAX_TOKENS_PER_RANK,
-        f"takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
         f"NCCL-EP high throughput takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
     )
 
@@ -137,7 +139,8 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
     times experts times hidden size (runtime/buffer_sizes.py, from measured sizes). Above
     LL_BUFFER_BUDGET_FRACTION of the memory vLLM may use, the budget is lowered with a
     warning; where that cannot work (chunked prefill off, or below --max-num-seqs) the
-    config is refused. Both name --max-num-batched-tokens.
+    config is refused. Both name --max-num-batched-tokens. The verdict is
+    `ll_memory_verdict`'s, which `doctor` prints.
     """
     sched, model = vllm_config.scheduler_config, vllm_config.model_config
     if sched is None or model is None or getattr(model, "is_moe", True) is False:
@@ -145,63 +148,186 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
     shape = _ll_fleet_shape(vllm_config)
     if shape is None:
         return
-    hidden, experts, top_k = shape
-    tokens = sched.max_num_batched_tokens
-    need = buffer_sizes.ll_memory_bytes(tokens, hidden, experts, top_k)
-    total = device_memory_bytes()
-    if total is None:
-        logger.info(
-            "%s: the NCCL-EP low-latency fleet (buffers and FlashInfer's receive buffer) "
-            "needs about %.2f GiB per GPU for --max-num-batched-tokens %d (%d experts, "
-            "hidden %d, top_k %d); GPU memory is not visible here, so this is not checked "
-            "against it.",
-            flag, need / GIB, tokens, experts, hidden, top_k,
-        )
-        return
-    usable = int(total * vllm_config.cache_config.gpu_memory_utilization)
-    budget = int(usable * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
-    logger.info(
-        "%s: the NCCL-EP low-latency fleet (buffers and FlashInfer's receive buffer) needs "
-        "about %.2f GiB per GPU for --max-num-batched-tokens %d (%d experts, hidden %d, "
-        "top_k %d; budget %.2f GiB).",
-        flag, need / GIB, tokens, experts, hidden, top_k, budget / GIB,
+    verdict = ll_memory_verdict(
+        flag,
+        shape,
+        sched.max_num_batched_tokens,
+        device_memory_bytes(),
+        vllm_config.cache_config.gpu_memory_utilization,
+        max_num_seqs=sched.max_num_seqs,
+        chunked_prefill=sched.enable_chunked_prefill,
+        max_model_len=model.max_model_len,
     )
+    if verdict.budget is None:
+        logger.warning("%s: %s", flag, verdict.summary)
+    else:
+        logger.info("%s: %s", flag, verdict.summary)
+    if verdict.refusal is not None:
+        raise FlashInferEPConfigError(verdict.refusal)
+    if verdict.lowered_to is not None:
+        _lower_step_budget(vllm_config, flag, verdict.lowered_to, f"{flag} {verdict.why}")
+
+
+class LLMemoryVerdict(NamedTuple):
+    """What config time does with an LL fleet's estimated memory (`ll_memory_verdict`)."""
+
+    need: int  # estimated bytes per GPU (runtime/buffer_sizes.ll_memory_bytes)
+    parts: dict[str, int]  # ll_memory_parts
+    handles: int  # pooled handles in the estimate
+    budget: int | None  # bytes the fleet may take; None: no GPU visible, not checked
+    summary: str  # one sentence: the estimate, and the budget or why it is not checked
+    why: str | None  # why the step budget does not fit (None: it fits or is not checked)
+    lowered_to: int | None  # config time lowers --max-num-batched-tokens to this
+    refusal: str | None  # config time refuses with this message
+
+
+def ll_memory_verdict(
+    flag: str,
+    shape: tuple[int, int, int],
+    tokens: int,
+    total_memory: int | None,
+    gpu_memory_utilization: float,
+    *,
+    max_num_seqs: int,
+    chunked_prefill: bool,
+    max_model_len: int | None,
+) -> LLMemoryVerdict:
+    """The LL memory rule, for the engine (`_check_ll_capacity`) and `doctor` alike.
+
+    `shape`: (LL hidden size, physical experts, top_k), `ModelShape.ll_fleet_shape`;
+    `total_memory`: GPU memory in bytes (`device_memory_bytes`), None where no GPU is
+    visible (then nothing is checked and the summary says so). The estimate includes
+    the handle pool a served engine warms (runtime/handle_pool.py buckets above vLLM's
+    default capture sizes).
+    """
+    hidden, experts, top_k = shape
+    handles = len(buffer_sizes.served_pool_sizes(tokens))
+    parts = buffer_sizes.ll_memory_parts(tokens, hidden, experts, top_k, handles)
+    need = sum(parts.values())
+    what = (
+        f"the NCCL-EP low-latency fleet (buffers, FlashInfer's receive buffer, {handles} "
+        f"pooled handles) needs about {need / GIB:.2f} GiB per GPU for "
+        f"--max-num-batched-tokens {tokens} ({experts} experts, hidden {hidden}, top_k {top_k})"
+    )
+    if total_memory is None:
+        summary = (
+            f"{what}; no GPU is visible here, so this estimate is not checked against GPU "
+            "memory (a GPU that lacks it fails at model load)"
+        )
+        return LLMemoryVerdict(need, parts, handles, None, summary, None, None, None)
+    usable = int(total_memory * gpu_memory_utilization)
+    budget = int(usable * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
+    summary = f"{what}; budget {budget / GIB:.2f} GiB"
     if need <= budget:
-        return
+        return LLMemoryVerdict(need, parts, handles, budget, summary, None, None, None)
     fit = buffer_sizes.ll_max_tokens_within(budget, hidden, experts, top_k)
     why = (
         f"needs about {need / GIB:.1f} GiB of NCCL-EP buffers per GPU for "
         f"--max-num-batched-tokens {tokens}, more than {buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} "
         f"of the {usable / GIB:.1f} GiB vLLM may use; at most {fit} tokens fit"
     )
-    if fit < sched.max_num_seqs:
-        raise FlashInferEPConfigError(
-            f"{flag} {why}, fewer than --max-num-seqs {sched.max_num_seqs}. Pass "
+    refusal = None
+    if fit < max_num_seqs:
+        refusal = (
+            f"{flag} {why}, fewer than --max-num-seqs {max_num_seqs}. Pass "
             f"--max-num-batched-tokens <= {fit} and --max-num-seqs <= {fit}, or raise "
             "--gpu-memory-utilization."
         )
-    _lower_step_budget(vllm_config, flag, fit, why, f"{flag} {why}")
+    elif not chunked_prefill and max_model_len is not None and max_model_len > fit:
+        refusal = (
+            f"{flag} {why}, but --max-num-batched-tokens is {tokens} with chunked prefill off "
+            f"and --max-model-len {max_model_len}. Enable chunked prefill or pass "
+            f"--max-model-len <= {fit}."
+        )
+    lowered = None if refusal is not None else fit
+    return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
 
 
 def _ll_fleet_shape(vllm_config: Any) -> tuple[int, int, int] | None:
-    """(rounded LL hidden size, physical experts, top_k) of the model, or None if unknown."""
-    hf = vllm_config.model_config.hf_text_config
-    hidden = getattr(hf, "hidden_size", None)
-    top_k = model_top_k(hf)
-    experts = next(
-        (v for v in (getattr(hf, k, None) for k in EXPERT_COUNT_CONFIG_KEYS) if isinstance(v, int) and v > 0),
-        None,
+    """(rounded LL hidden size, physical experts, top_k) of the model, or None if unknown
+    (or wider than LL: refused by _validate_model with its own message)."""
+    return model_shape.from_vllm_config(vllm_config).ll_fleet_shape()
+
+
+def ep_world_size(par: Any) -> int:
+    """Ranks of one EP group: vLLM 0.33.0 builds it over DP x PCP x TP, one per pipeline
+    stage (vllm/distributed/parallel_state.py, `_EP`)."""
+    return (
+        par.data_parallel_size
+        * getattr(par, "prefill_context_parallel_size", 1)
+        * par.tensor_parallel_size
     )
-    if not isinstance(hidden, int) or top_k is None or experts is None:
+
+
+def rdma_buffer_reason(
+    flag: str, rdma_bytes: int, shape: tuple[int, int, int], tokens: int, world: int, budget: int | None
+) -> str | None:
+    """Why VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES cannot serve this LL fleet, or None.
+
+    NCCL-EP allocates a fixed RDMA buffer exactly and never grows it; a handle whose
+    layout does not fit fails at model load (ncclEpInitHandle: ncclInvalidUsage). The
+    floor is that layout (buffer_sizes.ll_layout_bytes); the ceiling the LL fleet's share
+    of the GPU (`budget`), or envs.RDMA_MAX_BYTES where no GPU is visible.
+    """
+    if rdma_bytes == 0:
         return None
-    par = vllm_config.parallel_config
-    if getattr(par, "enable_eplb", False):
-        experts += int(getattr(par.eplb_config, "num_redundant_experts", 0) or 0)
-    try:
-        hidden = round_up_ll_hidden_size(hidden)
-    except ValueError:
-        return None  # refused by _validate_model with its own message
-    return hidden, experts, top_k
+    hidden, experts, top_k = shape
+    low = buffer_sizes.ll_layout_bytes(tokens, hidden, experts, top_k, world)
+    high = envs.RDMA_MAX_BYTES if budget is None else budget
+    if low <= rdma_bytes <= high:
+        return None
+    ceiling = (
+        f"{high} (1 TiB; no GPU is visible here)"
+        if budget is None
+        else f"{high} ({buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} of the memory vLLM may use)"
+    )
+    return (
+        f"{flag}: {envs.RDMA_BUFFER_BYTES}={rdma_bytes} is outside the range this fleet accepts: "
+        f"from {low} (NCCL-EP's low-latency layout for {tokens} tokens per rank, hidden "
+        f"{hidden}, {experts} experts, top_k {top_k}, EP world {world}) to {ceiling}. Set a "
+        f"value in that range, or unset {envs.RDMA_BUFFER_BYTES} (0) to let NCCL-EP size it."
+    )
+
+
+def _check_rdma_buffer(vllm_config: Any, backend: str, flag: str) -> None:
+    """A fixed RDMA buffer must hold the LL fleet's layout (envs.py checks the shape-free
+    range already)."""
+    rdma = envs.rdma_buffer_bytes()
+    if rdma == 0 or backend != backends.LOW_LATENCY or vllm_config.model_config is None:
+        return
+    shape = _ll_fleet_shape(vllm_config)
+    if shape is None:
+        return
+    total = device_memory_bytes()
+    budget = (
+        None
+        if total is None
+        else int(
+            int(total * vllm_config.cache_config.gpu_memory_utilization)
+            * buffer_sizes.LL_BUFFER_BUDGET_FRACTION
+        )
+    )
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    reason = rdma_buffer_reason(flag, rdma, shape, tokens, ep_world_size(vllm_config.parallel_config), budget)
+    if reason is not None:
+        raise FlashInferEPConfigError(reason)
+
+
+def _log_parallel_layout(par: Any, flag: str) -> None:
+    """Say how tensor and pipeline parallelism combine with the backend (docs/architecture.md,
+    "Tensor and pipeline parallelism"): both are accepted."""
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if (tp == 1 and pp == 1) or not par.enable_expert_parallel:
+        return
+    parts = [f"one NCCL-EP fleet per EP group of {ep_world_size(par)} ranks (DP x TP)"]
+    if tp > 1:
+        parts.append(
+            f"--tensor-parallel-size {tp}: sequence-parallel MoE, each TP rank dispatches "
+            f"its 1/{tp} of the tokens"
+        )
+    if pp > 1:
+        parts.append(f"--pipeline-parallel-size {pp}: one EP group (and fleet) per pipeline stage")
+    logger.info("%s: %s.", flag, "; ".join(parts))
 
 
 def device_memory_bytes() -> int | None:
@@ -216,17 +342,21 @@ def device_memory_bytes() -> int | None:
         return None
 
 
-def _lower_step_budget(vllm_config: Any, flag: str, limit: int, why: str, log_why: str) -> None:
-    """Lower --max-num-batched-tokens to `limit` with a warning, or refuse if that cannot work."""
-    sched = vllm_config.scheduler_config
-    asked = sched.max_num_batched_tokens
-    model = vllm_config.model_config
+def _refuse_unchunked(vllm_config: Any, flag: str, limit: int, why: str) -> None:
+    """Lowering the step budget below --max-model-len needs chunked prefill."""
+    sched, model = vllm_config.scheduler_config, vllm_config.model_config
     if not sched.enable_chunked_prefill and model is not None and model.max_model_len > limit:
         raise FlashInferEPConfigError(
-            f"{flag} {why}, but --max-num-batched-tokens is {asked} with chunked prefill off and "
-            f"--max-model-len {model.max_model_len}. Enable chunked prefill or pass "
-            f"--max-model-len <= {limit}."
+            f"{flag} {why}, but --max-num-batched-tokens is {sched.max_num_batched_tokens} with "
+            f"chunked prefill off and --max-model-len {model.max_model_len}. Enable chunked "
+            f"prefill or pass --max-model-len <= {limit}."
         )
+
+
+def _lower_step_budget(vllm_config: Any, flag: str, limit: int, log_why: str) -> None:
+    """Lower --max-num-batched-tokens to `limit` with a warning."""
+    sched = vllm_config.scheduler_config
+    asked = sched.max_num_batched_tokens
     sched.max_num_batched_tokens = limit
     if sched.max_num_scheduled_tokens is not None:
         sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, limit)
@@ -249,36 +379,62 @@ ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
 FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
 
 
-def _check_quantization(model: Any, flag: str) -> None:
+def quantization_reason(flag: str, method: str | None, block: Any) -> str | None:
     """BF16, FP8 checkpoints (per-tensor scales or 128x128 blocks) and online FP8
     (--quantization fp8_per_tensor / fp8_per_block / fp8_per_channel on a BF16
-    checkpoint), on both backends. Anything else is refused."""
-    quant = getattr(model, "quantization", None)
-    if not quant:
-        return
-    if quant not in FP8_METHODS:
-        raise FlashInferEPConfigError(
+    checkpoint), on both backends; why anything else is refused. `method`: vLLM's
+    quantization method (the checkpoint's quant_method or --quantization), `block` the
+    checkpoint's weight_block_size."""
+    if not method:
+        return None
+    if method not in FP8_METHODS:
+        return (
             f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "
-            f"quantized with {quant}. Serve a BF16 or FP8 checkpoint, or pick another "
+            f"quantized with {method}. Serve a BF16 or FP8 checkpoint, or pick another "
             "--all2all-backend (e.g. deepep_low_latency)."
         )
     from vllm_flashinfer_ep.vllm.receive_quant import carries_block
 
-    block = checkpoint_block_shape(model)
     if not carries_block(block):
-        raise FlashInferEPConfigError(
+        return (
             f"{flag} carries FP8 activations in groups of 128 (128x128 block checkpoints); "
             f"this checkpoint's weight_block_size is {block}. Pick another --all2all-backend."
         )
+    return None
 
 
-def checkpoint_block_shape(model: Any) -> list[int] | None:
-    """The checkpoint's FP8 `weight_block_size`, or None (per-tensor or online)."""
-    hf = getattr(model, "hf_config", None)
-    qc = getattr(hf, "quantization_config", None)
-    if not isinstance(qc, dict):
-        qc = getattr(getattr(model, "hf_text_config", None), "quantization_config", None)
-    return qc.get("weight_block_size") if isinstance(qc, dict) else None
+def dtype_reason(flag: str, dtype: str | None) -> str | None:
+    """Why the model's dtype (vLLM's resolved --dtype, a name: "float16") is refused."""
+    if dtype is None or dtype == "bfloat16":
+        return None
+    return (
+        f"{flag} dispatches BF16 activations, but the model dtype is {dtype}. Pass "
+        "--dtype bfloat16."
+    )
+
+
+def top_k_reason(flag: str, backend: str, top_k: int | None) -> str | None:
+    limit = max_top_k(backend == backends.LOW_LATENCY)
+    if top_k is None or top_k <= limit:
+        return None
+    other = (
+        " Try --all2all-backend flashinfer_ep_high_throughput."
+        if backend == backends.LOW_LATENCY and top_k <= max_top_k(False)
+        else " Pick another --all2all-backend."
+    )
+    return (
+        f"{flag}: the model routes each token to {top_k} experts, more than this backend "
+        f"supports ({limit}, see vllm_flashinfer_ep/runtime/limits.py).{other}"
+    )
+
+
+def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
+    if backend != backends.LOW_LATENCY or hidden is None or hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
+        return None
+    return (
+        f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
+        f"{SUPPORTED_HIDDEN_SIZES[-1]}. Use --all2all-backend flashinfer_ep_high_throughput."
+    )
 
 
 def _pin_fp8_experts(vllm_config: Any, flag: str) -> None:
@@ -309,36 +465,16 @@ def _pin_fp8_experts(vllm_config: Any, flag: str) -> None:
     )
 
 
-def _validate_model(model: Any, backend: str, flag: str) -> None:
+def _validate_model(model: Any, shape: ModelShape, backend: str, flag: str) -> None:
+    """The model rules `doctor` applies too (the *_reason functions above)."""
     if getattr(model, "is_moe", True) is False:
         return
-    _check_quantization(model, flag)
     dtype = getattr(model, "dtype", None)
-    if isinstance(dtype, torch.dtype) and dtype != torch.bfloat16:
-        raise FlashInferEPConfigError(
-            f"{flag} dispatches BF16 activations, but the model dtype is {dtype}. Pass "
-            "--dtype bfloat16."
-        )
-    hf = model.hf_text_config
-    top_k = model_top_k(hf)
-    limit = max_top_k(backend == backends.LOW_LATENCY)
-    if top_k is not None and top_k > limit:
-        other = (
-            " Try --all2all-backend flashinfer_ep_high_throughput."
-            if backend == backends.LOW_LATENCY and top_k <= max_top_k(False)
-            else " Pick another --all2all-backend."
-        )
-        raise FlashInferEPConfigError(
-            f"{flag}: the model routes each token to {top_k} experts, more than this backend "
-            f"supports ({limit}, see vllm_flashinfer_ep/runtime/limits.py).{other}"
-        )
-    hidden = getattr(hf, "hidden_size", None)
-    if (
-        backend == backends.LOW_LATENCY
-        and isinstance(hidden, int)
-        and hidden > SUPPORTED_HIDDEN_SIZES[-1]
+    for reason in (
+        quantization_reason(flag, getattr(model, "quantization", None), shape.weight_block_size),
+        dtype_reason(flag, model_shape.dtype_name(dtype)),
+        top_k_reason(flag, backend, shape.top_k),
+        hidden_reason(flag, backend, shape.hidden_size),
     ):
-        raise FlashInferEPConfigError(
-            f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
-            f"{SUPPORTED_HIDDEN_SIZES[-1]}. Use --all2all-backend flashinfer_ep_high_throughput."
-        )
+        if reason is not None:
+            raise FlashInferEPConfigError(reason)

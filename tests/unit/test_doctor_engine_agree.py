@@ -1,0 +1,300 @@
+"""doctor gives the engine's config-time verdicts: what the engine refuses is [FAIL] with the
+engine's own message, what it changes or cannot check is [warn]; serve arguments reach
+doctor through the command line; a broken config.json is named with the right hint."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import engine_config, write_model
+
+import vllm_flashinfer_ep
+from vllm_flashinfer_ep import cli, doctor, envs
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.vllm import config_validation
+
+vllm_flashinfer_ep.register()
+
+GIB = 1 << 30
+# Qwen3-30B-A3B's MoE shape in a tiny model.
+BIG = dict(num_experts=128, num_experts_per_tok=8, hidden_size=2048, max_position_embeddings=32768)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in envs.VARIABLES:
+        monkeypatch.delenv(var.name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("big-shape"), **BIG)
+
+
+def _gpu(monkeypatch, total: int | None) -> None:
+    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: total)
+
+
+def _doctor(monkeypatch, model: str, *serve_args: str):
+    """Run `vllm-flashinfer-ep doctor --model MODEL SERVE_ARGS...` and return its model checks."""
+    seen = {}
+    real = doctor.model_checks
+
+    def spy(*args, **kwargs):
+        seen["checks"] = real(*args, **kwargs)
+        return seen["checks"]
+
+    monkeypatch.setattr(doctor, "model_checks", spy)
+    rc = cli.main(["doctor", "--model", model, *serve_args])
+    return rc, {c.name: c for c in seen["checks"]}
+
+
+def _engine_refusal(model: str, backend: str = LOW_LATENCY, **kwargs) -> str:
+    with pytest.raises(FlashInferEPConfigError) as info:
+        engine_config(model, backend, **kwargs)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------- dtype
+def test_float16_checkpoint_fails_in_both_with_the_same_reason(tmp_path, monkeypatch, capsys):
+    model = write_model(tmp_path / "fp16", torch_dtype="float16")
+    reason = _engine_refusal(model)
+    rc, checks = _doctor(monkeypatch, model)
+    assert rc == 1
+    assert not checks["dtype"].ok and checks["dtype"].fix == reason
+    assert "Pass --dtype bfloat16" in reason
+    out = capsys.readouterr().out
+    assert "[FAIL] dtype: float16 (checkpoint float16, --dtype auto)" in out
+    assert f"  - dtype: {reason}" in out
+
+
+def test_dtype_flag_decides_in_both(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "fp16", torch_dtype="float16")
+    engine_config(model, LOW_LATENCY, dtype="bfloat16")
+    assert _doctor(monkeypatch, model, "--dtype", "bfloat16")[1]["dtype"].ok
+    bf16 = write_model(tmp_path / "bf16")
+    reason = _engine_refusal(bf16, dtype="half")
+    assert _doctor(monkeypatch, bf16, "--dtype", "half")[1]["dtype"].fix == reason
+
+
+def test_float32_checkpoint_is_served_in_bfloat16_by_both(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "fp32", torch_dtype="float32")
+    engine_config(model, LOW_LATENCY)
+    check = _doctor(monkeypatch, model)[1]["dtype"]
+    assert check.ok and check.detail.startswith("bfloat16 (checkpoint float32")
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]},
+    ],
+    ids=["awq", "fp8-block-64"],
+)
+def test_quantization_refusals_match(tmp_path, monkeypatch, quant):
+    model = write_model(tmp_path / "q", quantization_config=quant)
+    try:
+        reason = _engine_refusal(model)
+    except Exception as exc:  # noqa: BLE001 - vLLM itself may refuse the config first
+        pytest.skip(f"vLLM refuses this config before the plugin: {exc}")
+    check = _doctor(monkeypatch, model)[1]["checkpoint precision"]
+    assert not check.ok and check.fix == reason
+
+
+# ------------------------------------------------------------------------ memory
+def test_memory_refusal_is_doctor_s_failure(big, monkeypatch):
+    _gpu(monkeypatch, 1 * GIB)
+    flags = dict(max_num_batched_tokens=4096, max_num_seqs=256, gpu_memory_utilization=0.9)
+    reason = _engine_refusal(big, **flags)
+    rc, checks = _doctor(
+        monkeypatch,
+        big,
+        "--max-num-batched-tokens",
+        "4096",
+        "--max-num-seqs",
+        "256",
+        "--gpu-memory-utilization",
+        "0.9",
+    )
+    est = checks["LL memory estimate"]
+    assert rc == 1 and not est.ok and est.fix == reason
+    assert "--max-num-seqs 256" in reason
+
+
+def test_thousands_of_gib_are_not_ok_on_a_gpu(big, monkeypatch):
+    """vLLM's own parser for the flag (20m = 20,000,000); the engine lowers the budget, doctor
+    says so as a warning with the engine's figure instead of [ok]."""
+    _gpu(monkeypatch, 141 * GIB)
+    args = (
+        "--max-num-batched-tokens",
+        "20m",
+        "--max-num-seqs",
+        "1024",
+        "--gpu-memory-utilization",
+        "0.9",
+    )
+    est = _doctor(monkeypatch, big, *args)[1]["LL memory estimate"]
+    assert "GiB per GPU at --max-num-batched-tokens 20000000" in est.detail
+    assert float(est.detail.split()[1]) > 1000
+    cfg = engine_config(
+        big,
+        LOW_LATENCY,
+        max_num_batched_tokens=20_000_000,
+        max_num_seqs=1024,
+        gpu_memory_utilization=0.9,
+    )
+    fit = cfg.scheduler_config.max_num_batched_tokens
+    assert est.warn and f"lowers --max-num-batched-tokens from 20000000 to {fit}:" in est.fix
+
+
+def test_lowered_step_budget_is_a_warning_with_the_engine_s_value(big, monkeypatch):
+    _gpu(monkeypatch, 80 * GIB)
+    cfg = engine_config(
+        big,
+        LOW_LATENCY,
+        max_num_batched_tokens=100_000,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.9,
+    )
+    fit = cfg.scheduler_config.max_num_batched_tokens
+    assert fit < 100_000
+    est = _doctor(
+        monkeypatch,
+        big,
+        "--max-num-batched-tokens",
+        "100000",
+        "--max-num-seqs",
+        "256",
+        "--gpu-memory-utilization",
+        "0.9",
+    )[1]["LL memory estimate"]
+    assert est.ok and est.warn
+    assert f"the engine lowers --max-num-batched-tokens from 100000 to {fit}" in est.fix
+
+
+def test_unchunked_refusal_matches(big, monkeypatch):
+    _gpu(monkeypatch, 80 * GIB)
+    reason = _engine_refusal(
+        big,
+        max_num_batched_tokens=32768,
+        max_model_len=32768,
+        max_num_seqs=256,
+        enable_chunked_prefill=False,
+        gpu_memory_utilization=0.9,
+    )
+    est = _doctor(
+        monkeypatch,
+        big,
+        "--max-num-batched-tokens",
+        "32768",
+        "--max-model-len",
+        "32768",
+        "--max-num-seqs",
+        "256",
+        "--no-enable-chunked-prefill",
+        "--gpu-memory-utilization",
+        "0.9",
+    )[1]["LL memory estimate"]
+    assert not est.ok and est.fix == reason
+
+
+def test_without_a_gpu_the_estimate_is_a_warning_not_ok(big, monkeypatch, capsys):
+    _gpu(monkeypatch, None)
+    est = _doctor(monkeypatch, big, "--max-num-batched-tokens", "1000000")[1]["LL memory estimate"]
+    assert est.ok and est.warn and "not checked: no GPU visible here" in est.detail
+    assert "[warn] LL memory estimate: about " in capsys.readouterr().out
+
+
+def test_fitting_estimate_is_ok(big, monkeypatch):
+    _gpu(monkeypatch, 141 * GIB)
+    engine_config(big, LOW_LATENCY, max_num_seqs=256)
+    est = _doctor(monkeypatch, big, "--max-num-seqs", "256")[1]["LL memory estimate"]
+    assert est.ok and not est.warn and "fits the budget of" in est.detail
+
+
+def test_ht_has_no_ll_estimate_in_either(big, monkeypatch):
+    _gpu(monkeypatch, 1 * GIB)
+    engine_config(big, HIGH_THROUGHPUT, max_num_batched_tokens=4096)
+    checks = _doctor(monkeypatch, big, "--all2all-backend", HIGH_THROUGHPUT)[1]
+    assert "LL memory estimate" not in checks and checks["hidden size"].ok
+
+
+def test_rdma_buffer_refusal_matches(big, monkeypatch):
+    _gpu(monkeypatch, None)
+    monkeypatch.setenv(envs.RDMA_BUFFER_BYTES, str(envs.rdma_min_bytes()))
+    reason = _engine_refusal(big)
+    check = _doctor(monkeypatch, big, "--data-parallel-size", "2")[1]["RDMA buffer"]
+    assert not check.ok and check.fix == reason
+
+
+# --------------------------------------------------------------- serve arguments
+def test_serve_arguments_doctor_does_not_read_are_listed_not_refused(big, monkeypatch, capsys):
+    _gpu(monkeypatch, None)
+    _, checks = _doctor(
+        monkeypatch,
+        big,
+        "--port",
+        "9000",
+        "--served-model-name",
+        "a",
+        "b",
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+        "--all2all-backend",
+        LOW_LATENCY,
+        "--max-num-batched-tokens",
+        "512",
+    )
+    assert "at --max-num-batched-tokens 512" in checks["LL memory estimate"].detail
+    out = capsys.readouterr().out
+    assert (
+        "(vllm serve arguments doctor does not check: --port 9000 --served-model-name a b "
+        "--enable-expert-parallel)"
+    ) in out
+
+
+def test_other_commands_still_refuse_unknown_arguments():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--port", "1"])
+
+
+# --------------------------------------------------------------- broken config.json
+def test_malformed_config_json_is_named_with_a_repair_hint(tmp_path, monkeypatch):
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"hidden_size": 2048,')
+    rc, checks = _doctor(monkeypatch, str(bad))
+    check = checks["model config"]
+    assert rc == 1 and not check.ok
+    assert check.detail.startswith(f"{bad / 'config.json'} is not valid JSON (")
+    assert "line 1" in check.detail
+    assert (
+        check.fix
+        == f"repair {bad / 'config.json'}: it must be the model's Hugging Face config (a JSON object)"
+    )
+    assert "reachable HF id" not in check.fix
+
+
+def test_config_json_that_is_not_an_object(tmp_path):
+    bad = tmp_path / "list"
+    bad.mkdir()
+    (bad / "config.json").write_text("[1, 2]")
+    [check] = doctor.model_checks(str(bad))
+    assert check.detail == f"{bad / 'config.json'} holds a JSON list, not an object"
+
+
+def test_damaged_hub_download_names_the_cached_file(tmp_path, monkeypatch):
+    cached = tmp_path / "hub" / "config.json"
+    cached.parent.mkdir()
+    cached.write_text("not json")
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(cached))
+    [check] = doctor.model_checks("org/model")
+    assert check.detail.startswith(f"{cached} is not valid JSON")
+    assert (
+        check.fix
+        == f"the cached download is damaged: delete {cached} and run again to fetch it anew"
+    )

@@ -1,0 +1,158 @@
+"""The one reader of a model's MoE shape: Hugging Face config -> what the backends size for.
+
+Config validation (`vllm/config_validation.py`, from vLLM's `ModelConfig`) and
+`vllm-flashinfer-ep doctor` (from a config.json dict) both read the model through
+`read_shape`, so they see the same hidden size, expert count (logical + EPLB redundant
+experts: the physical experts vLLM's MoE layers hand the manager), top_k, checkpoint
+dtype and quantization. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_flashinfer_ep.runtime.limits import config_top_k, round_up_ll_hidden_size
+
+# Names under which Hugging Face configs carry the number of routed experts.
+EXPERT_COUNT_CONFIG_KEYS: tuple[str, ...] = (
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+    "moe_num_experts",
+)
+# Names under which they carry the checkpoint's dtype (transformers >= 4.56 writes `dtype`).
+DTYPE_CONFIG_KEYS: tuple[str, ...] = ("dtype", "torch_dtype")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int | None
+    routed_experts: int | None  # logical experts of the checkpoint
+    top_k: int | None
+    redundant_experts: int = 0  # EPLB's extra physical copies (--eplb-config num_redundant_experts)
+    dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", "float16", ...)
+    quant_method: str | None = None  # quantization_config.quant_method
+    weight_block_size: list[int] | None = None
+    max_position_embeddings: int | None = None
+
+    @property
+    def physical_experts(self) -> int | None:
+        """Experts the EP fleet routes over: logical plus EPLB's redundant ones."""
+        if self.routed_experts is None:
+            return None
+        return self.routed_experts + self.redundant_experts
+
+    def ll_fleet_shape(self) -> tuple[int, int, int] | None:
+        """(LL hidden size rounded up to an NCCL-EP size, physical experts, top_k), or
+        None when the config lacks one of them or is wider than any LL size."""
+        if self.hidden_size is None or self.top_k is None or self.physical_experts is None:
+            return None
+        try:
+            hidden = round_up_ll_hidden_size(self.hidden_size)
+        except ValueError:
+            return None
+        return hidden, self.physical_experts, self.top_k
+
+
+def _getter(config: Any) -> Callable[[str], Any]:
+    if isinstance(config, Mapping):
+        return config.get
+    return lambda name: getattr(config, name, None)
+
+
+def _text_config(config: Any) -> Any:
+    if isinstance(config, Mapping):
+        text = config.get("text_config")
+        return text if isinstance(text, Mapping) else config
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else config
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def dtype_name(value: Any) -> str | None:
+    """'bfloat16' for torch.bfloat16 or "bfloat16"; None when unset."""
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")
+
+
+def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int = 0) -> ModelShape:
+    """The MoE shape of a Hugging Face config: a config.json dict or a transformers
+    config object. `text_config`: the language model's part (vLLM's `hf_text_config`);
+    by default the config's `text_config` (dict) or `get_text_config()` (object)."""
+    root = _getter(config)
+    text = _getter(_text_config(config) if text_config is None else text_config)
+    experts = next(
+        (v for v in (_positive_int(text(k)) for k in EXPERT_COUNT_CONFIG_KEYS) if v is not None),
+        None,
+    )
+    dtype = next(
+        (v for get in (root, text) for k in DTYPE_CONFIG_KEYS if (v := get(k)) is not None), None
+    )
+    quant = root("quantization_config")
+    if not isinstance(quant, Mapping):
+        quant = text("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else None
+    block = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    return ModelShape(
+        hidden_size=_positive_int(text("hidden_size")),
+        routed_experts=experts,
+        top_k=config_top_k(text),
+        redundant_experts=max(0, int(redundant_experts or 0)),
+        dtype=dtype_name(dtype),
+        quant_method=method,
+        weight_block_size=list(block) if isinstance(block, (list, tuple)) else block,
+        max_position_embeddings=_positive_int(text("max_position_embeddings")),
+    )
+
+
+# vLLM 0.33.0's --dtype choices and their torch dtypes (vllm/config/model.py
+# _STR_DTYPE_TO_TORCH_DTYPE), by name.
+DTYPE_CHOICES: tuple[str, ...] = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_DTYPE_NAMES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+
+
+def served_dtype(asked: str, checkpoint: str | None) -> str | None:
+    """The dtype vLLM serves with on a Hopper-or-newer GPU, by name: --dtype itself, or for
+    `auto` the checkpoint's, float32 downcast to bfloat16 (vllm/config/model.py
+    `_get_and_verify_dtype` / `_resolve_auto_dtype` with CUDA's supported dtypes
+    [bfloat16, float16, float32] on sm_80+). None: auto with a config that names no dtype
+    (vLLM then reads the weights' dtype)."""
+    asked = asked.lower()
+    if asked != "auto":
+        return _DTYPE_NAMES.get(asked, asked)
+    if checkpoint is None:
+        return None
+    return "bfloat16" if checkpoint == "float32" else checkpoint
+
+
+def redundant_experts(enable_eplb: bool, eplb_config: Any) -> int:
+    """EPLB's redundant experts, 0 without EPLB (vLLM adds them only when it is on)."""
+    if not enable_eplb:
+        return 0
+    value = _getter(eplb_config)("num_redundant_experts") if eplb_config is not None else None
+    return int(value or 0)
+
+
+def from_vllm_config(vllm_config: Any) -> ModelShape:
+    """The shape of the model of a vLLM engine config (its hf_config / hf_text_config and
+    the parallel config's EPLB redundant experts)."""
+    model, par = vllm_config.model_config, vllm_config.parallel_config
+    return read_shape(
+        model.hf_config,
+        model.hf_text_config,
+        redundant_experts=redundant_experts(
+            bool(getattr(par, "enable_eplb", False)), getattr(par, "eplb_config", None)
+        ),
+    )
