@@ -69,7 +69,19 @@ def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, hidden] -> (E4M3 [tokens, hidden], FP32 scales [tokens, hidden / 128]),
     scale = amax / 448 per 128 elements: vLLM's per_token_group_quant_fp8 convention,
     for callers without vLLM (benchmark, transport tests). Zero groups get the smallest
-    normal scale, so every scale is finite and positive."""
+    normal scale, so every scale is finite and positive.
+
+    Deliberately not the same function as vllm/receive_quant.group_quantize, which the
+    engine passes to `HtFp8Wire` instead (runtime/ imports no vLLM; the wire takes any
+    `Quantizer`). That one is the layer's own quantization, vLLM's per_token_group_quant_fp8,
+    so the experts get exactly what vLLM's quantization would give them, and it departs
+    from this one where vLLM's platform decides: it rounds each scale up to a power of two
+    when DeepGEMM's E8M0 scales are in use, takes the platform's FP8 type and range
+    (E4M3FNUZ, max 224, on ROCm), and floors amax at 1e-10 where this floors the scale at
+    the smallest normal FP32. For E4M3 without E8M0 both compute a group's scale as
+    amax / 448 when amax >= 1e-10 (vLLM's Triton fallback computes amax x (1 / 448),
+    which can differ in the last bit); groups below that (zero groups included: 0 is 0
+    in E4M3 under either scale) get different scales."""
     rows, hidden = x.shape
     groups = x.float().view(rows, hidden // SCALE_GROUP, SCALE_GROUP)
     fmax = torch.finfo(torch.float8_e4m3fn).max

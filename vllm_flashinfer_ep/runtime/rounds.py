@@ -3,22 +3,36 @@
 A runtime holds one round, shared by every layer of its shape; the vLLM
 prepare/finalize classes are thin adapters over it, and the benchmark and the GPU tests
 drive the same code without vLLM.
+
+A round reads its runtime through `RoundRuntime`, the part of ep_runtime.EPRuntime it
+uses, so this module does not import ep_runtime (which imports this one to make its round).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.runtime.fp8_wire import HtFp8Received
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
+from vllm_flashinfer_ep.runtime.fleet import FleetSpec
+from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Received, HtFp8Wire
+from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, HandlePool
 
-if TYPE_CHECKING:
-    from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
+
+class RoundRuntime(Protocol):
+    """What a round reads of its runtime (ep_runtime.EPRuntime is one)."""
+
+    spec: FleetSpec
+    pool: HandlePool
+    rank: int
+    world_size: int
+    fp8_wire: Fp8Wire | HtFp8Wire | None
+
+    @property
+    def num_local_experts(self) -> int: ...
 
 
 @dataclass
@@ -41,7 +55,7 @@ class HighThroughputDispatch:
     x_scale: torch.Tensor | None = None
 
 
-def check_activations(a1: torch.Tensor, runtime: EPRuntime) -> None:
+def check_activations(a1: torch.Tensor, runtime: RoundRuntime) -> None:
     if a1.dtype != torch.bfloat16:
         raise FlashInferEPConfigError(
             f"flashinfer_ep dispatches BF16 activations only, got {a1.dtype}; use --dtype bfloat16"
@@ -68,7 +82,7 @@ class Round:
     """One transport round over a runtime: checks, routing bound to a handle, dispatch;
     then combine into the caller's output, which ends the round."""
 
-    def __init__(self, runtime: EPRuntime) -> None:
+    def __init__(self, runtime: RoundRuntime) -> None:
         self.runtime = runtime
         self._pool = runtime.pool
         self._hidden = runtime.spec.hidden_size
@@ -141,7 +155,7 @@ class HighThroughputRound(Round):
     the runtime holds one round, so every layer of a shape shares it.
     """
 
-    def __init__(self, runtime: EPRuntime) -> None:
+    def __init__(self, runtime: RoundRuntime) -> None:
         super().__init__(runtime)
         pool = runtime.pool
         rows, top_k, dev = pool.capacity * runtime.world_size, pool.top_k, pool.device
@@ -190,7 +204,7 @@ class HighThroughputRound(Round):
         return ids, weights, remote
 
 
-def make_round(runtime: EPRuntime) -> Round:
+def make_round(runtime: RoundRuntime) -> Round:
     """The round of a runtime's algorithm."""
     if runtime.spec.algorithm == Algorithm.HIGH_THROUGHPUT:
         return HighThroughputRound(runtime)

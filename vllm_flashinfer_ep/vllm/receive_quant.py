@@ -93,7 +93,14 @@ def fp8_dispatch_reason(quant_config: Any, hidden: int) -> str | None:
 def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, hidden] BF16 -> (E4M3, FP32 scales [tokens, hidden / 128], row-major):
     what a 128x128 block-FP8 layer's Triton experts would compute from x (vLLM's
-    per_token_group_quant_fp8), done before an HT FP8 dispatch."""
+    per_token_group_quant_fp8), done before an HT FP8 dispatch (the HT prepare hands it
+    to EPRuntime.enable_fp8_wire).
+
+    Kept apart from runtime/fp8_wire.group_quantize (the torch quantizer for callers
+    without vLLM) on purpose: this one must follow vLLM wherever vLLM's platform changes
+    the numerics (scales rounded up to powers of two when DeepGEMM's E8M0 scales are in
+    use, the platform's FP8 type and range, amax floored at 1e-10), which the runtime's,
+    free of vLLM imports, cannot; see that function for where the two agree."""
     from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 
     return moe_kernel_quantize_input(
