@@ -82,7 +82,9 @@ def parse_serve_args(serve_argv: Sequence[str]) -> argparse.Namespace:
 
 
 # Trivial experts for transport tests: expert e maps a row x to x * scales[e].
-def scale_expert_rows(expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def scale_expert_rows(
+    expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Batched-layout expert op: expert_x[e] * scales[e] (rows past the count are ignored by combine)."""
     factor = scales.to(expert_x.dtype).view(-1, 1, 1)
     if out is None:
@@ -91,7 +93,11 @@ def scale_expert_rows(expert_x: torch.Tensor, scales: torch.Tensor, out: torch.T
 
 
 def reduce_received_rows(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
 ) -> torch.Tensor:
     """Standard-layout experts + weighted reduce per received row (HT)."""
     factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)

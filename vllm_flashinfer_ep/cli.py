@@ -23,15 +23,28 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_parser(sub)
     benchmarks = (
         ("bench", bench, "decode-step LL all2all benchmark (needs a GPU)"),
-        ("bench-ht", bench_ht, "prefill-step HT all2all benchmark vs raw FlashInfer, and LL vs HT (needs a GPU)"),
-        ("bench-fp8", bench_fp8,
-         "block-FP8 LL decode step (or HT step): BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)"),
-        ("bench-memory", bench_memory,
-         "device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)"),
+        (
+            "bench-ht",
+            bench_ht,
+            "prefill-step HT all2all benchmark vs raw FlashInfer, and LL vs HT (needs a GPU)",
+        ),
+        (
+            "bench-fp8",
+            bench_fp8,
+            "block-FP8 LL decode step (or HT step): BF16 vs FP8 on the wire, and bytes per dispatch (needs a GPU)",
+        ),
+        (
+            "bench-memory",
+            bench_memory,
+            "device-wide GPU memory of the LL fleet and its handle pool (needs a GPU)",
+        ),
     )
     for name, module, text in benchmarks:
         sub_parser = sub.add_parser(
-            name, help=text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+            name,
+            help=text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(sub_parser)
         sub_parser.set_defaults(func=module.main)

@@ -61,8 +61,12 @@ def package_checks() -> list[Check]:
             fi or "not installed",
             "pip install flashinfer-python==0.7.2.post1",
         ),
-        Check("nccl-extensions", _version("nccl-extensions") is not None,
-              _version("nccl-extensions") or "not installed", "pip install 'nccl-extensions>=0.1.0'"),
+        Check(
+            "nccl-extensions",
+            _version("nccl-extensions") is not None,
+            _version("nccl-extensions") or "not installed",
+            "pip install 'nccl-extensions>=0.1.0'",
+        ),
     ]
     plugins = {ep.name for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
     checks.append(
@@ -118,7 +122,9 @@ def load_model_config(model: str) -> dict[str, Any]:
         cfg = path / "config.json"
         if not cfg.exists():
             raise FileNotFoundError(f"{cfg} does not exist")
-        return _read_config_json(cfg, f"repair {cfg}: it must be the model's Hugging Face config (a JSON object)")
+        return _read_config_json(
+            cfg, f"repair {cfg}: it must be the model's Hugging Face config (a JSON object)"
+        )
     if _looks_like_path(model):
         raise FileNotFoundError(f"no such directory: {model} (nor a Hugging Face id: org/name)")
     from huggingface_hub import hf_hub_download
@@ -179,8 +185,9 @@ class ServeSettings:
         return self.data_parallel_size * self.tensor_parallel_size
 
 
-def model_checks(model: str, tokens_per_rank: int | None = None,
-                 settings: ServeSettings | None = None) -> list[Check]:
+def model_checks(
+    model: str, tokens_per_rank: int | None = None, settings: ServeSettings | None = None
+) -> list[Check]:
     """The engine's config-time verdicts on `model` (config_validation's rules, read through
     model_shape, the reader config validation uses), as doctor lines."""
     settings = settings or ServeSettings()
@@ -191,19 +198,27 @@ def model_checks(model: str, tokens_per_rank: int | None = None,
     except ModelConfigError as exc:
         return [Check("model config", False, str(exc), exc.fix)]
     except Exception as exc:  # noqa: BLE001 - report why the config is unreadable
-        return [Check("model config", False, str(exc), "pass a local model dir or a reachable HF id")]
+        return [
+            Check("model config", False, str(exc), "pass a local model dir or a reachable HF id")
+        ]
     from vllm_flashinfer_ep.vllm import config_validation as rules
 
     shape = model_shape.read_shape(
-        cfg, redundant_experts=model_shape.redundant_experts(settings.enable_eplb, settings.eplb_config)
+        cfg,
+        redundant_experts=model_shape.redundant_experts(settings.enable_eplb, settings.eplb_config),
     )
     checks = []
     backend = settings.backend
     if not backends.is_ours(backend):
-        checks.append(Check(
-            "all2all backend", True, f"{backend} is not a flashinfer_ep backend; the checks below "
-            f"are those of {LOW_LATENCY}", warn=True,
-        ))
+        checks.append(
+            Check(
+                "all2all backend",
+                True,
+                f"{backend} is not a flashinfer_ep backend; the checks below "
+                f"are those of {LOW_LATENCY}",
+                warn=True,
+            )
+        )
         backend = LOW_LATENCY
     flag = f"--all2all-backend {backend}"
     low_latency = backend == LOW_LATENCY
@@ -221,24 +236,46 @@ def model_checks(model: str, tokens_per_rank: int | None = None,
                 f"{hidden} -> rounded up to {round_up_ll_hidden_size(hidden)} for {LOW_LATENCY} "
                 f"(LL sizes: {list(SUPPORTED_HIDDEN_SIZES)})"
             )
-        checks.append(Check("LL hidden size" if low_latency else "hidden size", reason is None, detail, reason or ""))
+        checks.append(
+            Check(
+                "LL hidden size" if low_latency else "hidden size",
+                reason is None,
+                detail,
+                reason or "",
+            )
+        )
     if shape.top_k is None:
-        checks.append(Check("top_k", False, "no experts-per-token field: not an MoE config?", "pass an MoE model"))
+        checks.append(
+            Check(
+                "top_k",
+                False,
+                "no experts-per-token field: not an MoE config?",
+                "pass an MoE model",
+            )
+        )
     else:
         reason = rules.top_k_reason(flag, backend, shape.top_k)
-        checks.append(Check(
-            "top_k", reason is None,
-            f"{shape.top_k} (limits: low latency {MAX_TOPK_LL}, high throughput {MAX_TOPK_HT})", reason or "",
-        ))
+        checks.append(
+            Check(
+                "top_k",
+                reason is None,
+                f"{shape.top_k} (limits: low latency {MAX_TOPK_LL}, high throughput {MAX_TOPK_HT})",
+                reason or "",
+            )
+        )
     checks.append(_dtype_check(shape, settings, flag))
     method = settings.quantization or shape.quant_method
     block = shape.weight_block_size
     reason = rules.quantization_reason(flag, method, block)
-    checks.append(Check(
-        "checkpoint precision", reason is None,
-        f"quantization {method or 'none'}" + (f", weight_block_size {block}" if block is not None else ""),
-        reason or "",
-    ))
+    checks.append(
+        Check(
+            "checkpoint precision",
+            reason is None,
+            f"quantization {method or 'none'}"
+            + (f", weight_block_size {block}" if block is not None else ""),
+            reason or "",
+        )
+    )
     fleet = shape.ll_fleet_shape() if low_latency else None
     if fleet is not None:
         total = rules.device_memory_bytes()
@@ -255,8 +292,14 @@ def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: s
     served = model_shape.served_dtype(settings.dtype, shape.dtype)
     detail = f"{served or 'unknown'} (checkpoint {shape.dtype or 'names none'}, --dtype {settings.dtype})"
     if served is None:
-        return Check("dtype", True, detail, "config.json names no dtype: vLLM reads it from the "
-                     "weights; pass --dtype bfloat16 to be sure", warn=True)
+        return Check(
+            "dtype",
+            True,
+            detail,
+            "config.json names no dtype: vLLM reads it from the "
+            "weights; pass --dtype bfloat16 to be sure",
+            warn=True,
+        )
     reason = dtype_reason(flag, served)
     return Check("dtype", reason is None, detail, reason or "")
 
@@ -272,24 +315,43 @@ def _vllm_defaults(settings: ServeSettings) -> tuple[float, int, bool]:
     seqs = settings.max_num_seqs
     if seqs is None:
         world = settings.tensor_parallel_size * settings.pipeline_parallel_size
-        seqs = min(EngineArgs.get_batch_defaults(world)[1].get(UsageContext.OPENAI_API_SERVER, 128), settings.tokens)
+        seqs = min(
+            EngineArgs.get_batch_defaults(world)[1].get(UsageContext.OPENAI_API_SERVER, 128),
+            settings.tokens,
+        )
     chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
     return gmu, seqs, chunked
 
 
-def _ll_memory_check(rules, flag: str, shape: model_shape.ModelShape, fleet: tuple[int, int, int],
-                     settings: ServeSettings, total: int | None) -> Check:
+def _ll_memory_check(
+    rules,
+    flag: str,
+    shape: model_shape.ModelShape,
+    fleet: tuple[int, int, int],
+    settings: ServeSettings,
+    total: int | None,
+) -> Check:
     """The LL fleet's estimated GPU memory per GPU and the engine's verdict on it
     (config_validation.ll_memory_verdict: fits, lowered, or refused)."""
     hidden, experts, top_k = fleet
     tokens = settings.tokens
     gmu, seqs, chunked = _vllm_defaults(settings) if total is not None else (1.0, 1, True)
     verdict = rules.ll_memory_verdict(
-        flag, fleet, tokens, total, gmu, max_num_seqs=seqs, chunked_prefill=chunked,
+        flag,
+        fleet,
+        tokens,
+        total,
+        gmu,
+        max_num_seqs=seqs,
+        chunked_prefill=chunked,
         max_model_len=settings.max_model_len or shape.max_position_embeddings,
     )
     parts, gib = verdict.parts, 1 << 30
-    redundant = f" ({shape.routed_experts} + {shape.redundant_experts} EPLB redundant)" if shape.redundant_experts else ""
+    redundant = (
+        f" ({shape.routed_experts} + {shape.redundant_experts} EPLB redundant)"
+        if shape.redundant_experts
+        else ""
+    )
     detail = (
         f"about {verdict.need / gib:.2f} GiB per GPU at --max-num-batched-tokens {tokens}: "
         f"NCCL-EP fixed {parts['fixed'] / gib:.2f} + buffers {parts['buffers'] / gib:.2f} + "
@@ -301,16 +363,28 @@ def _ll_memory_check(rules, flag: str, shape: model_shape.ModelShape, fleet: tup
     if verdict.refusal is not None:
         return Check(name, False, detail, verdict.refusal)
     if verdict.budget is None:
-        return Check(name, True, detail + "; not checked: no GPU visible here", "run doctor on the "
-                     "GPU host to check it against GPU memory", warn=True)
+        return Check(
+            name,
+            True,
+            detail + "; not checked: no GPU visible here",
+            "run doctor on the GPU host to check it against GPU memory",
+            warn=True,
+        )
     if verdict.lowered_to is not None:
-        return Check(name, True, detail, f"the engine lowers --max-num-batched-tokens from {tokens} "
-                     f"to {verdict.lowered_to}: the fleet {verdict.why}", warn=True)
+        return Check(
+            name,
+            True,
+            detail,
+            f"the engine lowers --max-num-batched-tokens from {tokens} "
+            f"to {verdict.lowered_to}: the fleet {verdict.why}",
+            warn=True,
+        )
     return Check(name, True, f"{detail}; fits the budget of {verdict.budget / gib:.2f} GiB")
 
 
-def _rdma_check(rules, flag: str, fleet: tuple[int, int, int], settings: ServeSettings,
-                total: int | None) -> Check | None:
+def _rdma_check(
+    rules, flag: str, fleet: tuple[int, int, int], settings: ServeSettings, total: int | None
+) -> Check | None:
     """VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES against the fleet, as config time checks it."""
     try:
         rdma = envs.rdma_buffer_bytes()
@@ -333,7 +407,9 @@ def variables_check() -> Check:
     except Exception as exc:  # noqa: BLE001 - FlashInferEPEnvVarError: one line naming each
         return Check("VLLM_FLASHINFER_EP_* variables", False, str(exc), "fix or unset them")
     set_ = sorted(k for k in os.environ if k.startswith(envs.PREFIX))
-    return Check("VLLM_FLASHINFER_EP_* variables", True, ", ".join(set_) if set_ else "none set (defaults)")
+    return Check(
+        "VLLM_FLASHINFER_EP_* variables", True, ", ".join(set_) if set_ else "none set (defaults)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -346,7 +422,10 @@ def run(args: argparse.Namespace) -> int:
     if ignored:
         print(f"(vllm serve arguments doctor does not check: {' '.join(ignored)})")
     if args.no_gpu:
-        sections = [("packages", package_checks()), ("image (no GPU needed)", env_checks.image_checks())]
+        sections = [
+            ("packages", package_checks()),
+            ("image (no GPU needed)", env_checks.image_checks()),
+        ]
     else:
         # The driver first: without it every GPU check fails, and it is the thing to fix.
         sections = [("GPU stack", env_checks.runtime_checks()), ("packages", package_checks())]
@@ -362,7 +441,9 @@ def run(args: argparse.Namespace) -> int:
             if not check.ok:
                 failed.append(check)
     if failed:
-        print(f"\n{len(failed)} problem(s); fix them before `vllm serve ... --all2all-backend flashinfer_ep_*`:")
+        print(
+            f"\n{len(failed)} problem(s); fix them before `vllm serve ... --all2all-backend flashinfer_ep_*`:"
+        )
         for check in failed:
             print(f"  - {check.name}: {check.fix}")
         return 1
@@ -420,7 +501,7 @@ def split_eplb_overrides(extra: list[str]) -> tuple[dict[str, Any], list[str]]:
     while i < len(extra):
         arg = extra[i]
         if arg.startswith("--eplb-config."):
-            key, eq, value = arg[len("--eplb-config."):].partition("=")
+            key, eq, value = arg[len("--eplb-config.") :].partition("=")
             if not eq and i + 1 < len(extra):
                 i += 1
                 value = extra[i]
@@ -436,33 +517,63 @@ def split_eplb_overrides(extra: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "doctor", help="check this host and a model for the flashinfer_ep backends",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        "doctor",
+        help="check this host and a model for the flashinfer_ep backends",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
-    parser.add_argument("--model", help="local model dir or Hugging Face id (reads config.json only)")
-    parser.add_argument("--no-gpu", action="store_true",
-                        help="only what needs no GPU or driver (image build): packages, loaded NCCL, "
-                        "nvcc, nccl.ep, plugin entry point")
-    parser.add_argument("--link-runtime", type=Path, metavar="PREFIX",
-                        help="link PREFIX/lib/libnccl.so.2 and PREFIX/bin/nvcc to the pip-installed "
-                        "NCCL and CUDA-13 nvcc (image build) and exit")
+    parser.add_argument(
+        "--model", help="local model dir or Hugging Face id (reads config.json only)"
+    )
+    parser.add_argument(
+        "--no-gpu",
+        action="store_true",
+        help="only what needs no GPU or driver (image build): packages, loaded NCCL, "
+        "nvcc, nccl.ep, plugin entry point",
+    )
+    parser.add_argument(
+        "--link-runtime",
+        type=Path,
+        metavar="PREFIX",
+        help="link PREFIX/lib/libnccl.so.2 and PREFIX/bin/nvcc to the pip-installed "
+        "NCCL and CUDA-13 nvcc (image build) and exit",
+    )
     serve = parser.add_argument_group(
-        "vllm serve arguments", "as given to `vllm serve` (the model checks use them; any other "
-        "serve argument is accepted and ignored)")
-    serve.add_argument("--all2all-backend", default=LOW_LATENCY, metavar="NAME",
-                       help=f"the backend to check for (default {LOW_LATENCY})")
-    serve.add_argument("--max-num-batched-tokens", type=_tokens, default=None, metavar="N",
-                       help="tokens per rank the LL fleet is sized for (default: vLLM's 256 for LL)")
+        "vllm serve arguments",
+        "as given to `vllm serve` (the model checks use them; any other "
+        "serve argument is accepted and ignored)",
+    )
+    serve.add_argument(
+        "--all2all-backend",
+        default=LOW_LATENCY,
+        metavar="NAME",
+        help=f"the backend to check for (default {LOW_LATENCY})",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=_tokens,
+        default=None,
+        metavar="N",
+        help="tokens per rank the LL fleet is sized for (default: vLLM's 256 for LL)",
+    )
     serve.add_argument("--dtype", default="auto", choices=model_shape.DTYPE_CHOICES)
     serve.add_argument("--quantization", "-q", default=None)
     serve.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F")
-    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    serve.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None
+    )
     serve.add_argument("--max-model-len", type=_model_len, default=None, metavar="N")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N")
     serve.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N")
     serve.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, metavar="N")
     serve.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=False)
-    serve.add_argument("--eplb-config", type=_json_object, default=None, metavar="JSON",
-                       help='e.g. \'{"num_redundant_experts": 32}\' (or --eplb-config.num_redundant_experts 32)')
+    serve.add_argument(
+        "--eplb-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="e.g. '{\"num_redundant_experts\": 32}' (or --eplb-config.num_redundant_experts 32)",
+    )
     parser.set_defaults(func=run, accepts_serve_args=True)

@@ -57,8 +57,11 @@ def _compiled() -> dict[int, object]:
     from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
 
     try:
-        return {id(k): k for cache in fbm.batched_triton_kernel.device_caches.values()
-                for k in cache[0].values()}
+        return {
+            id(k): k
+            for cache in fbm.batched_triton_kernel.device_caches.values()
+            for k in cache[0].values()
+        }
     except Exception:  # noqa: BLE001 - a diagnosis aid, never the measurement
         return {}
 
@@ -77,9 +80,16 @@ def _regs_spills(kernels) -> str:
 def _sweep() -> dict[str, dict]:
     """Tiles that differ in grid size (buffer rows / BLOCK_M x N / BLOCK_N programs)."""
     return {
-        f"sweep_{m}x{n}": {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": 64,
-                           "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3}
-        for m in (16, 32, 64, 128) for n in (64, 128)
+        f"sweep_{m}x{n}": {
+            "BLOCK_SIZE_M": m,
+            "BLOCK_SIZE_N": n,
+            "BLOCK_SIZE_K": 64,
+            "GROUP_SIZE_M": 1,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
+        for m in (16, 32, 64, 128)
+        for n in (64, 128)
     }
 
 
@@ -93,7 +103,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batches", default="1,8,32,128,256")
     ap.add_argument(
-        "--sweep", action="store_true",
+        "--sweep",
+        action="store_true",
         help="instead: BLOCK_M 16-128 x BLOCK_N 64/128 (K 64, 4 warps, 3 stages) per batch",
     )
     args = ap.parse_args()
@@ -120,11 +131,22 @@ def main() -> int:
         def both() -> None:
             for a, b, c in ((a1, w1, c1), (a2, w2, c2)):
                 invoke_moe_batched_triton_kernel(
-                    A=a, B=b, C=c, expert_num_tokens=counts, compute_type=tl.bfloat16,
-                    A_scale=None, B_scale=None, B_zp=None, use_fp8_w8a8=False,
-                    use_int8_w8a16=False, use_int4_w4a16=False, config=tile,
-                    per_act_token_quant=False, block_shape=None,
+                    A=a,
+                    B=b,
+                    C=c,
+                    expert_num_tokens=counts,
+                    compute_type=tl.bfloat16,
+                    A_scale=None,
+                    B_scale=None,
+                    B_zp=None,
+                    use_fp8_w8a8=False,
+                    use_int8_w8a16=False,
+                    use_int4_w4a16=False,
+                    config=tile,
+                    per_act_token_quant=False,
+                    block_shape=None,
                 )
+
         return _time(both)
 
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
@@ -140,35 +162,51 @@ def main() -> int:
             blocks = expert_blocks(counts, R, bm, bound)
             for a, b, c in ((a1, w1, out1), (a2, w2, out2)):
                 _gemm(a.view(E * R, -1), b, c.view(E * R, 1, -1), blocks, cfg, tl.bfloat16)
+
         return _time(both), cfg, bound
 
     def max_diff(counts: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
         valid = torch.arange(R, device=dev)[None, :] < counts[:, None]
         return float((x[valid].float() - y[valid].float()).abs().max())
 
-    print(f"E={E} hidden={K} inter={N} top_k={args.top_k} buffer rows={R} "
-          f"({torch.cuda.get_device_name()})")
-    print("| tokens | active experts | tile | BLOCK MxNxK, warps, stages | us per layer | "
-          f"ms per step (x{args.layers}) | registers/spills (new variants) |")
+    print(
+        f"E={E} hidden={K} inter={N} top_k={args.top_k} buffer rows={R} "
+        f"({torch.cuda.get_device_name()})"
+    )
+    print(
+        "| tokens | active experts | tile | BLOCK MxNxK, warps, stages | us per layer | "
+        f"ms per step (x{args.layers}) | registers/spills (new variants) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for tokens in (int(b) for b in args.batches.split(",")):
         ids = torch.stack([torch.randperm(E, device=dev)[: args.top_k] for _ in range(tokens)])
         counts = torch.bincount(ids.flatten(), minlength=E).to(torch.int32)
-        tiles = _sweep() if args.sweep else {
-            "vllm_256": try_get_optimal_moe_config(w1.size(), w2.size(), args.top_k, None, R),
-            "package": tile_for_rows(tokens, tuple(w1.shape), tuple(w2.shape), args.top_k,
-                                     None, None),
-            "table_rows": try_get_optimal_moe_config(
-                w1.size(), w2.size(), args.top_k, None, tokens),
-        }
+        tiles = (
+            _sweep()
+            if args.sweep
+            else {
+                "vllm_256": try_get_optimal_moe_config(w1.size(), w2.size(), args.top_k, None, R),
+                "package": tile_for_rows(
+                    tokens, tuple(w1.shape), tuple(w2.shape), args.top_k, None, None
+                ),
+                "table_rows": try_get_optimal_moe_config(
+                    w1.size(), w2.size(), args.top_k, None, tokens
+                ),
+            }
+        )
         for name, tile in tiles.items():
             before = _compiled()
             us = run(tile, counts)
             new = [k for i, k in _compiled().items() if i not in before]
-            shape = (f"{tile['BLOCK_SIZE_M']}x{tile['BLOCK_SIZE_N']}x{tile['BLOCK_SIZE_K']}, "
-                     f"{tile.get('num_warps', 4)}, {tile.get('num_stages', 3)}")
-            print(f"| {tokens} | {int((counts > 0).sum())} | {name} | {shape} | {us:.1f} | "
-                  f"{us * args.layers / 1000:.2f} | {_regs_spills(new)} |", flush=True)
+            shape = (
+                f"{tile['BLOCK_SIZE_M']}x{tile['BLOCK_SIZE_N']}x{tile['BLOCK_SIZE_K']}, "
+                f"{tile.get('num_warps', 4)}, {tile.get('num_stages', 3)}"
+            )
+            print(
+                f"| {tokens} | {int((counts > 0).sum())} | {name} | {shape} | {us:.1f} | "
+                f"{us * args.layers / 1000:.2f} | {_regs_spills(new)} |",
+                flush=True,
+            )
             if name == "package":
                 ref1, ref2 = c1.clone(), c2.clone()
         if args.sweep:
@@ -177,18 +215,25 @@ def main() -> int:
         us, cfg, bound = compact(tokens, counts, o1, o2)
         diff = max(max_diff(counts, ref1, o1), max_diff(counts, ref2, o2))
         scale = float(ref2.float().abs().max())
-        shape = (f"{cfg['BLOCK_SIZE_M']}x{cfg['BLOCK_SIZE_N']}x{cfg['BLOCK_SIZE_K']}, "
-                 f"{cfg.get('num_warps', 4)}, {cfg.get('num_stages', 3)}")
-        print(f"| {tokens} | {int((counts > 0).sum())} | compact ({bound} blocks; max diff vs "
-              f"package {diff:.3g} of {scale:.3g}) | {shape} | {us:.1f} | "
-              f"{us * args.layers / 1000:.2f} | - |", flush=True)
+        shape = (
+            f"{cfg['BLOCK_SIZE_M']}x{cfg['BLOCK_SIZE_N']}x{cfg['BLOCK_SIZE_K']}, "
+            f"{cfg.get('num_warps', 4)}, {cfg.get('num_stages', 3)}"
+        )
+        print(
+            f"| {tokens} | {int((counts > 0).sum())} | compact ({bound} blocks; max diff vs "
+            f"package {diff:.3g} of {scale:.3g}) | {shape} | {us:.1f} | "
+            f"{us * args.layers / 1000:.2f} | - |",
+            flush=True,
+        )
         x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
         weights = torch.rand(tokens, args.top_k, device=dev, dtype=torch.float32)
         ids32 = ids.to(torch.int32)
         us = _time(lambda x=x, wt=weights, i=ids32: fused_experts(x, w1, w2, wt, i))
-        print(f"| {tokens} | {int((counts > 0).sum())} | no_ep (fused_experts, whole MoE) | "
-              f"vLLM's lookup at M={tokens} | {us:.1f} | {us * args.layers / 1000:.2f} | - |",
-              flush=True)
+        print(
+            f"| {tokens} | {int((counts > 0).sum())} | no_ep (fused_experts, whole MoE) | "
+            f"vLLM's lookup at M={tokens} | {us:.1f} | {us * args.layers / 1000:.2f} | - |",
+            flush=True,
+        )
         if diff > 0.02 * scale + 1e-3:
             print(f"MISMATCH at {tokens} tokens: compact differs from the batched kernel by {diff}")
             return 1

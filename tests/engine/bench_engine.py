@@ -47,7 +47,8 @@ CONFIGS = {
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
     "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
     "ll_graph_tiles": (
-        {"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1", "VLLM_TUNED_CONFIG_FOLDER": "{tiles}"}
+        {"backend": LL},
+        {"FLASHINFER_EP_TEST_VLLM_TILES": "1", "VLLM_TUNED_CONFIG_FOLDER": "{tiles}"},
     ),
 }
 # A tile for vLLM's batched_triton_kernel that compiles without register spills on sm_90
@@ -55,8 +56,14 @@ CONFIGS = {
 # experts' tile up in the fused_moe tables at M = rows per expert (256 for LL at world 1),
 # whose H200 entry for E=128,N=768 (32x256x128) spills thousands of bytes per thread in
 # that kernel (offline compile, Triton 3.8): the suspect of the 30B-shape slowdown.
-NON_SPILLING_TILE = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64,
-                     "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3}
+NON_SPILLING_TILE = {
+    "BLOCK_SIZE_M": 64,
+    "BLOCK_SIZE_N": 128,
+    "BLOCK_SIZE_K": 64,
+    "GROUP_SIZE_M": 1,
+    "num_warps": 4,
+    "num_stages": 3,
+}
 DEFAULT_CONFIGS = "no_ep,ll_graph,ll_pooloff"
 
 
@@ -69,8 +76,12 @@ def _tile_folder(work: Path, experts: int, intermediate: int) -> Path:
         device = "NVIDIA_H200"
     folder = work / "moe-tiles"
     folder.mkdir(exist_ok=True)
-    table = {str(m): NON_SPILLING_TILE for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)}
-    (folder / f"E={experts},N={intermediate},device_name={device}.json").write_text(json.dumps(table))
+    table = {
+        str(m): NON_SPILLING_TILE for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    }
+    (folder / f"E={experts},N={intermediate},device_name={device}.json").write_text(
+        json.dumps(table)
+    )
     return folder
 
 
@@ -93,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     ap.add_argument(
-        "--profile-batch", type=int, default=0,
+        "--profile-batch",
+        type=int,
+        default=0,
         help="also profile a few decode steps at this batch size (top CUDA kernels in the log)",
     )
     ap.add_argument("--no-bench", action="store_true", help="profile only")
@@ -121,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         if not args.no_bench:
             spec["bench"] = {
-                "batch_sizes": batches, "output_len": args.output_len, "prompt_len": args.prompt_len
+                "batch_sizes": batches,
+                "output_len": args.output_len,
+                "prompt_len": args.prompt_len,
             }
         if args.profile_batch:
             spec["profile"] = {"batch": args.profile_batch, "output_len": 8}
@@ -162,11 +177,18 @@ def table(shape: str, batches: list[int], results: dict[str, list[dict]]) -> str
     if "ll_graph" in results and "ll_pooloff" in results:
         ratios.append(("ll_graph", "ll_pooloff"))
     head = ["batch"] + [f"{n} tok/s" for n in names] + [f"{a} / {b}" for a, b in ratios]
-    lines = [f"decode throughput, {shape} (output tokens/s)", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
+    lines = [
+        f"decode throughput, {shape} (output tokens/s)",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for i, b in enumerate(batches):
         tps = {n: results[n][i]["output_tokens_per_s"] for n in names}
-        row = [str(b)] + [f"{tps[n]:.0f}" for n in names] + [f"{tps[a] / tps[b]:.2f}" for a, b in ratios]
+        row = (
+            [str(b)]
+            + [f"{tps[n]:.0f}" for n in names]
+            + [f"{tps[a] / tps[b]:.2f}" for a, b in ratios]
+        )
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -21,7 +21,10 @@ def engine_skip_reason() -> str | None:
         return "needs an NVIDIA GPU (sm_90+); none visible"
     if torch.cuda.get_device_capability(0) < (9, 0):
         return "needs compute capability >= 9.0"
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm._C_stable_libtorch") is None:
+    if (
+        importlib.util.find_spec("vllm") is None
+        or importlib.util.find_spec("vllm._C_stable_libtorch") is None
+    ):
         return "needs vLLM 0.33.0 with its compiled ops (vllm._C_stable_libtorch)"
     load = env_checks.check_nccl_ep_loads()
     if not load.ok:

@@ -60,7 +60,13 @@ def qwen3_moe_config(
 
 # Qwen3-30B-A3B's architecture (its public config.json): used with load_format="dummy".
 QWEN3_30B_A3B = qwen3_moe_config(
-    2048, layers=48, experts=128, top_k=8, moe_intermediate=768, heads=32, kv_heads=4,
+    2048,
+    layers=48,
+    experts=128,
+    top_k=8,
+    moe_intermediate=768,
+    heads=32,
+    kv_heads=4,
     vocab=151936,
 ) | {"intermediate_size": 6144, "max_position_embeddings": 40960}
 
@@ -143,13 +149,13 @@ def write_tiny_model(root: Path, hidden: int, seed: int = 0, **arch: Any) -> str
     return str(root)
 
 
-def token_sequences(count: int, vocab: int, seed: int = 1234, lo: int = 16, hi: int = 96) -> list[list[int]]:
+def token_sequences(
+    count: int, vocab: int, seed: int = 1234, lo: int = 16, hi: int = 96
+) -> list[list[int]]:
     """`count` fixed random token sequences of lengths in [lo, hi)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi, (count,), generator=g).tolist()
-    return [
-        torch.randint(FIRST_WORD_ID, vocab, (n,), generator=g).tolist() for n in lengths
-    ]
+    return [torch.randint(FIRST_WORD_ID, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 FP8_MAX = 448.0  # float8_e4m3fn
@@ -201,8 +207,13 @@ def write_fp8_model(root: Path, hidden: int, scheme: str, seed: int = 0, **arch:
     ignored = [
         f"model.layers.{i}.{name}"
         for i in range(cfg["num_hidden_layers"])
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "self_attn.o_proj", "mlp.gate")
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate",
+        )
     ]
     quant: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "ignored_layers": ignored}
     if scheme == "block":

@@ -78,14 +78,21 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         if impl is not None:
             impls[id(impl)] = impl
     out["kernels"] = sorted(
-        {f"{type(k.prepare_finalize).__name__}+{type(k.fused_experts).__name__}" for k in impls.values()}
+        {
+            f"{type(k.prepare_finalize).__name__}+{type(k.fused_experts).__name__}"
+            for k in impls.values()
+        }
     )
     out["num_kernels"] = len(impls)
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )
     out["kernel_runtimes"] = len(
-        {id(k.prepare_finalize.runtime) for k in impls.values() if hasattr(k.prepare_finalize, "runtime")}
+        {
+            id(k.prepare_finalize.runtime)
+            for k in impls.values()
+            if hasattr(k.prepare_finalize, "runtime")
+        }
     )
     return out
 
@@ -144,7 +151,9 @@ def _decode(llm: Any, num_prompts: int, prompt_len: int, max_tokens: int, vocab:
     from vllm.inputs import TokensPrompt
 
     prompts = [
-        TokensPrompt(prompt_token_ids=[2 + (7 * i + 13 * j) % (vocab - 2) for j in range(prompt_len)])
+        TokensPrompt(
+            prompt_token_ids=[2 + (7 * i + 13 * j) % (vocab - 2) for j in range(prompt_len)]
+        )
         for i in range(num_prompts)
     ]
     params = SamplingParams(
@@ -159,7 +168,9 @@ def _decode(llm: Any, num_prompts: int, prompt_len: int, max_tokens: int, vocab:
     }
 
 
-def _bench(llm: Any, batch_sizes: list[int], output_len: int, prompt_len: int, vocab: int) -> list[dict]:
+def _bench(
+    llm: Any, batch_sizes: list[int], output_len: int, prompt_len: int, vocab: int
+) -> list[dict]:
     """Decode throughput per batch size: (B * output_len) / (t(1 + output_len) - t(1))."""
     rows = []
     warm = _decode(llm, max(batch_sizes), prompt_len, 4, vocab)  # warm every path once

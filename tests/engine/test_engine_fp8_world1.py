@@ -92,8 +92,12 @@ def test_ll_online_fp8_with_cuda_graphs_matches_the_engine_without_ep(
 ):
     run = engines.run("ll-fp8online-graph", _fp8_spec(fp8_models["online"], LL, online=ONLINE))
     _check_ll(run)
-    _assert_close(run["prompt_logprobs"], online_no_ep["prompt_logprobs"], fp8_floor,
-                  "LL FP8 (online) graphs vs no EP")
+    _assert_close(
+        run["prompt_logprobs"],
+        online_no_ep["prompt_logprobs"],
+        fp8_floor,
+        "LL FP8 (online) graphs vs no EP",
+    )
 
 
 def _check_ht(run: dict) -> None:
@@ -110,8 +114,12 @@ def test_ht_block_checkpoint_matches_the_engine_without_ep(engines, fp8_models, 
     # 128x128 blocks travel as E4M3 + scales (quantized before dispatch, NCCL-EP's
     # forward recipe), on by default
     _assert_wire(run, fp8=True)
-    _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
-                  "HT FP8 (block checkpoint, FP8 on the wire) vs no EP")
+    _assert_close(
+        run["prompt_logprobs"],
+        reference["prompt_logprobs"],
+        fp8_floor,
+        "HT FP8 (block checkpoint, FP8 on the wire) vs no EP",
+    )
 
 
 def test_ht_online_fp8_matches_the_engine_without_ep(engines, fp8_models, online_no_ep, fp8_floor):
@@ -122,8 +130,12 @@ def test_ht_online_fp8_matches_the_engine_without_ep(engines, fp8_models, online
     run = engines.run("ht-fp8online", _fp8_spec(fp8_models["online"], HT, online=ONLINE))
     _check_ht(run)
     _assert_wire(run, fp8=False)
-    _assert_close(run["prompt_logprobs"], online_no_ep["prompt_logprobs"], fp8_floor,
-                  "HT FP8 (online per tensor) vs no EP")
+    _assert_close(
+        run["prompt_logprobs"],
+        online_no_ep["prompt_logprobs"],
+        fp8_floor,
+        "HT FP8 (online per tensor) vs no EP",
+    )
 
 
 @pytest.mark.parametrize("scheme", ["block", "static"])
@@ -135,8 +147,12 @@ def test_ll_fp8_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp
     # 128x128 blocks travel as E4M3 + scales (NCCL-EP's FP8 dispatch, on by default);
     # per-tensor scales stay BF16 on the wire, quantized after receive.
     _assert_wire(run, fp8=scheme == "block")
-    _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
-                  f"LL FP8 ({scheme} checkpoint) graphs vs no EP")
+    _assert_close(
+        run["prompt_logprobs"],
+        reference["prompt_logprobs"],
+        fp8_floor,
+        f"LL FP8 ({scheme} checkpoint) graphs vs no EP",
+    )
 
 
 @pytest.mark.parametrize("backend", [LL, HT], ids=["ll", "ht"])
@@ -154,5 +170,9 @@ def test_online_scheme_matches_the_engine_without_ep(
     run = engines.run(f"{name}-{scheme}", _fp8_spec(model, backend, online=scheme))
     (_check_ll if backend == LL else _check_ht)(run)
     _assert_wire(run, fp8=scheme == "fp8_per_block")
-    _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], fp8_floor,
-                  f"{name.upper()} FP8 (online {scheme}) vs no EP")
+    _assert_close(
+        run["prompt_logprobs"],
+        reference["prompt_logprobs"],
+        fp8_floor,
+        f"{name.upper()} FP8 (online {scheme}) vs no EP",
+    )

@@ -70,7 +70,9 @@ def _assert_close(a, b, floor: dict[str, float], what: str) -> dict[str, float]:
     stats, bound = _diff(a, b), _bound(floor)
     print(f"{what}: {stats} bound {bound}")
     assert stats["n"] >= 16 * 15
-    assert stats["mean"] <= bound["mean"] and stats["p95"] <= bound["p95"], f"{what}: {stats} > {bound}"
+    assert stats["mean"] <= bound["mean"] and stats["p95"] <= bound["p95"], (
+        f"{what}: {stats} > {bound}"
+    )
     return stats
 
 
@@ -112,7 +114,10 @@ def test_every_moe_layer_runs_through_the_package(ll_graph):
     assert probe["kernel_runtimes"] == 1  # one runtime (fleet + pool) shared by all layers
     [rt] = probe["runtimes"]
     assert (rt["algorithm"], rt["hidden_size"], rt["num_experts"], rt["top_k"]) == (
-        "low_latency", 2048, 64, 8,
+        "low_latency",
+        2048,
+        64,
+        8,
     )
     assert probe["max_num_batched_tokens"] == LL_CAPACITY
     assert rt["capacity"] == LL_CAPACITY and rt["world_size"] == 1
@@ -121,13 +126,18 @@ def test_every_moe_layer_runs_through_the_package(ll_graph):
 def test_ll_with_cuda_graphs_matches_the_engine_without_ep(ll_graph, no_ep, floor):
     assert ll_graph["after_load"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert no_ep["after_load"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    _assert_close(ll_graph["prompt_logprobs"], no_ep["prompt_logprobs"], floor, "LL graphs vs no EP")
+    _assert_close(
+        ll_graph["prompt_logprobs"], no_ep["prompt_logprobs"], floor, "LL graphs vs no EP"
+    )
 
 
 def test_ll_eager_matches_the_engine_without_ep_eager(ll_eager, no_ep_eager, floor):
     assert ll_eager["after_load"]["cudagraph_mode"] == "NONE"
     _assert_close(
-        ll_eager["prompt_logprobs"], no_ep_eager["prompt_logprobs"], floor, "LL eager vs no EP eager"
+        ll_eager["prompt_logprobs"],
+        no_ep_eager["prompt_logprobs"],
+        floor,
+        "LL eager vs no EP eager",
     )
 
 
@@ -159,7 +169,9 @@ def test_handle_pool_inside_the_engine(ll_graph):
     assert capture, load
     # Handles created at load = the engine's capture sizes for this rank plus the eager
     # buckets above them up to the capacity; none in capture.
-    assert rt["pool_sizes"] == sorted(set(capture) | set(bucket_sizes(max(capture), rt["capacity"])))
+    assert rt["pool_sizes"] == sorted(
+        set(capture) | set(bucket_sizes(max(capture), rt["capacity"]))
+    )
     assert rt["counters"]["pooled_created"] == len(rt["pool_sizes"])
     assert rt["counters"]["created_during_capture"] == 0
     # Eager steps (profile run, prefills) ran on pooled handles: none created per forward.

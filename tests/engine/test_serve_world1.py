@@ -54,13 +54,24 @@ def test_vllm_serve_low_latency_answers_a_completion(engines, models, tmp_path):
     env = engine_env(engines.plugin_root, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     # vLLM's console script through this interpreter: the device's PATH need not hold it.
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-        "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
         "--enable-expert-parallel",
-        "--all2all-backend", "flashinfer_ep_low_latency",
-        "--max-model-len", "1024",
-        "--gpu-memory-utilization", "0.4",
-        "--served-model-name", "tiny-moe",
+        "--all2all-backend",
+        "flashinfer_ep_low_latency",
+        "--max-model-len",
+        "1024",
+        "--gpu-memory-utilization",
+        "0.4",
+        "--served-model-name",
+        "tiny-moe",
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -74,8 +85,13 @@ def test_vllm_serve_low_latency_answers_a_completion(engines, models, tmp_path):
                 time.sleep(2)
             reply = _post(
                 f"http://127.0.0.1:{port}/v1/completions",
-                {"model": "tiny-moe", "prompt": "w5 w6 w7 w8", "max_tokens": 8,
-                 "temperature": 0.0, "ignore_eos": True},
+                {
+                    "model": "tiny-moe",
+                    "prompt": "w5 w6 w7 w8",
+                    "max_tokens": 8,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
             )
             print("completion:", reply)
             assert reply["usage"]["completion_tokens"] == 8

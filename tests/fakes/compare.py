@@ -12,7 +12,9 @@ def sorted_rows(*columns: torch.Tensor) -> torch.Tensor:
     return rows[order]
 
 
-def assert_same_rows(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], **tol) -> None:
+def assert_same_rows(
+    actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], **tol
+) -> None:
     """Same multiset of rows, whatever their order (rows of several aligned tensors)."""
     a, e = sorted_rows(*actual), sorted_rows(*expected)
     assert a.shape == e.shape, f"{a.shape[0]} rows received, {e.shape[0]} expected"

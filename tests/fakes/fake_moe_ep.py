@@ -326,7 +326,9 @@ class FakeFleet:
         # The fake's "GPU": the CUDA device the bootstrap names where CUDA is usable,
         # else the CPU (unit tests). Tensors handed to NCCL-EP must live there.
         self.device = (
-            torch.device("cuda", bootstrap.device or 0) if torch.cuda.is_available() else torch.device("cpu")
+            torch.device("cuda", bootstrap.device or 0)
+            if torch.cuda.is_available()
+            else torch.device("cpu")
         )
         self._rounds = itertools.count()
         self._destroyed = False
@@ -682,7 +684,9 @@ class Handle:
         self._is_rank_major = False
         self._staged = False
         self._stream = 0  # the fleet's stream, FlashInfer's op stream outside capture
-        self._recv_count_t = fleet._buffer("ll_recv_count", (fleet.num_local_experts,), torch.int32, fleet.device)
+        self._recv_count_t = fleet._buffer(
+            "ll_recv_count", (fleet.num_local_experts,), torch.int32, fleet.device
+        )
         fleet._require_on_device("topk_ids", ids)
         self._bind(_as_int64(ids), "create_handle")
         fleet.log.append(Call("create_handle", self.id, self._num_tokens))
@@ -873,7 +877,9 @@ class Handle:
             )
         return CombineOutput(x=self._combine(x, out, weights))
 
-    def _combine(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def _combine(
+        self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
         """ncclEpCombine into `out`; LL weights each slot by `weights` (read now, like the
         native combine), which FlashInfer passes from the knob bound at creation."""
         self._check_alive("combine")

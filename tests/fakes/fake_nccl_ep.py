@@ -54,7 +54,9 @@ class Tensor:
     nccl.ep.Tensor, from a raw address with `dtype` and `shape` (anchored to nothing: the
     caller keeps the memory alive); `buffer` is then a view of that CPU memory."""
 
-    def __init__(self, buffer: Any, *, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self, buffer: Any, *, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None
+    ) -> None:
         if isinstance(buffer, int) and not isinstance(buffer, bool):
             if dtype is None or shape is None:
                 raise ValueError("Raw integer pointer requires `dtype` and `shape` kwargs")
@@ -136,7 +138,9 @@ class NativeHandle:
         self.updates = 0
         self.combines = 0
 
-    def update(self, topk_idx: Tensor, *, layout_info: LayoutInfo | None = None, stream: int) -> None:
+    def update(
+        self, topk_idx: Tensor, *, layout_info: LayoutInfo | None = None, stream: int
+    ) -> None:
         self._require_op_stream(stream, "update")
         owner = self._owner
         if layout_info is not None and not owner._is_ht:
@@ -151,19 +155,27 @@ class NativeHandle:
         self.updates += 1
 
     def combine(
-        self, inputs: CombineInputs, outputs: CombineOutputs, *, config: CombineConfig | None = None, stream: int,
+        self,
+        inputs: CombineInputs,
+        outputs: CombineOutputs,
+        *,
+        config: CombineConfig | None = None,
+        stream: int,
     ) -> None:
         self._require_op_stream(stream, "combine")
         owner = self._owner
         if config is not None and not isinstance(config, CombineConfig):
-            raise NcclInvalid(f"combine config must be a CombineConfig, got {type(config).__name__}")
+            raise NcclInvalid(
+                f"combine config must be a CombineConfig, got {type(config).__name__}"
+            )
         if inputs.tokens is None or outputs.tokens is None:
             raise NcclInvalid("inputs.tokens and outputs.tokens are required")
         if not owner._is_ht and outputs.topk_weights is None:
             raise NcclInvalid("LL expert-major combine needs outputs.topk_weights")
         weights = outputs.topk_weights.buffer if outputs.topk_weights is not None else None
         if weights is not None and (
-            weights.dtype != torch.float32 or tuple(weights.shape) != (owner._num_tokens, owner._top_k)
+            weights.dtype != torch.float32
+            or tuple(weights.shape) != (owner._num_tokens, owner._top_k)
         ):
             raise NcclInvalid(
                 f"outputs.topk_weights must be FP32 {(owner._num_tokens, owner._top_k)}, got "
@@ -173,13 +185,22 @@ class NativeHandle:
         self.combines += 1
 
     def dispatch(
-        self, inputs: DispatchInputs, outputs: DispatchOutputs, *, layout_info: LayoutInfo | None = None,
-        config: DispatchConfig | None = None, stream: int,
+        self,
+        inputs: DispatchInputs,
+        outputs: DispatchOutputs,
+        *,
+        layout_info: LayoutInfo | None = None,
+        config: DispatchConfig | None = None,
+        stream: int,
     ) -> None:
         self._require_op_stream(stream, "dispatch")
         if config is not None and not isinstance(config, DispatchConfig):
-            raise NcclInvalid(f"dispatch config must be a DispatchConfig, got {type(config).__name__}")
-        recipe = config.quantization_recipe if config is not None else DispatchQuantizationRecipe.NONE
+            raise NcclInvalid(
+                f"dispatch config must be a DispatchConfig, got {type(config).__name__}"
+            )
+        recipe = (
+            config.quantization_recipe if config is not None else DispatchQuantizationRecipe.NONE
+        )
         if recipe == DispatchQuantizationRecipe.NONE:
             return self._dispatch_bf16(inputs, outputs, layout_info)
         if recipe == DispatchQuantizationRecipe.FWD:
@@ -203,11 +224,17 @@ class NativeHandle:
             raise NcclInvalid("DS_FP8E3M4: outputs.scales is required")
         if layout_info is None or layout_info.expert_counters is None:
             raise NcclInvalid("LL expert-major dispatch needs layout_info.expert_counters")
-        q, s, counters = outputs.tokens.buffer, outputs.scales.buffer, layout_info.expert_counters.buffer
+        q, s, counters = (
+            outputs.tokens.buffer,
+            outputs.scales.buffer,
+            layout_info.expert_counters.buffer,
+        )
         experts = owner._fleet.num_local_experts
         rows = owner._fleet.params.max_tokens_per_rank * owner._fleet.bootstrap.world_size
         if q.dtype != FP8 or tuple(q.shape) != (experts, rows, hidden):
-            raise NcclInvalid(f"outputs.tokens must be E4M3 {(experts, rows, hidden)}, got {q.dtype} {tuple(q.shape)}")
+            raise NcclInvalid(
+                f"outputs.tokens must be E4M3 {(experts, rows, hidden)}, got {q.dtype} {tuple(q.shape)}"
+            )
         if s.dtype != torch.float32 or tuple(s.shape) != (experts, rows, hidden // GROUP):
             raise NcclInvalid(
                 f"outputs.scales must be FP32 {(experts, rows, hidden // GROUP)}, got {s.dtype} {tuple(s.shape)}"
@@ -228,7 +255,9 @@ class NativeHandle:
         counters.copy_(counts)
         self.dispatches += 1
 
-    def _dispatch_forwarded(self, inputs: DispatchInputs, outputs: DispatchOutputs, config: DispatchConfig) -> None:
+    def _dispatch_forwarded(
+        self, inputs: DispatchInputs, outputs: DispatchOutputs, config: DispatchConfig
+    ) -> None:
         """FWD on HT: tokens and scales travel as bytes, into flat outputs."""
         owner = self._owner
         owner._check_alive("dispatch")
@@ -244,9 +273,14 @@ class NativeHandle:
         rows = owner._fleet.params.max_tokens_per_rank * owner._fleet.bootstrap.world_size
         x, s = inputs.tokens.buffer, inputs.scales.buffer
         q, qs = outputs.tokens.buffer, outputs.scales.buffer
-        for name, t, allowed in (("tokens", x, _FWD_DTYPES), ("scales", s, _FWD_DTYPES + (torch.uint8,))):
+        for name, t, allowed in (
+            ("tokens", x, _FWD_DTYPES),
+            ("scales", s, _FWD_DTYPES + (torch.uint8,)),
+        ):
             if t.dim() != 2 or t.dtype not in allowed:
-                raise NcclInvalid(f"FWD: inputs.{name} must be 2D of {allowed}, got {t.dtype} {tuple(t.shape)}")
+                raise NcclInvalid(
+                    f"FWD: inputs.{name} must be 2D of {allowed}, got {t.dtype} {tuple(t.shape)}"
+                )
         for name, src, dst in (("tokens", x, q), ("scales", s, qs)):
             if dst.dtype != src.dtype or tuple(dst.shape) != (rows, src.shape[1]):
                 raise NcclInvalid(
@@ -262,10 +296,17 @@ class NativeHandle:
                 f"{owner._num_tokens} (the real library would read past them silently)"
             )
         weights = inputs.topk_weights.buffer
-        if weights.dtype != torch.float32 or tuple(weights.shape) != (owner._num_tokens, owner._top_k):
-            raise NcclInvalid(f"inputs.topk_weights must be FP32 {(owner._num_tokens, owner._top_k)}")
+        if weights.dtype != torch.float32 or tuple(weights.shape) != (
+            owner._num_tokens,
+            owner._top_k,
+        ):
+            raise NcclInvalid(
+                f"inputs.topk_weights must be FP32 {(owner._num_tokens, owner._top_k)}"
+            )
         width = x.shape[1] * x.element_size() // 4  # the row's bytes, as FP32 words
-        packed = torch.cat([x.view(torch.uint8).view(torch.float32), s.view(torch.uint8).view(torch.float32)], 1)
+        packed = torch.cat(
+            [x.view(torch.uint8).view(torch.float32), s.view(torch.uint8).view(torch.float32)], 1
+        )
         got = owner._send(packed, weights)
         flat = got.expert_tensors.reshape(rows, -1)
         q.view(torch.uint8).copy_(flat[:, :width].contiguous().view(torch.uint8))
@@ -276,7 +317,9 @@ class NativeHandle:
             outputs.topk_idx.buffer.copy_(got.recv_topk_idx)
         self.dispatches += 1
 
-    def _dispatch_bf16(self, inputs: DispatchInputs, outputs: DispatchOutputs, layout_info: LayoutInfo | None) -> None:
+    def _dispatch_bf16(
+        self, inputs: DispatchInputs, outputs: DispatchOutputs, layout_info: LayoutInfo | None
+    ) -> None:
         owner = self._owner
         if owner._is_ht:
             raise NotImplementedError("the fake nccl.ep's direct BF16 dispatch is LL only")

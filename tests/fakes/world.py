@@ -19,7 +19,9 @@ from tests.fakes.fake_moe_ep import FakeGroup
 T = TypeVar("T")
 
 
-def run_ranks(world_size: int, fn: Callable[[int, FakeGroup], T], timeout_s: float = 60.0) -> list[T]:
+def run_ranks(
+    world_size: int, fn: Callable[[int, FakeGroup], T], timeout_s: float = 60.0
+) -> list[T]:
     """`fn(rank, group)` on `world_size` threads; results in rank order, first error raised."""
     group = FakeGroup(world_size, timeout_s=timeout_s / 2)
     results: list[Any] = [None] * world_size
@@ -41,7 +43,10 @@ def run_ranks(world_size: int, fn: Callable[[int, FakeGroup], T], timeout_s: flo
             t.join(timeout_s)
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"ranks still running after {timeout_s} s")
-    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+    first = next(
+        (e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+        None,
+    )
     first = first or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first

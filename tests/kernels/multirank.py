@@ -14,8 +14,14 @@ from tests.helpers import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        NCCL_NVLS_ENABLE="0",
+    )
     torch.cuda.set_device(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -32,7 +38,9 @@ def run_ranks(world: int, fn: Callable, *args, timeout_s: float = 600) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errors)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, errors)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -46,4 +54,6 @@ def run_ranks(world: int, fn: Callable, *args, timeout_s: float = 600) -> None:
         failures.append(errors.get())
     if hung or failures or any(p.exitcode for p in procs):
         detail = "\n".join(f"rank {r}:\n{tb}" for r, tb in failures)
-        raise AssertionError(f"ranks hung: {hung}; exit codes {[p.exitcode for p in procs]}\n{detail}")
+        raise AssertionError(
+            f"ranks hung: {hung}; exit codes {[p.exitcode for p in procs]}\n{detail}"
+        )

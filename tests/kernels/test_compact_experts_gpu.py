@@ -32,8 +32,12 @@ def _experts(compact: bool, sent_per_rank=None):
     from vllm_flashinfer_ep.vllm import compact_experts
 
     moe = _moe_config(HIDDEN, ROWS, num_experts=EXPERTS)
-    experts = batched_experts(moe_config=moe, quant_config=cfg.FUSED_MOE_UNQUANTIZED_CONFIG,
-                              max_num_tokens=ROWS, num_dispatchers=1)
+    experts = batched_experts(
+        moe_config=moe,
+        quant_config=cfg.FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=ROWS,
+        num_dispatchers=1,
+    )
     if compact:
         assert compact_experts.install(experts, sent_per_rank)
     return experts
@@ -43,26 +47,38 @@ class Problem:
     def __init__(self, seed: int = 0) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         dev = torch.device("cuda", 0)
-        self.w1 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=gen)
-                   / HIDDEN**0.5).bfloat16()
-        self.w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=gen)
-                   / INTER**0.5).bfloat16()
+        self.w1 = (
+            torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=gen) / HIDDEN**0.5
+        ).bfloat16()
+        self.w2 = (
+            torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=gen) / INTER**0.5
+        ).bfloat16()
         self.hidden = torch.randn(EXPERTS, ROWS, HIDDEN, device=dev, generator=gen).bfloat16()
         self.counts = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
-        self.ws13 = torch.empty(EXPERTS * ROWS * max(2 * INTER, HIDDEN), device=dev,
-                                dtype=torch.bfloat16)
+        self.ws13 = torch.empty(
+            EXPERTS * ROWS * max(2 * INTER, HIDDEN), device=dev, dtype=torch.bfloat16
+        )
         self.ws2 = torch.empty(EXPERTS * ROWS * 2 * INTER, device=dev, dtype=torch.bfloat16)
 
     def run(self, experts, tokens: int, output: torch.Tensor) -> None:
         _, mk, act, *_ = _modules()
         experts.apply(
-            output=output, hidden_states=self.hidden, w1=self.w1, w2=self.w2,
+            output=output,
+            hidden_states=self.hidden,
+            w1=self.w1,
+            w2=self.w2,
             topk_weights=torch.ones(tokens, TOP_K, device="cuda"),
             topk_ids=torch.zeros(tokens, TOP_K, dtype=torch.int64, device="cuda"),
-            activation=act.SILU, global_num_experts=EXPERTS, expert_map=None, a1q_scale=None,
-            a2_scale=None, workspace13=self.ws13, workspace2=self.ws2,
+            activation=act.SILU,
+            global_num_experts=EXPERTS,
+            expert_map=None,
+            a1q_scale=None,
+            a2_scale=None,
+            workspace13=self.ws13,
+            workspace2=self.ws2,
             expert_tokens_meta=mk.ExpertTokensMetadata(
-                expert_num_tokens=self.counts, expert_num_tokens_cpu=None),
+                expert_num_tokens=self.counts, expert_num_tokens_cpu=None
+            ),
             apply_router_weight_on_input=False,
         )
 
@@ -88,12 +104,15 @@ def _assert_rows_close(counts: torch.Tensor, got: torch.Tensor, want: torch.Tens
     assert rel < 1e-2, f"relative L2 error {rel:.3g} over {int(valid.sum())} rows"
 
 
-@pytest.mark.parametrize(("tokens", "counts"), [
-    pytest.param(1, _routed_counts(1, 1), id="decode-1"),
-    pytest.param(13, _routed_counts(13, 2), id="decode-13"),
-    pytest.param(200, _routed_counts(200, 3), id="batch-200"),
-    pytest.param(ROWS, _edge_counts(), id="buffer-edges"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "counts"),
+    [
+        pytest.param(1, _routed_counts(1, 1), id="decode-1"),
+        pytest.param(13, _routed_counts(13, 2), id="decode-13"),
+        pytest.param(200, _routed_counts(200, 3), id="batch-200"),
+        pytest.param(ROWS, _edge_counts(), id="buffer-edges"),
+    ],
+)
 def test_received_rows_match_vllm_s_batched_kernel(vllm_env, tokens, counts):  # noqa: F811
     p = Problem(seed=tokens)
     p.counts.copy_(counts)

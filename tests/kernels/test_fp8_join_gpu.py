@@ -63,8 +63,12 @@ def _fp8_layer(kind: str, seed: int):
     q2, s2 = _quantize_weight(w2, kind)
     static = torch.tensor([0.02], device="cuda") if kind == "tensor-static" else None
     qc = fp8_w8a8_moe_quant_config(
-        s1, s2, a1_scale=static, a2_scale=static,
-        per_act_token_quant=kind == "token", per_out_ch_quant=kind == "token",
+        s1,
+        s2,
+        a1_scale=static,
+        a2_scale=static,
+        per_act_token_quant=kind == "token",
+        per_out_ch_quant=kind == "token",
         block_shape=[128, 128] if kind == "block" else None,
     )
     # The BF16 weights the FP8 ones stand for (the torch reference's).
@@ -75,7 +79,9 @@ def _fp8_layer(kind: str, seed: int):
 def _dequantize(q: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
     e, n, k = q.shape
     if kind == "block":
-        return (q.float().view(e, n // 128, 128, k // 128, 128) * s[:, :, None, :, None]).view(e, n, k)
+        return (q.float().view(e, n // 128, 128, k // 128, 128) * s[:, :, None, :, None]).view(
+            e, n, k
+        )
     if kind == "token":
         return q.float() * s
     return q.float() * s[:, None, None]
@@ -89,12 +95,19 @@ def _ll_fp8_kernel(group, qc, capacity: int, pool_sizes, fp8_dispatch: bool = Fa
     from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
     cache = FleetCache(0, 1, group)
-    rt = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, capacity, HIDDEN),
-                       TOP_K, torch.device("cuda", 0), pool_sizes)
+    rt = build_runtime(
+        cache,
+        FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, capacity, HIDDEN),
+        TOP_K,
+        torch.device("cuda", 0),
+        pool_sizes,
+    )
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, fp8_dispatch=fp8_dispatch)
     experts = batched_experts(
-        moe_config=_moe_config(HIDDEN, capacity), quant_config=qc,
-        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+        moe_config=_moe_config(HIDDEN, capacity),
+        quant_config=qc,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
     )
     return mk.FusedMoEKernel(pf, experts), rt, cache
 
@@ -154,8 +167,13 @@ def test_ll_fp8_eager_graph_and_history(vllm_env, kind):  # noqa: F811
         x, w, ids = _routing(num_tokens, HIDDEN, seed=31 + num_tokens)
         out = _apply(kernel, x, q1, q2, w, ids)
         want = _apply(reference, x, q1, q2, w, ids)
-        _fp8_close(out, want, _torch_moe(x, d1, d2, w, ids), f"LL {kind} eager T={num_tokens}",
-                   NO_EP_BOUND.get(f"{kind} eager", NO_EP_DEFAULT))
+        _fp8_close(
+            out,
+            want,
+            _torch_moe(x, d1, d2, w, ids),
+            f"LL {kind} eager T={num_tokens}",
+            NO_EP_BOUND.get(f"{kind} eager", NO_EP_DEFAULT),
+        )
 
     # A louder, larger batch leaves its rows in the receive buffer; a smaller batch after
     # it must compute what it computes on its own.
@@ -182,8 +200,13 @@ def test_ll_fp8_eager_graph_and_history(vllm_env, kind):  # noqa: F811
     x.copy_(nx), w.copy_(nw), ids.copy_(nids)
     graph.replay()
     torch.cuda.synchronize()
-    _fp8_close(out, _apply(reference, x, q1, q2, w, ids), _torch_moe(x, d1, d2, w, ids),
-               f"LL {kind} graph replay", NO_EP_BOUND.get(f"{kind} graph", NO_EP_DEFAULT))
+    _fp8_close(
+        out,
+        _apply(reference, x, q1, q2, w, ids),
+        _torch_moe(x, d1, d2, w, ids),
+        f"LL {kind} graph replay",
+        NO_EP_BOUND.get(f"{kind} graph", NO_EP_DEFAULT),
+    )
     if wire:
         assert rt.fp8_wire is not None and rt.fp8_wire.dispatches > 0
     del graph
@@ -209,8 +232,13 @@ def test_ht_fp8_eager(vllm_env, kind):  # noqa: F811
     q1, q2, qc, (d1, d2) = _fp8_layer("block" if wire else kind, seed=6)
     cache = FleetCache(0, 1, vllm_env)
     sizes = bucket_sizes(0, 256, max_pad=HT_MAX_PAD) if wire else []
-    rt = build_runtime(cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, 256, HIDDEN),
-                       TOP_K, torch.device("cuda", 0), sizes)
+    rt = build_runtime(
+        cache,
+        FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, 256, HIDDEN),
+        TOP_K,
+        torch.device("cuda", 0),
+        sizes,
+    )
     kernel = mk.FusedMoEKernel(
         FlashInferEPHighThroughputPrepareAndFinalize(rt, fp8_dispatch=wire),
         triton_experts(moe_config=_moe_config(HIDDEN, 256), quant_config=qc),
@@ -220,8 +248,12 @@ def test_ht_fp8_eager(vllm_env, kind):  # noqa: F811
         x, w, ids = _routing(num_tokens, HIDDEN, seed=num_tokens)
         out = _apply(kernel, x, q1, q2, w, ids)
         torch.cuda.synchronize()
-        _fp8_close(out, _apply(reference, x, q1, q2, w, ids), _torch_moe(x, d1, d2, w, ids),
-                   f"HT {kind} T={num_tokens}")
+        _fp8_close(
+            out,
+            _apply(reference, x, q1, q2, w, ids),
+            _torch_moe(x, d1, d2, w, ids),
+            f"HT {kind} T={num_tokens}",
+        )
     if wire:
         assert rt.fp8_wire is not None and rt.fp8_wire.dispatches == 3
         assert rt.pool.counters.padded_rounds > 0 and rt.pool.counters.fresh_created == 0

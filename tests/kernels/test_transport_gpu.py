@@ -96,7 +96,9 @@ def _ht_round_trip(group, hidden, num_tokens):
 
 
 # 3072 is in the matrix on purpose: HT runs it, LL skips it through the shared constant.
-@pytest.mark.parametrize(("backend", "hidden"), backend_hidden_params(hidden_sizes=(2048, 3072, 4096, 7168)))
+@pytest.mark.parametrize(
+    ("backend", "hidden"), backend_hidden_params(hidden_sizes=(2048, 3072, 4096, 7168))
+)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 def test_round_trip(ep_group_world1, backend, hidden, num_tokens):
     if backend == LL_BACKEND:
@@ -111,10 +113,20 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
     pool = rt.pool
     assert pool.sizes == TOKEN_COUNTS
     rnd = LowLatencyRound(rt)
-    print(f"POOL_MEMORY hidden={hidden} per_handle_bytes={pool.per_handle_bytes} first={pool.first_handle_bytes}")
-    _record({"hidden": hidden, "handle_bytes": pool.handle_bytes, "per_handle_bytes": pool.per_handle_bytes})
+    print(
+        f"POOL_MEMORY hidden={hidden} per_handle_bytes={pool.per_handle_bytes} first={pool.first_handle_bytes}"
+    )
+    _record(
+        {
+            "hidden": hidden,
+            "handle_bytes": pool.handle_bytes,
+            "per_handle_bytes": pool.per_handle_bytes,
+        }
+    )
     for num_tokens in TOKEN_COUNTS:
-        layers = [_inputs(num_tokens, hidden, seed=1000 * i + num_tokens) for i in range(NUM_LAYERS)]
+        layers = [
+            _inputs(num_tokens, hidden, seed=1000 * i + num_tokens) for i in range(NUM_LAYERS)
+        ]
         outs = [torch.empty_like(layer[0]) for layer in layers]
 
         def step(layers=layers, outs=outs):
@@ -173,7 +185,9 @@ def test_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
                 for x, ids, w, s in layers:
                     out = torch.full_like(x, float("nan"))
                     _ll_step(rnd, x, ids, w, s, out)
-                    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+                    torch.testing.assert_close(
+                        out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL
+                    )
             torch.cuda.synchronize()
     c = pool.counters
     assert c.fresh_created == 0 and c.pooled_created == created
@@ -209,10 +223,14 @@ def test_ht_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
                     d = rnd.dispatch(x, ids, w)
                     assert d.x.shape[0] == pool.sent_per_rank == pool.pooled_size(num_tokens)
                     assert not bool(d.remote_slot.any())
-                    reduce_received_rows(d.x, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0]))
+                    reduce_received_rows(
+                        d.x, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0])
+                    )
                     out = torch.full_like(x, float("nan"))
                     rnd.combine(out)
-                    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL)
+                    torch.testing.assert_close(
+                        out, reference_moe(x, ids, w, s), atol=ATOL, rtol=RTOL
+                    )
             torch.cuda.synchronize()
     c = pool.counters
     assert c.fresh_created == 0 and c.pooled_created == created
@@ -263,8 +281,10 @@ def test_direct_eager_rounds_match_flashinfer_methods(ep_group_world1, hidden, m
             torch.testing.assert_close(outg, want_g, atol=ATOL, rtol=RTOL)
         if sweep == 1:
             assert rt.pool._native.memo.built == built, "the same tensors again built descriptors"
-    print(f"DIRECT_EAGER hidden={hidden} rounds={rt.pool._native.rounds} max|direct-flashinfer|={worst:.3g} "
-          f"descriptors={rt.pool._native.memo.built}")
+    print(
+        f"DIRECT_EAGER hidden={hidden} rounds={rt.pool._native.rounds} max|direct-flashinfer|={worst:.3g} "
+        f"descriptors={rt.pool._native.memo.built}"
+    )
     assert rt.pool._native.rounds == 2 * 3 * len(sizes)
     assert worst <= ATOL
     assert rt.pool.counters.fresh_created == 0
@@ -290,7 +310,7 @@ def _fp8_rows_match(d, x, ids, num_experts: int = NUM_EXPERTS) -> float:
         worst = max(worst, float(rel.max()))
         amax = sent[nearest].view(n, -1, 128).abs().amax(-1)
         torch.testing.assert_close(s, amax / 448.0, rtol=1e-5, atol=1e-12)
-    assert worst <= 2 ** -4, worst  # E4M3 keeps 3 mantissa bits
+    assert worst <= 2**-4, worst  # E4M3 keeps 3 mantissa bits
     return worst
 
 
@@ -318,25 +338,41 @@ def test_fp8_dispatch_carries_rows_within_fp8_error(ep_group_world1, hidden):
                     rows = torch.arange(d.expert_x.shape[1], device=x.device)
                     valid = rows[None, :] < d.expert_num_tokens[:, None]
                     finite = bool(torch.isfinite(d.expert_x_scale[valid]).all())
-                    print(f"FP8_WIRE hidden={hidden} T={num_tokens} padded to {size}: scales finite {finite}")
-                deq = (d.expert_x.float().view(*d.expert_x.shape[:2], -1, 128) * d.expert_x_scale[..., None])
+                    print(
+                        f"FP8_WIRE hidden={hidden} T={num_tokens} padded to {size}: scales finite {finite}"
+                    )
+                deq = (
+                    d.expert_x.float().view(*d.expert_x.shape[:2], -1, 128)
+                    * d.expert_x_scale[..., None]
+                )
                 deq = torch.nan_to_num(deq.view_as(d.expert_x.float())).to(torch.bfloat16)
                 out = torch.full_like(x, float("nan"))
                 rnd.combine(scale_expert_rows(deq, s), out)
                 want = reference_moe(x, ids, w, s).float()
-                torch.testing.assert_close(out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+                torch.testing.assert_close(
+                    out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max())
+                )
             torch.cuda.synchronize()
     assert rt.pool.counters.fresh_created == 0 and wire.dispatches == 12
     x, ids, w, s = _inputs(8, hidden, seed=5)
     box = {}
-    graph = capture_graph(lambda: box.update(d=rnd.dispatch(x, ids, w, fp8=True)) or rnd.combine(
-        torch.zeros(*wire.tokens.shape, dtype=torch.bfloat16, device=x.device), torch.empty_like(x)))
+    graph = capture_graph(
+        lambda: (
+            box.update(d=rnd.dispatch(x, ids, w, fp8=True))
+            or rnd.combine(
+                torch.zeros(*wire.tokens.shape, dtype=torch.bfloat16, device=x.device),
+                torch.empty_like(x),
+            )
+        )
+    )
     wire.tokens.zero_()
     graph.replay()
     torch.cuda.synchronize()
     _fp8_rows_match(box["d"], x, ids)
-    print(f"FP8_WIRE hidden={hidden} worst relative row error {worst:.4f}; "
-          f"receive buffers {wire.memory_bytes / 1e6:.1f} MB")
+    print(
+        f"FP8_WIRE hidden={hidden} worst relative row error {worst:.4f}; "
+        f"receive buffers {wire.memory_bytes / 1e6:.1f} MB"
+    )
     del graph
 
 
@@ -349,8 +385,12 @@ def test_ht_fp8_dispatch_forwards_rows_and_scales_unchanged(ep_group_world1, hid
     from vllm_flashinfer_ep.runtime.fp8_wire import group_quantize
     from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD
 
-    pooled = _runtime(ep_group_world1, Algorithm.HIGH_THROUGHPUT, hidden,
-                      sizes=bucket_sizes(0, CAPACITY, max_pad=HT_MAX_PAD))
+    pooled = _runtime(
+        ep_group_world1,
+        Algorithm.HIGH_THROUGHPUT,
+        hidden,
+        sizes=bucket_sizes(0, CAPACITY, max_pad=HT_MAX_PAD),
+    )
     fresh = _runtime(ep_group_world1, Algorithm.HIGH_THROUGHPUT, hidden)
     rounds = 0
     for rt in (pooled, fresh):
@@ -370,32 +410,41 @@ def test_ht_fp8_dispatch_forwards_rows_and_scales_unchanged(ep_group_world1, hid
                     src = same.float().argmax(1)[real]
                     assert torch.equal(d.x[real].view(torch.uint8), q[src].view(torch.uint8))
                     assert not bool(d.x[~real].float().any()) and not bool(d.x_scale[~real].any())
-                    deq = (d.x.float().view(d.x.shape[0], -1, 128) * d.x_scale[..., None])
+                    deq = d.x.float().view(d.x.shape[0], -1, 128) * d.x_scale[..., None]
                     deq = deq.view(d.x.shape).to(torch.bfloat16)
-                    reduce_received_rows(deq, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0]))
+                    reduce_received_rows(
+                        deq, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0])
+                    )
                     out = torch.full_like(x, float("nan"))
                     rnd.combine(out)
                     want = reference_moe(x, ids, w, s).float()
-                    torch.testing.assert_close(out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+                    torch.testing.assert_close(
+                        out.float(), want, rtol=0.1, atol=0.1 * float(want.abs().max())
+                    )
                 torch.cuda.synchronize()
                 rounds += 1
         assert wire.dispatches == 10
-        print(f"HT_FP8_WIRE hidden={hidden} {'pooled' if rt is pooled else 'per-forward'}: "
-              f"padded rounds {rt.pool.counters.padded_rounds}, fresh {rt.pool.counters.fresh_created}; "
-              f"receive buffers {wire.memory_bytes / 1e6:.1f} MB")
+        print(
+            f"HT_FP8_WIRE hidden={hidden} {'pooled' if rt is pooled else 'per-forward'}: "
+            f"padded rounds {rt.pool.counters.padded_rounds}, fresh {rt.pool.counters.fresh_created}; "
+            f"receive buffers {wire.memory_bytes / 1e6:.1f} MB"
+        )
     assert pooled.pool.counters.fresh_created == 0 and pooled.pool.counters.padded_rounds > 0
     assert fresh.pool.counters.fresh_created == rounds // 2
 
 
 @pytest.mark.parametrize(
     "algorithm,top_k",
-    [(Algorithm.LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)] + [(Algorithm.HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],
+    [(Algorithm.LOW_LATENCY, k) for k in (8, 9, 10, MAX_TOPK_LL)]
+    + [(Algorithm.HIGH_THROUGHPUT, k) for k in (8, 9, 10, 16, MAX_TOPK_HT)],
 )
 def test_top_k_limit(ep_group_world1, algorithm, top_k):
     """Re-measures the top_k range behind runtime.limits.MAX_TOPK_LL/HT on this GPU."""
     hidden = SUPPORTED_HIDDEN_SIZES[0]
     cache = FleetCache(0, 1, ep_group_world1)
-    rt = build_runtime(cache, FleetSpec(algorithm, NUM_EXPERTS, 64, hidden), top_k, torch.device("cuda", 0), [])
+    rt = build_runtime(
+        cache, FleetSpec(algorithm, NUM_EXPERTS, 64, hidden), top_k, torch.device("cuda", 0), []
+    )
     x, ids, weights, scales = _inputs(16, hidden, seed=top_k, top_k=top_k)
     out = torch.empty_like(x)
     if algorithm == Algorithm.LOW_LATENCY:
@@ -403,7 +452,9 @@ def test_top_k_limit(ep_group_world1, algorithm, top_k):
     else:
         rnd = HighThroughputRound(rt)
         d = rnd.dispatch(x, ids, weights)
-        reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(d.x.shape[0]))
+        reduce_received_rows(
+            d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(d.x.shape[0])
+        )
         rnd.combine(out)
     torch.testing.assert_close(out, reference_moe(x, ids, weights, scales), atol=ATOL, rtol=RTOL)
     rt.destroy()
@@ -413,7 +464,13 @@ def test_top_k_limit(ep_group_world1, algorithm, top_k):
 def test_ll_top_k_above_limit_is_refused_before_nccl_ep(ep_group_world1):
     cache = FleetCache(0, 1, ep_group_world1)
     with pytest.raises(ValueError, match="top_k must be in"):
-        build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, 64, 2048), MAX_TOPK_LL + 1, torch.device("cuda", 0), [])
+        build_runtime(
+            cache,
+            FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, 64, 2048),
+            MAX_TOPK_LL + 1,
+            torch.device("cuda", 0),
+            [],
+        )
     cache.destroy()
 
 

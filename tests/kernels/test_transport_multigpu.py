@@ -32,15 +32,22 @@ def _inputs(rank: int, num_tokens: int, seed: int):
     x = torch.randn(num_tokens, HIDDEN, device=dev, generator=gen).to(torch.bfloat16)
     ids, w = random_routing(num_tokens, NUM_EXPERTS, TOP_K, dev, gen)
     # the same per-expert scales on every rank (expert weights are global)
-    scales = torch.rand(NUM_EXPERTS, device=dev, generator=torch.Generator(device=dev).manual_seed(seed)) + 0.5
+    scales = (
+        torch.rand(NUM_EXPERTS, device=dev, generator=torch.Generator(device=dev).manual_seed(seed))
+        + 0.5
+    )
     return x, ids, w, scales
 
 
 def _round_trips(rank: int, world: int) -> None:
     cache = FleetCache(rank, world, dist.group.WORLD)
     dev = torch.device("cuda", rank)
-    ll = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, [])
-    ht = build_runtime(cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, [])
+    ll = build_runtime(
+        cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, []
+    )
+    ht = build_runtime(
+        cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, []
+    )
     for num_tokens in TOKENS:
         x, ids, w, scales = _inputs(rank, num_tokens, seed=num_tokens)
         e0 = rank * (NUM_EXPERTS // world)
@@ -53,7 +60,9 @@ def _round_trips(rank: int, world: int) -> None:
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
         hrnd = HighThroughputRound(ht)
         hd = hrnd.dispatch(x, ids, w)
-        reduce_received_rows(hd.x, hd.topk_ids, hd.topk_weights, scales, hrnd.combine_buffer(hd.x.shape[0]))
+        reduce_received_rows(
+            hd.x, hd.topk_ids, hd.topk_weights, scales, hrnd.combine_buffer(hd.x.shape[0])
+        )
         out2 = torch.empty_like(x)
         hrnd.combine(out2)
         torch.testing.assert_close(out2, want, atol=2e-2, rtol=2e-2)
@@ -64,7 +73,9 @@ def _round_trips(rank: int, world: int) -> None:
 def _pool_graph(rank: int, world: int) -> None:
     cache = FleetCache(rank, world, dist.group.WORLD)
     dev = torch.device("cuda", rank)
-    rt = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, TOKENS)
+    rt = build_runtime(
+        cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, TOKENS
+    )
     rnd = LowLatencyRound(rt)
     n_local = NUM_EXPERTS // world
     for num_tokens in TOKENS:  # same padded count on every rank, as vLLM's DP padding gives
@@ -74,7 +85,9 @@ def _pool_graph(rank: int, world: int) -> None:
         def step(layers=layers, outs=outs):
             for (x, ids, w, s), out in zip(layers, outs):
                 d = rnd.dispatch(x, ids, w)
-                rnd.combine(scale_expert_rows(d.expert_x, s[rank * n_local : (rank + 1) * n_local]), out)
+                rnd.combine(
+                    scale_expert_rows(d.expert_x, s[rank * n_local : (rank + 1) * n_local]), out
+                )
 
         fresh = rt.pool.counters.fresh_created
         graph = capture_graph(step, between=dist.barrier)

@@ -27,7 +27,10 @@ POOL_SIZES = [1, 8, 64]
 
 @pytest.fixture(scope="module")
 def vllm_env(ep_group_world1):
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("vllm._C_stable_libtorch") is None:
+    if (
+        importlib.util.find_spec("vllm") is None
+        or importlib.util.find_spec("vllm._C_stable_libtorch") is None
+    ):
         missing("needs vLLM 0.33.0 with its compiled ops (vllm._C_stable_libtorch)")
     import vllm_flashinfer_ep
 
@@ -56,19 +59,31 @@ def _modules():
 def _moe_config(hidden: int, max_num_tokens: int, num_experts: int = NUM_EXPERTS):
     cfg, _, act, *_ = _modules()
     return cfg.FusedMoEConfig(
-        num_experts=num_experts, experts_per_token=TOP_K, hidden_dim=hidden,
-        intermediate_size=INTERMEDIATE, num_local_experts=num_experts, num_logical_experts=num_experts,
-        activation=act.SILU, device=torch.device("cuda", 0),
+        num_experts=num_experts,
+        experts_per_token=TOP_K,
+        hidden_dim=hidden,
+        intermediate_size=INTERMEDIATE,
+        num_local_experts=num_experts,
+        num_logical_experts=num_experts,
+        activation=act.SILU,
+        device=torch.device("cuda", 0),
         routing_method=cfg.RoutingMethodType.Renormalize,
         moe_parallel_config=cfg.FusedMoEParallelConfig.make_no_parallel(),
-        in_dtype=torch.bfloat16, max_num_tokens=max_num_tokens,
+        in_dtype=torch.bfloat16,
+        max_num_tokens=max_num_tokens,
     )
 
 
 def _weights(hidden: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    w1 = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, hidden, device="cuda", generator=gen) / hidden**0.5).bfloat16()
-    w2 = (torch.randn(NUM_EXPERTS, hidden, INTERMEDIATE, device="cuda", generator=gen) / INTERMEDIATE**0.5).bfloat16()
+    w1 = (
+        torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, hidden, device="cuda", generator=gen)
+        / hidden**0.5
+    ).bfloat16()
+    w2 = (
+        torch.randn(NUM_EXPERTS, hidden, INTERMEDIATE, device="cuda", generator=gen)
+        / INTERMEDIATE**0.5
+    ).bfloat16()
     return w1, w2
 
 
@@ -86,7 +101,9 @@ def _torch_moe(x, w1, w2, weights, ids):
     for e in ids.unique().tolist():
         rows, slot = torch.nonzero(ids == e, as_tuple=True)
         h = xf[rows] @ w1[e].float().t()
-        y = (torch.nn.functional.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:]) @ w2[e].float().t()
+        y = (torch.nn.functional.silu(h[:, :INTERMEDIATE]) * h[:, INTERMEDIATE:]) @ w2[
+            e
+        ].float().t()
         out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
     return out
 
@@ -99,8 +116,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def _apply(kernel, x, w1, w2, weights, ids):
     _, _, act, *_ = _modules()
     return kernel.apply(
-        hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids, activation=act.SILU,
-        global_num_experts=NUM_EXPERTS, expert_map=None, apply_router_weight_on_input=False,
+        hidden_states=x,
+        w1=w1,
+        w2=w2,
+        topk_weights=weights,
+        topk_ids=ids,
+        activation=act.SILU,
+        global_num_experts=NUM_EXPERTS,
+        expert_map=None,
+        apply_router_weight_on_input=False,
     )
 
 
@@ -114,12 +138,19 @@ def _ll_kernel(group, hidden: int, capacity: int, pool_sizes):
     from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
     cache = FleetCache(0, 1, group)
-    rt = build_runtime(cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, capacity, hidden), TOP_K,
-                       torch.device("cuda", 0), pool_sizes)
+    rt = build_runtime(
+        cache,
+        FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, capacity, hidden),
+        TOP_K,
+        torch.device("cuda", 0),
+        pool_sizes,
+    )
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     experts = batched_experts(
-        moe_config=_moe_config(hidden, capacity), quant_config=FUSED_MOE_UNQUANTIZED_CONFIG,
-        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+        moe_config=_moe_config(hidden, capacity),
+        quant_config=FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
     )
     return mk.FusedMoEKernel(pf, experts), rt, cache
 
@@ -128,9 +159,15 @@ def _vllm_batched_reference(hidden: int, capacity: int):
     _, mk, _, batched_experts, _, batched_pf = _modules()
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 
-    pf = batched_pf(max_num_tokens=capacity, num_local_experts=NUM_EXPERTS, num_dispatchers=1, rank=0)
-    experts = batched_experts(moe_config=_moe_config(hidden, capacity), quant_config=FUSED_MOE_UNQUANTIZED_CONFIG,
-                              max_num_tokens=capacity, num_dispatchers=1)
+    pf = batched_pf(
+        max_num_tokens=capacity, num_local_experts=NUM_EXPERTS, num_dispatchers=1, rank=0
+    )
+    experts = batched_experts(
+        moe_config=_moe_config(hidden, capacity),
+        quant_config=FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=capacity,
+        num_dispatchers=1,
+    )
     return mk.FusedMoEKernel(pf, experts)
 
 
@@ -150,7 +187,10 @@ def test_ll_join_eager_and_graph(vllm_env, hidden, experts_path, monkeypatch):
     layers = [_weights(hidden, seed=10 + i) for i in range(LAYERS)]
     for num_tokens in POOL_SIZES:
         routes = [_routing(num_tokens, hidden, seed=100 * i + num_tokens) for i in range(LAYERS)]
-        outs = [torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+        outs = [
+            torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+            for _ in range(LAYERS)
+        ]
 
         def step(routes=routes, outs=outs):
             for (w1, w2), (x, w, ids), out in zip(layers, routes, outs):
@@ -159,7 +199,11 @@ def test_ll_join_eager_and_graph(vllm_env, hidden, experts_path, monkeypatch):
         step()  # eager through the pool
         torch.cuda.synchronize()
         for (w1, w2), (x, w, ids), out in zip(layers, routes, outs):
-            _close(out, _apply(reference_kernel, x, w1, w2, w, ids), f"LL eager vs vLLM non-EP, T={num_tokens}")
+            _close(
+                out,
+                _apply(reference_kernel, x, w1, w2, w, ids),
+                f"LL eager vs vLLM non-EP, T={num_tokens}",
+            )
             _close(out, _torch_moe(x, w1, w2, w, ids), f"LL eager vs torch, T={num_tokens}")
 
         fresh = rt.pool.counters.fresh_created
@@ -190,10 +234,19 @@ def test_ht_join_eager(vllm_env):
 
     hidden = 2048
     cache = FleetCache(0, 1, vllm_env)
-    rt = build_runtime(cache, FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, 256, hidden), TOP_K, torch.device("cuda", 0), [])
+    rt = build_runtime(
+        cache,
+        FleetSpec(Algorithm.HIGH_THROUGHPUT, NUM_EXPERTS, 256, hidden),
+        TOP_K,
+        torch.device("cuda", 0),
+        [],
+    )
     pf = FlashInferEPHighThroughputPrepareAndFinalize(rt)
     kernel = mk.FusedMoEKernel(
-        pf, triton_experts(moe_config=_moe_config(hidden, 256), quant_config=FUSED_MOE_UNQUANTIZED_CONFIG)
+        pf,
+        triton_experts(
+            moe_config=_moe_config(hidden, 256), quant_config=FUSED_MOE_UNQUANTIZED_CONFIG
+        ),
     )
     w1, w2 = _weights(hidden, seed=3)
     for num_tokens in (1, 8, 200):

@@ -54,8 +54,11 @@ def no_capture_probe(monkeypatch, fake):
 def _vllm_tile(experts, hidden_states, w1, w2, topk_ids) -> dict:
     """The lookup of vLLM 0.33.0's BatchedTritonExperts.apply, verbatim in effect."""
     return try_get_optimal_moe_config(
-        w1.size(), w2.size(), topk_ids.size(1),
-        experts.quant_config.config_name(hidden_states.dtype), hidden_states.size(1),
+        w1.size(),
+        w2.size(),
+        topk_ids.size(1),
+        experts.quant_config.config_name(hidden_states.dtype),
+        hidden_states.size(1),
         block_shape=experts.block_shape,
     )
 
@@ -65,28 +68,59 @@ class RecordingTritonExperts(fused_batched_moe.BatchedTritonExperts):
 
     tiles: list[dict]
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-              expert_tokens_meta, apply_router_weight_on_input):
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         self.tiles.append(_vllm_tile(self, hidden_states, w1, w2, topk_ids))
         if self.fail:
             raise RuntimeError("planted experts failure")
         return TorchActNaiveBatchedExperts.apply(
-            self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-            global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-            expert_tokens_meta, apply_router_weight_on_input,
+            self,
+            output,
+            hidden_states,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation,
+            global_num_experts,
+            expert_map,
+            a1q_scale,
+            a2_scale,
+            workspace13,
+            workspace2,
+            expert_tokens_meta,
+            apply_router_weight_on_input,
         )
 
     def activation(self, activation, output, input, **kwargs) -> None:
         TorchActNaiveBatchedExperts.activation(self, activation, output, input)
 
 
-def _kernel(rt, top_k=2, cls=RecordingTritonExperts, fail=False,
-            quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
+def _kernel(
+    rt, top_k=2, cls=RecordingTritonExperts, fail=False, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG
+):
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     experts = cls(
-        _moe_config(top_k, LL_BACKEND), quant_config,
-        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+        _moe_config(top_k, LL_BACKEND),
+        quant_config,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
     )
     experts.tiles, experts.fail = [], fail
     return mk.FusedMoEKernel(pf, experts), experts
@@ -126,16 +160,33 @@ def test_small_and_large_batches_get_different_tiles():
 class RecordOnly(fused_batched_moe.BatchedTritonExperts):
     """Records the tile vLLM's apply would use; computes nothing (direct calls)."""
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-              expert_tokens_meta, apply_router_weight_on_input):
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
         self.tiles.append(_vllm_tile(self, hidden_states, w1, w2, topk_ids))
 
 
 def _wrapped(num_dispatchers: int, buffer_rows: int):
     experts = RecordOnly(
-        _moe_config(2, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
-        max_num_tokens=buffer_rows // num_dispatchers, num_dispatchers=num_dispatchers,
+        _moe_config(2, LL_BACKEND),
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=buffer_rows // num_dispatchers,
+        num_dispatchers=num_dispatchers,
     )
     experts.tiles = []
     assert batched_tiles.install(experts)
@@ -149,9 +200,16 @@ def _call(experts, tokens: int, buffer_rows: int, positional: bool = False):
         hidden_states=torch.empty(NUM_EXPERTS, buffer_rows, HIDDEN, dtype=bf16),
         w1=torch.empty(NUM_EXPERTS, 2 * INTER, HIDDEN, dtype=bf16),
         w2=torch.empty(NUM_EXPERTS, HIDDEN, INTER, dtype=bf16),
-        topk_weights=None, topk_ids=torch.zeros(tokens, 2, dtype=torch.int64),
-        activation=None, global_num_experts=NUM_EXPERTS, expert_map=None, a1q_scale=None,
-        a2_scale=None, workspace13=None, workspace2=None, expert_tokens_meta=None,
+        topk_weights=None,
+        topk_ids=torch.zeros(tokens, 2, dtype=torch.int64),
+        activation=None,
+        global_num_experts=NUM_EXPERTS,
+        expert_map=None,
+        a1q_scale=None,
+        a2_scale=None,
+        workspace13=None,
+        workspace2=None,
+        expert_tokens_meta=None,
         apply_router_weight_on_input=False,
     )
     if positional:
@@ -213,9 +271,20 @@ def test_an_explicit_override_config_wins():
 
 
 def test_user_tuned_tables_are_left_in_charge(tmp_path, monkeypatch):
-    table = {str(m): {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64,
-                      "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3} for m in (1, 256)}
-    (tmp_path / get_config_file_name(NUM_EXPERTS, INTER, None, None)).write_text(str(table).replace("'", '"'))
+    table = {
+        str(m): {
+            "BLOCK_SIZE_M": 64,
+            "BLOCK_SIZE_N": 64,
+            "BLOCK_SIZE_K": 64,
+            "GROUP_SIZE_M": 1,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
+        for m in (1, 256)
+    }
+    (tmp_path / get_config_file_name(NUM_EXPERTS, INTER, None, None)).write_text(
+        str(table).replace("'", '"')
+    )
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))
     from vllm.model_executor.layers.fused_moe import fused_moe as fm
 

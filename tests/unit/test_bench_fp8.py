@@ -32,10 +32,28 @@ def torch_quantize(monkeypatch):
 
 
 def _args(backend: str):
-    args = cli.build_parser().parse_args([
-        "bench-fp8", "--backend", backend, "--layers", "3", "--experts", "8", "--top-k", "2",
-        "--hidden", "2048", "--tokens", TOKENS[backend], "--warmup", "1", "--steps", "2", "--no-progress",
-    ])
+    args = cli.build_parser().parse_args(
+        [
+            "bench-fp8",
+            "--backend",
+            backend,
+            "--layers",
+            "3",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--hidden",
+            "2048",
+            "--tokens",
+            TOKENS[backend],
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--no-progress",
+        ]
+    )
     fp8_run.validate_arguments(args)
     return args
 
@@ -68,7 +86,9 @@ def test_ht_run_checks_then_times_the_eager_modes(monkeypatch):
         table = fp8_run.format_table(rows, h.args, 1)
         assert "block-FP8 HT step" in table and "fp8_wire/bf16_quant" not in table
         # World 1: one row per token (14336 -> 7168 + 224 bytes at hidden 7168; here 2048).
-        assert table.splitlines()[-1].endswith(f"{24 * 4096 / 1024:.1f} / {24 * (2048 + 64) / 1024:.1f}")
+        assert table.splitlines()[-1].endswith(
+            f"{24 * 4096 / 1024:.1f} / {24 * (2048 + 64) / 1024:.1f}"
+        )
     finally:
         h.close()
 
@@ -89,7 +109,9 @@ def test_check_refuses_fp8_rows_that_differ_before_timing(monkeypatch, backend):
         monkeypatch.setattr(h.round, "dispatch", wrong_scales)
         timed: list = []
         monkeypatch.setattr(h, "_time", _fake_time(timed))
-        with pytest.raises(SystemExit, match="FP8 wire rows disagree .* refusing to report timings"):
+        with pytest.raises(
+            SystemExit, match="FP8 wire rows disagree .* refusing to report timings"
+        ):
             h.run()
         assert timed == []
     finally:

@@ -44,11 +44,27 @@ def bench(monkeypatch):
     switch = install_capture_switch(monkeypatch)
     monkeypatch.setattr(harness_module, "capture_graph", lambda step: _FakeGraph(step, switch))
     # The Triton expert op needs a GPU: the same per-expert scale in torch.
-    monkeypatch.setattr(Harness, "_expert", lambda self, x, counts, layer: scale_expert_rows(x, self.scales[layer]))
-    args = cli.build_parser().parse_args([
-        "bench", "--layers", str(LAYERS), "--experts", "8", "--top-k", "2", "--hidden", "2048",
-        "--tokens", ",".join(map(str, TOKENS)), "--expert-compute", "--warmup", "1",
-    ])
+    monkeypatch.setattr(
+        Harness, "_expert", lambda self, x, counts, layer: scale_expert_rows(x, self.scales[layer])
+    )
+    args = cli.build_parser().parse_args(
+        [
+            "bench",
+            "--layers",
+            str(LAYERS),
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--hidden",
+            "2048",
+            "--tokens",
+            ",".join(map(str, TOKENS)),
+            "--expert-compute",
+            "--warmup",
+            "1",
+        ]
+    )
     with mock.patch.object(torch.cuda, "current_device", return_value=0):
         h = Harness(args, fleets=FleetCache(0, 1, None), device=torch.device("cpu"))
     yield h
@@ -64,7 +80,9 @@ def test_new_modes_match_the_others_and_the_reference(bench):
             want = reference_moe(x, ids, w, bench.scales[li]).float()
             for mode in results.MODES:
                 got = sets[mode][li][3].float()
-                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"{mode} T={num_tokens}")
+                torch.testing.assert_close(
+                    got, want, rtol=2e-2, atol=2e-2, msg=f"{mode} T={num_tokens}"
+                )
             for mode in ("raw_fresh", "raw_eager"):
                 torch.testing.assert_close(sets[mode][li][3], sets["pooled"][li][3], rtol=0, atol=0)
 
@@ -97,7 +115,9 @@ def test_raw_fresh_creates_a_handle_per_layer_per_step_raw_eager_none(bench):
     assert fleet.handles_created == created + 2 * LAYERS
     assert fleet.handles_alive == alive  # each destroyed after its combine
     ops = [(c.op, c.tokens) for c in fleet.log[log_start:]]
-    assert ops == [("create_handle", 4), ("dispatch", 4), ("combine", 4), ("destroy", 4)] * (2 * LAYERS)
+    assert ops == [("create_handle", 4), ("dispatch", 4), ("combine", 4), ("destroy", 4)] * (
+        2 * LAYERS
+    )
     # raw_eager updates its persistent handle once per layer, never creates one.
     log_start = len(fleet.log)
     steps["raw_eager"]()
@@ -129,8 +149,12 @@ def test_run_times_every_mode_and_reports_memory(bench, monkeypatch):
     assert all(set(r.median_ms) == set(results.MODES) == set(r.host_ms) for r in rows)
     assert all(v == 0.5 for r in rows for v in r.host_ms.values())
     n = len(results.MODES)
-    assert order[:n] == list(results.MODES) and order[n:2 * n] == list(results.MODES[1:] + results.MODES[:1])
-    assert bench.memory.handles == len(TOKENS)  # CPU: no memory to read, but the handle count is real
+    assert order[:n] == list(results.MODES) and order[n : 2 * n] == list(
+        results.MODES[1:] + results.MODES[:1]
+    )
+    assert bench.memory.handles == len(
+        TOKENS
+    )  # CPU: no memory to read, but the handle count is real
 
 
 def test_ratio_columns_use_the_named_modes(tmp_path):
@@ -158,7 +182,9 @@ def test_ratio_columns_use_the_named_modes(tmp_path):
     assert by_column["fresh/raw_fresh"] == f"{2 / 7:.3f}"
     assert by_column["raw_fresh/graph"] == f"{7 / 5:.2f}x"
     assert by_column["graph/raw_bind"] == f"{5 / 17:.3f}"
-    assert by_column["raw_eager"].startswith("11.000") and by_column["raw_fresh"].startswith("7.000")
+    assert by_column["raw_eager"].startswith("11.000") and by_column["raw_fresh"].startswith(
+        "7.000"
+    )
     path = tmp_path / "b.json"
     results.write_json([row], args, 1, results.PoolMemory(), str(path))
     payload = json.loads(path.read_text())
@@ -170,13 +196,18 @@ def test_ratio_columns_use_the_named_modes(tmp_path):
 
 def test_pool_memory_totals_and_average():
     mem = results.PoolMemory.from_snapshots(
-        (1_000, 10_000), (301_000, 410_000), (331_000, 450_000), handles=5,
-        median_handle_bytes=9_000, first_handle_bytes=400_000,
+        (1_000, 10_000),
+        (301_000, 410_000),
+        (331_000, 450_000),
+        handles=5,
+        median_handle_bytes=9_000,
+        first_handle_bytes=400_000,
     )
     assert mem.total_torch_bytes == 330_000 and mem.total_device_bytes == 440_000
     assert mem.avg_handle_torch_bytes == 7_500 and mem.avg_handle_device_bytes == 10_000
-    single = results.PoolMemory.from_snapshots((0, 0), (5, 5), (5, 5), handles=1,
-                                               median_handle_bytes=0, first_handle_bytes=5)
+    single = results.PoolMemory.from_snapshots(
+        (0, 0), (5, 5), (5, 5), handles=1, median_handle_bytes=0, first_handle_bytes=5
+    )
     assert single.avg_handle_device_bytes == 0.0
 
 

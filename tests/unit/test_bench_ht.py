@@ -26,10 +26,25 @@ CPU = torch.device("cpu")
 
 
 def _args(*extra: str):
-    return cli.build_parser().parse_args([
-        "bench-ht", "--layers", str(LAYERS), "--experts", "8", "--top-k", "2", "--hidden", "2048",
-        "--tokens", ",".join(map(str, TOKENS)), "--warmup", "1", "--no-progress", *extra,
-    ])
+    return cli.build_parser().parse_args(
+        [
+            "bench-ht",
+            "--layers",
+            str(LAYERS),
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--hidden",
+            "2048",
+            "--tokens",
+            ",".join(map(str, TOKENS)),
+            "--warmup",
+            "1",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def _harness(args, rank: int = 0, world_size: int = 1, group=None) -> HtHarness:
@@ -52,8 +67,13 @@ def test_every_mode_gives_the_input_back(bench):
         for li, (x, _, _) in enumerate(layers):
             for mode in bench.modes:
                 # Identity experts, normalized weights, world 1: each token comes back as itself.
-                torch.testing.assert_close(outs[mode][li].float(), x.float(), rtol=2e-2, atol=2e-2,
-                                           msg=f"{mode} T={num_tokens} layer {li}")
+                torch.testing.assert_close(
+                    outs[mode][li].float(),
+                    x.float(),
+                    rtol=2e-2,
+                    atol=2e-2,
+                    msg=f"{mode} T={num_tokens} layer {li}",
+                )
             # Same expert op on the same received rows: the package adds no error to raw FlashInfer.
             assert torch.equal(outs["ht"][li], outs["raw_ht_fresh"][li])
 
@@ -66,7 +86,9 @@ def test_modes_agree_at_world_2():
         try:
             layers, outs, steps = h._steps(5)
             h._check_equal(5, layers, outs, steps)
-            return [outs["raw_ht_fresh"][li].float() - x.float() for li, (x, _, _) in enumerate(layers)]
+            return [
+                outs["raw_ht_fresh"][li].float() - x.float() for li, (x, _, _) in enumerate(layers)
+            ]
         finally:
             h.close()
 
@@ -188,12 +210,16 @@ def test_without_ll_hidden_or_flag(capsys):
 def test_table_and_json_ratios(tmp_path):
     medians = {"ht": 3.0, "raw_ht_fresh": 2.0, "ll_pooled": 7.0}
     row = ht_results.HtRow(512, median_ms=dict(medians), min_ms=dict(medians), max_ms=dict(medians))
-    assert row.ratios == pytest.approx({"ht_over_raw_ht_fresh": 1.5, "ll_pooled_over_ht": 7.0 / 3.0})
+    assert row.ratios == pytest.approx(
+        {"ht_over_raw_ht_fresh": 1.5, "ll_pooled_over_ht": 7.0 / 3.0}
+    )
     args = _args()
     lines = ht_results.format_table([row], args, 1, None).splitlines()
     header = next(line for line in lines if line.startswith("| T |"))
     cells = lines[lines.index(header) + 2]
-    by_column = dict(zip(header.strip("| ").split(" | "), cells.strip("| ").split(" | "), strict=True))
+    by_column = dict(
+        zip(header.strip("| ").split(" | "), cells.strip("| ").split(" | "), strict=True)
+    )
     assert by_column["ht/raw_ht_fresh"] == "1.500" and by_column["ll_pooled/ht"] == f"{7 / 3:.3f}"
     assert by_column["ht"].startswith("3.000") and by_column["raw_ht_fresh"].startswith("2.000")
     assert lines[-1] == "ht/raw_ht_fresh within 1.05x at every T: NO"
@@ -213,13 +239,26 @@ def test_table_and_json_ratios(tmp_path):
 def test_arguments():
     args = cli.build_parser().parse_args(["bench-ht"])
     assert (args.tokens, args.hidden, args.layers, args.num_experts, args.top_k) == (
-        [512, 1024, 2048, 4096, 8192], 4096, 8, 128, 8)
+        [512, 1024, 2048, 4096, 8192],
+        4096,
+        8,
+        128,
+        8,
+    )
     ht_run.validate_arguments(args)
-    ht_run.validate_arguments(cli.build_parser().parse_args(["bench-ht", "--hidden", "7168", "--top-k", "32"]))
+    ht_run.validate_arguments(
+        cli.build_parser().parse_args(["bench-ht", "--hidden", "7168", "--top-k", "32"])
+    )
     with pytest.raises(SystemExit, match=r"--tokens 9000 exceeds NCCL-EP HT's limit of 8192"):
-        ht_run.validate_arguments(cli.build_parser().parse_args(["bench-ht", "--tokens", "512,9000"]))
-    for bad, why in ((["--top-k", "33"], "--top-k"), (["--steps", "10"], "--steps"),
-                     (["--tokens", "0,4"], "--tokens"), (["--layers", "0"], "--layers")):
+        ht_run.validate_arguments(
+            cli.build_parser().parse_args(["bench-ht", "--tokens", "512,9000"])
+        )
+    for bad, why in (
+        (["--top-k", "33"], "--top-k"),
+        (["--steps", "10"], "--steps"),
+        (["--tokens", "0,4"], "--tokens"),
+        (["--layers", "0"], "--layers"),
+    ):
         with pytest.raises(SystemExit, match=why):
             ht_run.validate_arguments(cli.build_parser().parse_args(["bench-ht", *bad]))
 

@@ -34,8 +34,11 @@ def _args(*argv):
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--hidden", "3072"], "not NCCL-EP LL sizes"), (["--capacity", "0"], "positive"),
-     (["--top-k", "99"], "--top-k must be in")],
+    [
+        (["--hidden", "3072"], "not NCCL-EP LL sizes"),
+        (["--capacity", "0"], "positive"),
+        (["--top-k", "99"], "--top-k must be in"),
+    ],
 )
 def test_bad_arguments_are_refused(argv, message):
     with pytest.raises(SystemExit, match=message):

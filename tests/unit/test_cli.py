@@ -29,6 +29,7 @@ def test_doctor_model_checks(tmp_path):
     topk = next(c for c in many if c.name == "top_k")
     # The engine's reason (config_validation.top_k_reason), which names the backend that fits.
     assert not topk.ok and "Try --all2all-backend flashinfer_ep_high_throughput" in topk.fix
+
     def precision(name, quant):
         checks = doctor.model_checks(write_model(tmp_path / name, quantization_config=quant))
         return next(c for c in checks if c.name == "checkpoint precision").ok
@@ -76,7 +77,9 @@ def test_bench_refuses_without_gpu(capsys):
 
 def test_bench_arguments():
     parser = cli.build_parser()
-    args = parser.parse_args(["bench", "--layers", "4", "--tokens", "1,2,4", "--hidden", "4096", "--top-k", "8"])
+    args = parser.parse_args(
+        ["bench", "--layers", "4", "--tokens", "1,2,4", "--hidden", "4096", "--top-k", "8"]
+    )
     assert args.layers == 4 and args.tokens == [1, 2, 4] and args.hidden == 4096
     bench.validate_arguments(args)
     for bad in (["--hidden", "3072"], ["--steps", "10"], ["--top-k", "17"]):
@@ -87,12 +90,20 @@ def test_bench_arguments():
 def test_bench_table_and_json(tmp_path):
     import json
 
-    row = results.Row(8, median_ms={m: 1.0 for m in results.MODES}, min_ms={m: 0.9 for m in results.MODES},
-                    max_ms={m: 1.1 for m in results.MODES})
+    row = results.Row(
+        8,
+        median_ms={m: 1.0 for m in results.MODES},
+        min_ms={m: 0.9 for m in results.MODES},
+        max_ms={m: 1.1 for m in results.MODES},
+    )
     row.median_ms["fresh"] = 3.0
     memory = results.PoolMemory.from_snapshots(
-        (0, 0), (100, 300e6), (100 + 4 * 11e6, 300e6 + 4 * 12e6), handles=5,
-        median_handle_bytes=10e6, first_handle_bytes=291.5e6,
+        (0, 0),
+        (100, 300e6),
+        (100 + 4 * 11e6, 300e6 + 4 * 12e6),
+        handles=5,
+        median_handle_bytes=10e6,
+        first_handle_bytes=291.5e6,
     )
     args = cli.build_parser().parse_args(["bench"])
     table = results.format_table([row], args, 1, memory)
@@ -102,7 +113,10 @@ def test_bench_table_and_json(tmp_path):
     results.write_json([row], args, 1, memory, str(path))
     data = json.loads(path.read_text())
     assert data["rows"][0]["fresh_over_graph"] == 3.0 and data["world_size"] == 1
-    assert data["memory"]["total_device_bytes"] == 348e6 and data["memory"]["avg_handle_torch_bytes"] == 11e6
+    assert (
+        data["memory"]["total_device_bytes"] == 348e6
+        and data["memory"]["avg_handle_torch_bytes"] == 11e6
+    )
 
 
 def test_doctor_estimates_ll_memory_for_a_model(tmp_path):
@@ -111,8 +125,14 @@ def test_doctor_estimates_ll_memory_for_a_model(tmp_path):
     # 0.64 fixed + 0.27 buffers + 0.12 receive buffer (runtime/buffer_sizes.py); 35 handles:
     # vLLM's default capture sizes up to 256, no eager bucket above them.
     assert est.ok and "about 1.04 GiB per GPU at --max-num-batched-tokens 256" in est.detail
-    assert "receive buffer 0.12" in est.detail and "35 pooled handles" in est.detail and "128 experts, hidden 2048, top_k 8" in est.detail
+    assert (
+        "receive buffer 0.12" in est.detail
+        and "35 pooled handles" in est.detail
+        and "128 experts, hidden 2048, top_k 8" in est.detail
+    )
     bigger = [c for c in doctor.model_checks(path, 4096) if c.name == "LL memory estimate"][0]
-    assert "at --max-num-batched-tokens 4096" in bigger.detail and "57 pooled handles" in bigger.detail
+    assert (
+        "at --max-num-batched-tokens 4096" in bigger.detail and "57 pooled handles" in bigger.detail
+    )
     rounded = doctor.model_checks(write_model(tmp_path / "r", hidden_size=3072), 256)
     assert "hidden 4096" in next(c for c in rounded if c.name == "LL memory estimate").detail

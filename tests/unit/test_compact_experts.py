@@ -93,7 +93,8 @@ def test_the_bound_holds_for_extreme_routings(block_m):
             need = int(((counts + block_m - 1) // block_m).sum())
             assert need <= bound, (tokens, block_m, need, bound)
             assert sorted(_listed_rows(counts, rows, block_m, bound)) == sorted(
-                e * rows + r for e in range(experts) for r in range(int(counts[e])))
+                e * rows + r for e in range(experts) for r in range(int(counts[e]))
+            )
 
 
 def test_the_launch_follows_the_batch_not_the_buffer():
@@ -181,8 +182,10 @@ def test_a_disabled_switch_keeps_vllm_s_batched_kernel(emulated, monkeypatch):
     monkeypatch.setattr(compact_experts, "ENABLED", False)
     kernel, experts = _kernel(2)
     x, w1, w2, ids, weights = _problem(3, 2, seed=1)
-    _assert_bf16_close(_apply(kernel, x, w1, w2, ids, weights, False),
-                       reference_moe(x, w1, w2, ids, weights, False))
+    _assert_bf16_close(
+        _apply(kernel, x, w1, w2, ids, weights, False),
+        reference_moe(x, w1, w2, ids, weights, False),
+    )
     assert len(experts.tiles) == 1 and not calls
 
 
@@ -201,8 +204,10 @@ def test_several_senders_without_dp_metadata_bound_by_the_per_rank_capacity(emul
     # expert taken as a per-sender count).
     top_k, senders = 2, 2
     experts = RecordingTritonExperts(
-        _moe_config(top_k, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
-        max_num_tokens=CAPACITY, num_dispatchers=senders,
+        _moe_config(top_k, LL_BACKEND),
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=CAPACITY,
+        num_dispatchers=senders,
     )
     experts.tiles, experts.fail = [], False
     assert compact_experts.install(experts)
@@ -213,13 +218,22 @@ def test_several_senders_without_dp_metadata_bound_by_the_per_rank_capacity(emul
     out = torch.empty(NUM_EXPERTS, rows, HIDDEN, dtype=torch.bfloat16)
     _, w1, w2, _, _ = _problem(1, top_k, seed=9)
     experts.apply(
-        output=out, hidden_states=hidden, w1=w1, w2=w2, topk_weights=None,
-        topk_ids=torch.zeros(3, top_k, dtype=torch.int64), activation=MoEActivation.SILU,
-        global_num_experts=NUM_EXPERTS, expert_map=None, a1q_scale=None, a2_scale=None,
+        output=out,
+        hidden_states=hidden,
+        w1=w1,
+        w2=w2,
+        topk_weights=None,
+        topk_ids=torch.zeros(3, top_k, dtype=torch.int64),
+        activation=MoEActivation.SILU,
+        global_num_experts=NUM_EXPERTS,
+        expert_map=None,
+        a1q_scale=None,
+        a2_scale=None,
         workspace13=torch.empty(NUM_EXPERTS * rows * 2 * INTER, dtype=torch.bfloat16),
         workspace2=torch.empty(NUM_EXPERTS * rows * INTER, dtype=torch.bfloat16),
-        expert_tokens_meta=mk.ExpertTokensMetadata(expert_num_tokens=counts,
-                                                   expert_num_tokens_cpu=None),
+        expert_tokens_meta=mk.ExpertTokensMetadata(
+            expert_num_tokens=counts, expert_num_tokens_cpu=None
+        ),
         apply_router_weight_on_input=False,
     )
     bm = calls[0]["block_m"]
@@ -227,8 +241,12 @@ def test_several_senders_without_dp_metadata_bound_by_the_per_rank_capacity(emul
     expected = hidden[0, :3].float() @ w1[0].float().T
     d = INTER
     act = (torch.nn.functional.silu(expected[:, :d]) * expected[:, d:]).to(torch.bfloat16)
-    torch.testing.assert_close(out[0, :3].float(), (act.float() @ w2[0].float().T),
-                               rtol=3e-2, atol=3e-2 * float(out[0, :3].abs().max()))
+    torch.testing.assert_close(
+        out[0, :3].float(),
+        (act.float() @ w2[0].float().T),
+        rtol=3e-2,
+        atol=3e-2 * float(out[0, :3].abs().max()),
+    )
 
 
 def test_installing_twice_wraps_once(emulated):
@@ -243,11 +261,15 @@ def test_a_padded_round_lists_the_padded_rows_too(emulated):
     """One real token padded onto a 64-token handle: 128 rows arrive (the pad rows go to
     every local expert), far more than one token's top_k. The block list must cover them
     all, or the real token's rows, listed after the pad rows of lower experts, are dropped."""
-    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[64])
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[64]
+    )
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, agreement_fn=lambda n: 64)
     experts = RecordingTritonExperts(
-        _moe_config(2, LL_BACKEND), FUSED_MOE_UNQUANTIZED_CONFIG,
-        max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+        _moe_config(2, LL_BACKEND),
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
     )
     experts.tiles, experts.fail = [], False
     kernel = mk.FusedMoEKernel(pf, experts)

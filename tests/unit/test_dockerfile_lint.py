@@ -75,7 +75,11 @@ def test_dockerfile_contract() -> None:
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "vllm_flashinfer_ep.cli", "doctor", *args],
-        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
 
 

@@ -53,7 +53,9 @@ def _close(out, x, ids, weights, scales):
 
 
 # ----------------------------------------------------------------- buckets
-@pytest.mark.parametrize(("above", "capacity"), [(0, 32), (0, 100), (512, 8192), (256, 256), (8, 33)])
+@pytest.mark.parametrize(
+    ("above", "capacity"), [(0, 32), (0, 100), (512, 8192), (256, 256), (8, 33)]
+)
 def test_buckets_cover_every_count_up_to_capacity_with_less_than_half_padding(above, capacity):
     sizes = bucket_sizes(above, capacity)
     assert sizes == sorted(set(sizes)) and all(above < s <= capacity for s in sizes)
@@ -70,7 +72,9 @@ def test_bucket_examples():
     assert bucket_sizes(256, 256) == []
 
 
-@pytest.mark.parametrize("above,capacity,max_pad", [(0, 8192, 256), (0, 3000, 256), (512, 8192, 100), (0, 64, 16)])
+@pytest.mark.parametrize(
+    "above,capacity,max_pad", [(0, 8192, 256), (0, 3000, 256), (512, 8192, 100), (0, 64, 16)]
+)
 def test_max_pad_bounds_the_padding_in_rows(above, capacity, max_pad):
     """HT: every count in (above, capacity] pads by at most max_pad rows and by less than
     half its size; the geometric sizes stay."""
@@ -84,7 +88,9 @@ def test_max_pad_bounds_the_padding_in_rows(above, capacity, max_pad):
 # ----------------------------------------------------------------- padding
 @pytest.mark.parametrize("num_tokens", [1, 5, 7])
 @pytest.mark.parametrize("with_out", [True, False])
-def test_a_count_between_pooled_sizes_pads_to_the_next_and_matches_the_reference(num_tokens, with_out):
+def test_a_count_between_pooled_sizes_pads_to_the_next_and_matches_the_reference(
+    num_tokens, with_out
+):
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[4, 8])
     before = len(fleet.log)
     x, ids, weights, scales = _layer(num_tokens, seed=num_tokens)
@@ -94,7 +100,9 @@ def test_a_count_between_pooled_sizes_pads_to_the_next_and_matches_the_reference
     size = 4 if num_tokens <= 4 else 8
     handle = 0 if size == 4 else 1
     assert fleet.log[before:] == [
-        Call("update", handle, size), Call("dispatch", handle, size), Call("combine", handle, size)
+        Call("update", handle, size),
+        Call("dispatch", handle, size),
+        Call("combine", handle, size),
     ]
     c = rt.pool.counters
     assert (c.fresh_created, c.pooled_rounds) == (0, 1)
@@ -121,13 +129,25 @@ def test_padded_rows_carry_zeros_weight_zero_and_this_rank_s_experts():
 
 def test_pad_routing_stays_on_the_rank_when_it_has_top_k_experts():
     rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=16, num_experts=8, top_k=2, world_size=2, rank=1
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        capacity=16,
+        num_experts=8,
+        top_k=2,
+        world_size=2,
+        rank=1,
     )
     pad = rt.pool.pad_ids
     assert pad.min() >= 4 and pad.max() <= 7  # rank 1 owns experts 4..7
     assert all(len(set(row.tolist())) == 2 for row in pad)  # distinct experts per row
     rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=16, num_experts=8, top_k=6, world_size=2, rank=1
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        capacity=16,
+        num_experts=8,
+        top_k=6,
+        world_size=2,
+        rank=1,
     )
     pad = rt.pool.pad_ids  # 4 local experts < top_k 6: spread over all experts, still distinct
     assert all(len(set(row.tolist())) == 6 for row in pad) and pad.max() <= 7
@@ -148,7 +168,10 @@ def test_under_capture_a_size_must_be_pooled_exactly(monkeypatch):
     switch = install_capture_switch(monkeypatch)
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x, ids, weights, _ = _layer(5, seed=5)
-    with switch.capturing(), pytest.raises(HandlePoolError, match="no warmed flashinfer_ep handle for 5"):
+    with (
+        switch.capturing(),
+        pytest.raises(HandlePoolError, match="no warmed flashinfer_ep handle for 5"),
+    ):
         rt.pool.begin(ids, weights)
     assert fleet.handles_created == 1
 
@@ -161,8 +184,14 @@ def test_ranks_with_different_counts_share_the_handle_of_the_agreed_count():
 
     def rank_fn(rank, group):
         rt, fleet = build_fake_runtime(
-            Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, capacity=16, sizes=[4, 8],
-            world_size=2, rank=rank, process_group=group,
+            Algorithm.LOW_LATENCY,
+            hidden=HIDDEN,
+            top_k=2,
+            capacity=16,
+            sizes=[4, 8],
+            world_size=2,
+            rank=rank,
+            process_group=group,
         )
         x, ids, weights, _ = _layer(counts[rank], seed=10 + rank)
         out, _ = _round(rt, x, ids, weights, torch.ones(NUM_EXPERTS // 2), agreed=max(counts))
@@ -234,10 +263,17 @@ def test_the_ht_prepare_takes_the_spread_bound():
     from vllm_flashinfer_ep.vllm import managers
 
     rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=512, sizes=[8])
-    mgr = managers.FlashInferEPHighThroughputManager.__new__(managers.FlashInferEPHighThroughputManager)
+    mgr = managers.FlashInferEPHighThroughputManager.__new__(
+        managers.FlashInferEPHighThroughputManager
+    )
     mgr.algorithm, mgr.get_handle = Algorithm.HIGH_THROUGHPUT, lambda kw: rt
     pf = mgr.make_prepare_finalize(
-        type("Moe", (), dict(num_experts=8, max_num_tokens=512, hidden_dim=HIDDEN, experts_per_token=2))(), None
+        type(
+            "Moe",
+            (),
+            dict(num_experts=8, max_num_tokens=512, hidden_dim=HIDDEN, experts_per_token=2),
+        )(),
+        None,
     )
     with override_forward_context(_context([1, 400])):
         assert pf._agreed(1) is None
@@ -261,7 +297,11 @@ def test_a_failing_dispatch_ends_the_round(monkeypatch):
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x, ids, weights, scales = _layer(5, seed=2)
     real = rt.pool.dispatch
-    monkeypatch.setattr(rt.pool, "dispatch", lambda x, wire=None, scales=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(
+        rt.pool,
+        "dispatch",
+        lambda x, wire=None, scales=None: (_ for _ in ()).throw(RuntimeError("boom")),
+    )
     with pytest.raises(RuntimeError, match="boom"):
         LowLatencyRound(rt).dispatch(x, ids, weights, agreed_tokens=None)  # a fresh handle
     assert rt.pool._current is None and rt.pool.sent_per_rank is None
@@ -278,14 +318,23 @@ def test_pad_rows_are_written_with_the_pad_routing_on_every_round():
 
     def rank_fn(rank, group):
         rt, _ = build_fake_runtime(
-            Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, capacity=16, sizes=[8],
-            world_size=2, rank=rank, process_group=group,
+            Algorithm.LOW_LATENCY,
+            hidden=HIDDEN,
+            top_k=2,
+            capacity=16,
+            sizes=[8],
+            world_size=2,
+            rank=rank,
+            process_group=group,
         )
         x, ids, weights, _ = _layer(counts[rank], seed=30 + rank)
         _round(rt, x, ids, weights, torch.ones(NUM_EXPERTS // 2), agreed=6)
         pool, n = rt.pool, counts[rank]
-        return (torch.equal(pool.topk_ids[n:8], pool.pad_ids[n:8]),
-                int(pool.pad_ids.min()), int(pool.pad_ids.max()))
+        return (
+            torch.equal(pool.topk_ids[n:8], pool.pad_ids[n:8]),
+            int(pool.pad_ids.min()),
+            int(pool.pad_ids.max()),
+        )
 
     assert run_ranks(2, rank_fn, timeout_s=30) == [(True, 0, 3), (True, 4, 7)]
 
@@ -294,7 +343,10 @@ def test_padded_rounds_stage_through_persistent_buffers():
     rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[4, 8])
     pool = rt.pool
     staged = {k: v.data_ptr() for k, v in pool._pad_buffers.items()}
-    assert set(staged) == {"x:torch.bfloat16", "out:torch.bfloat16"}  # made at warm-up, before any round
+    assert set(staged) == {
+        "x:torch.bfloat16",
+        "out:torch.bfloat16",
+    }  # made at warm-up, before any round
     for n in (3, 5, 6):
         x, ids, weights, scales = _layer(n, seed=n)
         out, _ = _round(rt, x, ids, weights, scales, out=False)
@@ -309,7 +361,9 @@ def test_ht_rounds_pad_to_the_next_pooled_size_and_match_the_reference(num_token
     from tests.helpers import reduce_received_rows
     from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound
 
-    rt, fleet = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=32, sizes=[4, 8])
+    rt, fleet = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=32, sizes=[4, 8]
+    )
     x, ids, weights, scales = _layer(num_tokens, seed=num_tokens)
     rnd = HighThroughputRound(rt)
     d = rnd.dispatch(x, ids, weights)

@@ -107,8 +107,16 @@ def test_policy_applies_outside_vllm_compile(monkeypatch):
 BAD = [
     (dict(enable_dbo=True), LOW_LATENCY, "Remove --enable-dbo"),
     (dict(dtype="float16"), LOW_LATENCY, "--dtype bfloat16"),
-    (dict(quantization="int8_per_channel_weight_only"), HIGH_THROUGHPUT, "Serve a BF16 or FP8 checkpoint"),
-    (dict(quantization="fp8_per_block", moe_backend="deep_gemm"), LOW_LATENCY, "Pass --moe-backend triton"),
+    (
+        dict(quantization="int8_per_channel_weight_only"),
+        HIGH_THROUGHPUT,
+        "Serve a BF16 or FP8 checkpoint",
+    ),
+    (
+        dict(quantization="fp8_per_block", moe_backend="deep_gemm"),
+        LOW_LATENCY,
+        "Pass --moe-backend triton",
+    ),
     (
         dict(enable_fault_tolerance=True, data_parallel_external_lb=True, data_parallel_rank=0),
         HIGH_THROUGHPUT,
@@ -238,7 +246,9 @@ def test_policy_is_idle_at_dp_1(tiny_moe):
 # ---------------------------------------------------------------- FP8 models
 @pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
 @pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block", "fp8_per_channel"])
-def test_online_fp8_is_accepted_and_runs_vllm_s_triton_experts(tiny_moe, quantization, backend, caplog):
+def test_online_fp8_is_accepted_and_runs_vllm_s_triton_experts(
+    tiny_moe, quantization, backend, caplog
+):
     with caplog.at_level("INFO"):
         cfg = engine_config(tiny_moe, backend, quantization=quantization)
     assert cfg.model_config.quantization == quantization
@@ -249,9 +259,19 @@ def test_online_fp8_is_accepted_and_runs_vllm_s_triton_experts(tiny_moe, quantiz
 @pytest.mark.parametrize(
     "quant,ok",
     [
-        ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, True),
+        (
+            {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+            },
+            True,
+        ),
         ({"quant_method": "fp8", "activation_scheme": "static"}, True),
-        ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, False),
+        (
+            {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [64, 64]},
+            False,
+        ),
     ],
     ids=["block-128", "per-tensor-static", "block-64"],
 )

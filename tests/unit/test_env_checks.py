@@ -27,7 +27,9 @@ def test_old_libnccl_fails_with_how_to_load_a_new_one():
 
 def _fake_nvcc(tmp_path, release: str) -> str:
     path = tmp_path / "nvcc"
-    path.write_text(f"#!{sys.executable}\nprint('Cuda compilation tools, release {release}, V{release}.1')\n")
+    path.write_text(
+        f"#!{sys.executable}\nprint('Cuda compilation tools, release {release}, V{release}.1')\n"
+    )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
 
@@ -50,7 +52,9 @@ def test_nvcc_search_order(monkeypatch, tmp_path):
 
 def test_ensure_nvcc_only_fills_an_unset_variable(monkeypatch):
     logs = []
-    monkeypatch.setattr(env_checks, "nvcc_candidates", lambda: [("nvidia-cuda-nvcc wheel", "/w/nvcc")])
+    monkeypatch.setattr(
+        env_checks, "nvcc_candidates", lambda: [("nvidia-cuda-nvcc wheel", "/w/nvcc")]
+    )
     monkeypatch.delenv("NCCL_EP_JIT_NVCC", raising=False)
     env_checks.ensure_nvcc_for_jit(logs.append)
     assert os.environ["NCCL_EP_JIT_NVCC"] == "/w/nvcc" and "NCCL_EP_JIT_NVCC" in logs[0]
@@ -97,7 +101,11 @@ def test_libnccl_ep_load_failure_is_reported_not_raised():
 
 
 def test_require_runtime_environment_lists_every_failure():
-    checks = [Check("a", True, "fine"), Check("b", False, "bad b", "fix b"), Check("c", False, "bad c", "fix c")]
+    checks = [
+        Check("a", True, "fine"),
+        Check("b", False, "bad b", "fix b"),
+        Check("c", False, "bad c", "fix c"),
+    ]
     with pytest.raises(FlashInferEPEnvironmentError) as info:
         env_checks.require_runtime_environment(checks)
     assert isinstance(info.value, FlashInferEPConfigError)

@@ -20,9 +20,21 @@ vllm_flashinfer_ep.register()
 
 BAD = [
     (envs.HANDLE_POOL, "maybe", "1/true/yes/on"),
-    (envs.RDMA_BUFFER_BYTES, "-5", "0 (NCCL-EP sizes the buffer) or an integer number of bytes from"),
-    (envs.RDMA_BUFFER_BYTES, "abc", "0 (NCCL-EP sizes the buffer) or an integer number of bytes from"),
-    (envs.RDMA_BUFFER_BYTES, "1.5e9", "0 (NCCL-EP sizes the buffer) or an integer number of bytes from"),
+    (
+        envs.RDMA_BUFFER_BYTES,
+        "-5",
+        "0 (NCCL-EP sizes the buffer) or an integer number of bytes from",
+    ),
+    (
+        envs.RDMA_BUFFER_BYTES,
+        "abc",
+        "0 (NCCL-EP sizes the buffer) or an integer number of bytes from",
+    ),
+    (
+        envs.RDMA_BUFFER_BYTES,
+        "1.5e9",
+        "0 (NCCL-EP sizes the buffer) or an integer number of bytes from",
+    ),
     (envs.TRANSPORT, "foo", "nccl_ep or nixl_ep"),
     (envs.SKIP_ENV_CHECKS, "2", "0/false/no/off"),
     (envs.FT_TIMEOUT_MS, "0", ">= 1"),
@@ -175,7 +187,13 @@ def test_the_project_names_no_variable_the_engine_would_refuse():
         for path in (root / sub).rglob("*"):
             if path.suffix not in {".py", ".md", ".yaml", ".sh", ".toml", ""} or not path.is_file():
                 continue
-            for name in re.findall(r"\bVLLM_FLASHINFER_EP_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")):
+            for name in re.findall(
+                r"\bVLLM_FLASHINFER_EP_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore")
+            ):
                 found.setdefault(name, set()).add(str(path.relative_to(root)))
-    unknown = {n: sorted(p) for n, p in found.items() if n not in envs.BY_NAME and n not in deliberate_typos}
+    unknown = {
+        n: sorted(p)
+        for n, p in found.items()
+        if n not in envs.BY_NAME and n not in deliberate_typos
+    }
     assert not unknown, unknown

@@ -31,7 +31,12 @@ def _write(tmp_path: Path, data: object, name: str = "c.yaml") -> Path:
 
 def test_valid_config_fields(tmp_path: Path) -> None:
     c = load_config(_write(tmp_path, VALID))
-    assert (c.name, c.data_parallel_size, c.gpus_needed, c.all2all_backend) == ("c", 2, 2, "flashinfer_ep_low_latency")
+    assert (c.name, c.data_parallel_size, c.gpus_needed, c.all2all_backend) == (
+        "c",
+        2,
+        2,
+        "flashinfer_ep_low_latency",
+    )
     assert c.env == {"A": "1", "B": "2", "C": "1"}
     assert c.pass_bound == pytest.approx(0.8 - 0.08)  # vLLM's default tolerance
     assert (c.max_tokens, c.seed, c.startup_max_wait_seconds) == (256, 42, 1200.0)
@@ -55,14 +60,22 @@ def test_valid_config_fields(tmp_path: Path) -> None:
         ({"env": {"A": [1]}}, "'env' must map names to scalar values; bad entry 'A'"),
         ({"use_chat_completions": True}, "'use_chat_completions: true' is not supported"),
         ({"startup_max_wait_seconds": 0}, "'startup_max_wait_seconds' must be > 0"),
-        ({"server_args": "--all2all-backend flashinfer_ep_bogus"},
-         "'flashinfer_ep_bogus' in 'server_args' is not a known backend; known: naive"),
-        ({"env": {"VLLM_FLASHINFER_EP_FT_TIMEOUT_MS": "20s"}},
-         "'env': VLLM_FLASHINFER_EP_FT_TIMEOUT_MS='20s' is not valid: accepted values are an integer number of milliseconds >= 1"),
-        ({"env": {"VLLM_FLASHINFER_EP_TRANSPORT": "nvshmem"}},
-         "'env': VLLM_FLASHINFER_EP_TRANSPORT='nvshmem' is not valid: accepted values are nccl_ep or nixl_ep"),
-        ({"env": {"VLLM_FLASHINFER_EP_HANDLEPOOL": "0"}},
-         "VLLM_FLASHINFER_EP_HANDLEPOOL is not a vllm-flashinfer-ep variable"),
+        (
+            {"server_args": "--all2all-backend flashinfer_ep_bogus"},
+            "'flashinfer_ep_bogus' in 'server_args' is not a known backend; known: naive",
+        ),
+        (
+            {"env": {"VLLM_FLASHINFER_EP_FT_TIMEOUT_MS": "20s"}},
+            "'env': VLLM_FLASHINFER_EP_FT_TIMEOUT_MS='20s' is not valid: accepted values are an integer number of milliseconds >= 1",
+        ),
+        (
+            {"env": {"VLLM_FLASHINFER_EP_TRANSPORT": "nvshmem"}},
+            "'env': VLLM_FLASHINFER_EP_TRANSPORT='nvshmem' is not valid: accepted values are nccl_ep or nixl_ep",
+        ),
+        (
+            {"env": {"VLLM_FLASHINFER_EP_HANDLEPOOL": "0"}},
+            "VLLM_FLASHINFER_EP_HANDLEPOOL is not a vllm-flashinfer-ep variable",
+        ),
     ],
 )
 def test_bad_values_are_named(tmp_path: Path, change: dict, message: str) -> None:
@@ -209,4 +222,7 @@ def test_bad_backend_is_an_error_before_any_gpu_check(
     path = _write(tmp_path, {**VALID, "server_args": "--all2all-backend=flashinfer_ep_lowlatency"})
     args = _cli_args(["eval", "gsm8k", "--config", str(path), "--no-gpu-check"])
     assert args.func(args) == 2
-    assert "'flashinfer_ep_lowlatency' in 'server_args' is not a known backend" in capsys.readouterr().err
+    assert (
+        "'flashinfer_ep_lowlatency' in 'server_args' is not a known backend"
+        in capsys.readouterr().err
+    )

@@ -44,8 +44,14 @@ def test_ll_tokens_reach_experts_on_other_ranks_and_come_back(world, uniform):
 
     def rank_fn(rank, group):
         rt, fleet = build_fake_runtime(
-            Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=top_k, capacity=16, sizes=[5],
-            world_size=world, rank=rank, process_group=group,
+            Algorithm.LOW_LATENCY,
+            hidden=HIDDEN,
+            top_k=top_k,
+            capacity=16,
+            sizes=[5],
+            world_size=world,
+            rank=rank,
+            process_group=group,
         )
         x, ids, weights = _inputs(rank, counts[rank], top_k)
         rnd = LowLatencyRound(rt)
@@ -83,8 +89,14 @@ def test_ht_receive_counts_remote_slots_and_outputs(world):
 
     def rank_fn(rank, group):
         rt, _ = build_fake_runtime(
-            Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, top_k=top_k, num_experts=num_experts, capacity=16,
-            world_size=world, rank=rank, process_group=group,
+            Algorithm.HIGH_THROUGHPUT,
+            hidden=HIDDEN,
+            top_k=top_k,
+            num_experts=num_experts,
+            capacity=16,
+            world_size=world,
+            rank=rank,
+            process_group=group,
         )
         gen = torch.Generator().manual_seed(200 + rank)
         x = torch.randn(counts[rank], HIDDEN, generator=gen).to(torch.bfloat16)
@@ -122,8 +134,14 @@ def test_ht_receive_counts_remote_slots_and_outputs(world):
 def test_a_rank_that_skips_a_collective_is_caught():
     def rank_fn(rank, group):
         rt, fleet = build_fake_runtime(
-            Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, capacity=16, sizes=[4],
-            world_size=2, rank=rank, process_group=group,
+            Algorithm.LOW_LATENCY,
+            hidden=HIDDEN,
+            top_k=2,
+            capacity=16,
+            sizes=[4],
+            world_size=2,
+            rank=rank,
+            process_group=group,
         )
         x, ids, weights = _inputs(rank, 4, 2)
         # rank 0 re-targets its pooled handle, rank 1 creates a fresh one: a mismatch.

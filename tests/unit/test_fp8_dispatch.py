@@ -62,7 +62,12 @@ def _dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def _runtime(sizes=(4, 8)):
     rt, fleet = build_fake_runtime(
-        Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=sizes
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=sizes,
     )
     rt.enable_fp8_wire()
     return rt, fleet
@@ -84,7 +89,7 @@ def test_fp8_dispatch_carries_every_received_row_within_fp8_error_and_combines(n
         want = x[(ids == e).any(dim=1)].float()
         # rows arrive in any order: compare each arrived row with its nearest sent row
         err = (got[:, None, :] - want[None, :, :]).abs().amax(-1).amin(1)
-        assert bool((err <= want.abs().amax(-1).max() * 2 ** -3).all()), e
+        assert bool((err <= want.abs().amax(-1).max() * 2**-3).all()), e
     # BF16 expert outputs combine as usual after an FP8 dispatch
     scales = torch.rand(EXPERTS, generator=torch.Generator().manual_seed(1)) + 0.5
     out = torch.full_like(x, float("nan"))
@@ -104,7 +109,9 @@ def test_a_padded_fp8_round_pads_with_zeros_and_stays_on_the_pooled_handle():
 
 
 def test_fp8_dispatch_needs_the_runtime_s_wire():
-    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K)
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K
+    )
     x, ids, weights = _layer(2, seed=1)
     with pytest.raises(FlashInferEPConfigError, match="without an FP8 wire"):
         LowLatencyRound(rt).dispatch(x, ids, weights, fp8=True)
@@ -132,13 +139,23 @@ def test_the_fake_refuses_what_nccl_ep_refuses():
     config = ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4)
     good = ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(wire.scales))
     cases = {
-        "inputs.scales must be absent": (ep.DispatchInputs(tokens=ep.Tensor(x), scales=ep.Tensor(wire.scales)), good, counters),
-        "outputs.scales is required": (ep.DispatchInputs(tokens=ep.Tensor(x)), ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens)), counters),
+        "inputs.scales must be absent": (
+            ep.DispatchInputs(tokens=ep.Tensor(x), scales=ep.Tensor(wire.scales)),
+            good,
+            counters,
+        ),
+        "outputs.scales is required": (
+            ep.DispatchInputs(tokens=ep.Tensor(x)),
+            ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens)),
+            counters,
+        ),
         "BF16 tokens": (ep.DispatchInputs(tokens=ep.Tensor(x.float())), good, counters),
         "expert_counters": (ep.DispatchInputs(tokens=ep.Tensor(x)), good, None),
         "outputs.scales must be FP32": (
             ep.DispatchInputs(tokens=ep.Tensor(x)),
-            ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(wire.scales[:, :8].contiguous())),
+            ep.DispatchOutputs(
+                tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(wire.scales[:, :8].contiguous())
+            ),
             counters,
         ),
     }
@@ -166,13 +183,17 @@ def test_only_block_fp8_layers_with_a_recipe_hidden_take_the_fp8_dispatch(monkey
 def test_ll_prepare_hands_the_experts_the_wire_s_fp8_and_scales_without_quantizing(monkeypatch):
     rt, _ = _runtime()
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, fp8_dispatch=True)
-    monkeypatch.setattr(receive_quant, "_vllm_quantize", lambda *a: pytest.fail("quantized after receive"))
+    monkeypatch.setattr(
+        receive_quant, "_vllm_quantize", lambda *a: pytest.fail("quantized after receive")
+    )
     x, ids, weights = _layer(5, seed=4)
     a1q, scales, meta, _, _ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
     assert a1q is rt.fp8_wire.tokens and scales is rt.fp8_wire.scales
     assert torch.equal(meta.expert_num_tokens, rt.pool._current._recv_count_t)
     out = torch.empty_like(x)
-    pf.finalize(out, torch.zeros(EXPERTS, CAP, HIDDEN, dtype=torch.bfloat16), weights, ids, False, None)
+    pf.finalize(
+        out, torch.zeros(EXPERTS, CAP, HIDDEN, dtype=torch.bfloat16), weights, ids, False, None
+    )
     assert rt.fp8_wire.dispatches == 1
 
 
@@ -180,7 +201,9 @@ def test_experts_that_quantize_themselves_get_bf16(monkeypatch):
     rt, _ = _runtime()
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, fp8_dispatch=True)
     x, ids, weights = _layer(3, seed=5)
-    a1, scales, *_ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc(), defer_input_quant=True)
+    a1, scales, *_ = pf.prepare(
+        x, weights, ids, EXPERTS, None, False, _block_qc(), defer_input_quant=True
+    )
     assert a1.dtype == torch.bfloat16 and scales is None and rt.fp8_wire.dispatches == 0
     pf.finalize(torch.empty_like(x), torch.zeros_like(a1), weights, ids, False, None)
 
@@ -216,7 +239,10 @@ def test_bench_fp8_ht_takes_hidden_sizes_outside_the_ll_set_and_prefill_token_co
     add_arguments(parser)
     args = parser.parse_args(["--backend", "ht", "--hidden", "3072"])
     validate_arguments(args)
-    assert args.tokens == [256, 1024, 4096] and modes("ht") == ("bf16_quant_eager", "fp8_wire_eager")
+    assert args.tokens == [256, 1024, 4096] and modes("ht") == (
+        "bf16_quant_eager",
+        "fp8_wire_eager",
+    )
     with pytest.raises(SystemExit, match="--hidden"):
         validate_arguments(parser.parse_args(["--backend", "ht", "--hidden", "3000"]))
     ll = parser.parse_args([])
@@ -242,7 +268,12 @@ def test_a_captured_fp8_round_issues_on_the_capturing_stream(monkeypatch):
 # ------------------------------------------------------------ high throughput
 def _ht_runtime(sizes: tuple[int, ...] = ()) -> tuple[Any, Any]:
     rt, fleet = build_fake_runtime(
-        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=sizes
+        Algorithm.HIGH_THROUGHPUT,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=sizes,
     )
     rt.enable_fp8_wire()
     return rt, fleet
@@ -263,7 +294,11 @@ def test_ht_fp8_dispatch_forwards_each_token_s_rows_and_scales_unchanged(num_tok
     d = rnd.dispatch(x, ids, weights, fp8=True)
     sent_q, sent_s = fp8_wire.group_quantize(x)
     size = rt.pool.sent_per_rank or num_tokens  # None on a per-forward handle
-    assert d.x.dtype == FP8 and d.x.shape == (size, HIDDEN) and d.x_scale.shape == (size, HIDDEN // 128)
+    assert (
+        d.x.dtype == FP8
+        and d.x.shape == (size, HIDDEN)
+        and d.x_scale.shape == (size, HIDDEN // 128)
+    )
     real = d.topk_weights.sum(1) > 0  # padded rows carry weight 0 only
     assert int(real.sum()) == num_tokens
     for row in torch.nonzero(real).flatten().tolist():
@@ -290,15 +325,24 @@ def test_ht_fp8_dispatch_crosses_ranks():
 
     def rank_fn(rank, group):
         rt, _ = build_fake_runtime(
-            Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K,
-            sizes=(), rank=rank, world_size=2, process_group=group,
+            Algorithm.HIGH_THROUGHPUT,
+            hidden=HIDDEN,
+            num_experts=EXPERTS,
+            capacity=CAP,
+            top_k=TOP_K,
+            sizes=(),
+            rank=rank,
+            world_size=2,
+            process_group=group,
         )
         rt.enable_fp8_wire()
         everyone = [_layer(4 + r, seed=40 + r) for r in range(2)]
         x, ids, weights = everyone[rank]
         d = HighThroughputRound(rt).dispatch(x, ids, weights, fp8=True)
         mine = rank * (EXPERTS // 2)
-        want = sum(int(((i >= mine) & (i < mine + EXPERTS // 2)).any(1).sum()) for _, i, _ in everyone)
+        want = sum(
+            int(((i >= mine) & (i < mine + EXPERTS // 2)).any(1).sum()) for _, i, _ in everyone
+        )
         matched = 0
         for row in range(d.x.shape[0]):
             for xs, _, ws in everyone:
@@ -307,7 +351,9 @@ def test_ht_fp8_dispatch_crosses_ranks():
                 if hits:
                     assert torch.equal(_bytes(q[hits[0]]), _bytes(d.x[row]))
                     here = ~d.remote_slot[row]
-                    assert bool(here.any()) and torch.equal(d.topk_weights[row][here], ws[hits[0]][here])
+                    assert bool(here.any()) and torch.equal(
+                        d.topk_weights[row][here], ws[hits[0]][here]
+                    )
                     matched += 1
         rt.pool.end()
         return d.x.shape[0] == want == matched
@@ -315,18 +361,30 @@ def test_ht_fp8_dispatch_crosses_ranks():
     assert run_ranks(2, rank_fn, timeout_s=60) == [True, True]
 
 
-def test_ht_prepare_hands_the_experts_the_forwarded_fp8_without_quantizing_after_receive(monkeypatch):
+def test_ht_prepare_hands_the_experts_the_forwarded_fp8_without_quantizing_after_receive(
+    monkeypatch,
+):
     """The HT prepare quantizes before dispatch with the layer's group quantization
     (vLLM's; its Triton kernel needs a GPU, so the torch one stands in here) and hands the
     experts what arrived; nothing is quantized after receive."""
     monkeypatch.setattr(receive_quant, "group_quantize", fp8_wire.group_quantize)
-    monkeypatch.setattr(receive_quant, "_vllm_quantize", lambda *a: pytest.fail("quantized after receive"))
-    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP,
-                               top_k=TOP_K, sizes=())
+    monkeypatch.setattr(
+        receive_quant, "_vllm_quantize", lambda *a: pytest.fail("quantized after receive")
+    )
+    rt, _ = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=(),
+    )
     pf = FlashInferEPHighThroughputPrepareAndFinalize(rt, fp8_dispatch=True)
     assert isinstance(rt.fp8_wire, HtFp8Wire) and rt.fp8_wire.quantize is fp8_wire.group_quantize
     x, ids, weights = _layer(5, seed=8)
-    a1q, scales, meta, recv_ids, recv_w = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
+    a1q, scales, meta, recv_ids, recv_w = pf.prepare(
+        x, weights, ids, EXPERTS, None, False, _block_qc()
+    )
     assert meta is None and a1q.dtype == FP8 and a1q.shape == (5, HIDDEN)
     assert scales.shape == (5, HIDDEN // 128) and scales.data_ptr() == rt.fp8_wire.scales.data_ptr()
     assert recv_ids.shape == recv_w.shape == (5, TOP_K)
@@ -338,8 +396,14 @@ def test_ht_router_weight_on_input_is_applied_before_quantizing():
     x, ids, _ = _layer(3, seed=9)
     ids = ids[:, :1].contiguous()  # one expert per token (what apply_router_weight_on_input allows)
     w = torch.full((3, 1), 0.5)
-    rt2, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP,
-                                top_k=1, sizes=())
+    rt2, _ = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=1,
+        sizes=(),
+    )
     rt2.enable_fp8_wire()
     d = HighThroughputRound(rt2).dispatch(x, ids, w, fp8=True, apply_router_weight_on_input=True)
     q, s = fp8_wire.group_quantize(x * 0.5)
@@ -357,7 +421,11 @@ def test_ht_fp8_wire_refuses_rows_it_cannot_forward():
     pool, wire = rt.pool, rt.fp8_wire
     groups = HIDDEN // 128
     for bad_x, bad_s, message in [
-        (x, s, "rows must be torch.float8_e4m3fn .*got torch.bfloat16"),  # the recipe converts nothing
+        (
+            x,
+            s,
+            "rows must be torch.float8_e4m3fn .*got torch.bfloat16",
+        ),  # the recipe converts nothing
         (q[:3], s[:3], rf"routes 4 tokens\): rows must be \(4, {HIDDEN}\), got \(3, {HIDDEN}\)"),
         (q, None, "no scales were given"),
         (q, s.to(torch.bfloat16), "scales must be torch.float32, got torch.bfloat16"),
@@ -371,7 +439,9 @@ def test_ht_fp8_wire_refuses_rows_it_cannot_forward():
     with pytest.raises(ValueError, match="multiple of 512"):
         HtFp8Wire(16, 3200, torch.zeros(16, 2))
     with pytest.raises(HandlePoolError, match="pass no scales"):
-        Fp8Wire(2, 16, HIDDEN, CPU).dispatch(SimpleNamespace(), torch.zeros(1, HIDDEN), torch.zeros(1, 16))
+        Fp8Wire(2, 16, HIDDEN, CPU).dispatch(
+            SimpleNamespace(), torch.zeros(1, HIDDEN), torch.zeros(1, 16)
+        )
 
 
 def test_the_fake_refuses_what_nccl_ep_refuses_for_forwarded_rows():
@@ -387,27 +457,54 @@ def test_the_fake_refuses_what_nccl_ep_refuses_for_forwarded_rows():
     odd = torch.zeros(4, 3)  # 12-byte scale rows
     cases = {
         "inputs.scales and outputs.scales are required": (
-            ep.DispatchInputs(tokens=ep.Tensor(q), topk_weights=w), good_out, fwd),
-        "requires inputs.topk_weights": (ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(s)), good_out, fwd),
+            ep.DispatchInputs(tokens=ep.Tensor(q), topk_weights=w),
+            good_out,
+            fwd,
+        ),
+        "requires inputs.topk_weights": (
+            ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(s)),
+            good_out,
+            fwd,
+        ),
         "round_scales must be 0": (
-            good_in, good_out, ep.DispatchConfig(round_scales=1, quantization_recipe=ep.DispatchQuantizationRecipe.FWD)),
+            good_in,
+            good_out,
+            ep.DispatchConfig(
+                round_scales=1, quantization_recipe=ep.DispatchQuantizationRecipe.FWD
+            ),
+        ),
         "like the inputs": (
-            good_in, ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens.view(torch.uint8)), scales=ep.Tensor(wire.scales)),
-            fwd),
+            good_in,
+            ep.DispatchOutputs(
+                tokens=ep.Tensor(wire.tokens.view(torch.uint8)), scales=ep.Tensor(wire.scales)
+            ),
+            fwd,
+        ),
         "16-byte aligned": (
             ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(odd), topk_weights=w),
-            ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(torch.zeros(CAP, 3))), fwd),
+            ep.DispatchOutputs(
+                tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(torch.zeros(CAP, 3))
+            ),
+            fwd,
+        ),
         "token / 4 scale rows": (
-            ep.DispatchInputs(tokens=ep.Tensor(torch.cat([q, q])), scales=ep.Tensor(s), topk_weights=w),
-            good_out, fwd),
+            ep.DispatchInputs(
+                tokens=ep.Tensor(torch.cat([q, q])), scales=ep.Tensor(s), topk_weights=w
+            ),
+            good_out,
+            fwd,
+        ),
     }
     for message, (inputs, outputs, config) in cases.items():
         with pytest.raises(fake_nccl_ep.NcclInvalid, match=message):
             handle._handle.dispatch(inputs, outputs, config=config, stream=0)
     with pytest.raises(fake_nccl_ep.NcclInvalid, match="LL-only"):
         handle._handle.dispatch(
-            ep.DispatchInputs(tokens=ep.Tensor(x)), good_out,
-            config=ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4), stream=0)
+            ep.DispatchInputs(tokens=ep.Tensor(x)),
+            good_out,
+            config=ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4),
+            stream=0,
+        )
     rt.pool.end()
 
 
@@ -415,7 +512,12 @@ def test_ht_fp8_padding_is_staged_when_the_wire_is_enabled():
     """At model load (before vLLM sizes the KV cache), not in the first padded round:
     the E4M3 rows and FP32 scales of padded rounds go through buffers made then."""
     rt, _ = build_fake_runtime(
-        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=(4, 8)
+        Algorithm.HIGH_THROUGHPUT,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=(4, 8),
     )
     pool = rt.pool
     before = set(pool._pad_buffers)

@@ -96,8 +96,14 @@ def test_scoring_runs_with_lm_eval_cli_and_dummy_model(
 ) -> None:
     _, include = task_dir
     command = lm_eval_command(
-        "dummy", "", task=OFFLINE_TASK, num_fewshot=2, limit=3, seed=42,
-        output_dir=tmp_path / "out", include_path=include,
+        "dummy",
+        "",
+        task=OFFLINE_TASK,
+        num_fewshot=2,
+        limit=3,
+        seed=42,
+        output_dir=tmp_path / "out",
+        include_path=include,
     )
     assert command[1:3] == ["-m", "lm_eval"] and "--include_path" in command
     scores, scored = run_lm_eval(command, tmp_path / "out", OFFLINE_TASK, env=dict(os.environ))

@@ -31,15 +31,22 @@ def test_the_limit_is_flashinfer_s():
     assert fi_fleet._HT_MAX_SUPPORTED_TOKENS_PER_RANK == HT_MAX_TOKENS_PER_RANK
 
 
-@pytest.mark.parametrize(("asked", "expected"), [(100, 100), (8192, 8192), (8193, 8192), (65536, 8192)])
+@pytest.mark.parametrize(
+    ("asked", "expected"), [(100, 100), (8192, 8192), (8193, 8192), (65536, 8192)]
+)
 def test_spec_capacity(asked, expected):
-    assert FleetSpec(Algorithm.HIGH_THROUGHPUT, 8, asked, 2048).effective_max_tokens_per_rank == expected
+    assert (
+        FleetSpec(Algorithm.HIGH_THROUGHPUT, 8, asked, 2048).effective_max_tokens_per_rank
+        == expected
+    )
     assert FleetSpec(Algorithm.LOW_LATENCY, 8, asked, 2048).effective_max_tokens_per_rank == asked
 
 
 def test_ht_runtime_over_the_limit_is_sized_for_the_limit(caplog):
     with caplog.at_level(logging.WARNING):
-        rt, fleet = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=2048, capacity=16384, world_size=2)
+        rt, fleet = build_fake_runtime(
+            Algorithm.HIGH_THROUGHPUT, hidden=2048, capacity=16384, world_size=2
+        )
     assert fleet.params.max_tokens_per_rank == 8192
     assert rt.capacity == 8192
     assert rt.round.combine_in.shape == (8192 * 2, 2048) and rt.round.ids.shape[0] == 8192 * 2

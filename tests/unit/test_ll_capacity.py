@@ -22,7 +22,9 @@ from vllm_flashinfer_ep.vllm import config_validation
 vllm_flashinfer_ep.register()
 
 GIB = 1 << 30
-MEMORY_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_memory_world1.json"
+MEMORY_RESULTS = (
+    Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_memory_world1.json"
+)
 # Qwen3-30B-A3B's MoE shape: 128 experts, top_k 8, hidden 2048.
 BIG = dict(num_experts=128, num_experts_per_tok=8, hidden_size=2048, max_position_embeddings=32768)
 
@@ -70,7 +72,9 @@ def test_capacity_that_fits_a_budget_is_the_largest_whose_total_fits():
     fit = buffer_sizes.ll_max_tokens_within(budget, 7168, 128, 8)
     assert buffer_sizes.ll_memory_bytes(fit, 7168, 128, 8) <= budget
     assert buffer_sizes.ll_memory_bytes(fit + 1, 7168, 128, 8) > budget
-    assert buffer_sizes.ll_max_tokens_within(buffer_sizes.LL_FLEET_FIXED_BYTES // 2, 2048, 128, 8) == 0
+    assert (
+        buffer_sizes.ll_max_tokens_within(buffer_sizes.LL_FLEET_FIXED_BYTES // 2, 2048, 128, 8) == 0
+    )
 
 
 def test_estimate_scales_with_tokens_experts_and_hidden():
@@ -101,7 +105,9 @@ def test_budget_that_fits_is_kept_and_the_estimate_logged(qwen30b_shape, monkeyp
     assert "needs about 1.04 GiB per GPU for --max-num-batched-tokens 256" in caplog.text
 
 
-def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(qwen30b_shape, monkeypatch, caplog):
+def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(
+    qwen30b_shape, monkeypatch, caplog
+):
     _gpu(monkeypatch, None)
     with caplog.at_level(logging.INFO):
         cfg = _config(qwen30b_shape, max_num_batched_tokens=100_000)

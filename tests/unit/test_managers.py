@@ -21,7 +21,14 @@ from vllm_flashinfer_ep.vllm import managers
 CPU = torch.device("cpu")
 
 
-def _vllm_config(mode: str = "FULL_AND_PIECEWISE", sizes=(1, 2, 4, 8), *, sp: bool = False, tp: int = 1, ft: bool = False):
+def _vllm_config(
+    mode: str = "FULL_AND_PIECEWISE",
+    sizes=(1, 2, 4, 8),
+    *,
+    sp: bool = False,
+    tp: int = 1,
+    ft: bool = False,
+):
     from vllm.config import CUDAGraphMode
 
     return SimpleNamespace(
@@ -76,11 +83,18 @@ def test_get_handle_builds_the_runtime_from_vllm_s_kwargs(build):
     rt = mgr.get_handle(_kwargs(num_experts=16, max_num_tokens_per_rank=24, top_k=3))
     spec = rt.spec
     assert (spec.algorithm, spec.num_experts, spec.max_tokens_per_rank, spec.hidden_size) == (
-        backends.Algorithm.LOW_LATENCY, 16, 24, 2048,
+        backends.Algorithm.LOW_LATENCY,
+        16,
+        24,
+        2048,
     )
     assert rt.pool.top_k == 3 and rt.capacity == 24 and not spec.fault_tolerance
     params = rt.fleet.params
-    assert (params.num_experts, params.max_tokens_per_rank, params.token_hidden_size) == (16, 24, 2048)
+    assert (params.num_experts, params.max_tokens_per_rank, params.token_hidden_size) == (
+        16,
+        24,
+        2048,
+    )
 
 
 def test_layers_of_one_shape_share_one_runtime_and_fleet(build):
@@ -218,6 +232,7 @@ def test_environment_checks_run_unless_skipped(monkeypatch, fake):
     from vllm_flashinfer_ep.runtime import env_checks
 
     calls = []
+
     def base_init(self, cpu_group, tcp_store_group=None):
         self.rank, self.world_size = 0, 1
 
@@ -266,8 +281,12 @@ def test_block_fp8_layers_send_fp8_on_the_wire_and_others_log_why_not_once(build
     assert sum("quantize after receive" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("backend,recipe", [(backends.LOW_LATENCY, "DS_FP8E3M4"), (backends.HIGH_THROUGHPUT, "FWD")])
-def test_a_flashinfer_without_what_the_wire_needs_keeps_bf16_at_load(build, caplog, monkeypatch, backend, recipe):
+@pytest.mark.parametrize(
+    "backend,recipe", [(backends.LOW_LATENCY, "DS_FP8E3M4"), (backends.HIGH_THROUGHPUT, "FWD")]
+)
+def test_a_flashinfer_without_what_the_wire_needs_keeps_bf16_at_load(
+    build, caplog, monkeypatch, backend, recipe
+):
     """Checked at model load against a warmed handle: the model loads and runs BF16 on the
     wire, logged, instead of failing in its first forward."""
     import logging

@@ -42,7 +42,12 @@ def _layer(num_tokens: int, seed: int):
 
 def _runtime(sizes=(4, 8)):
     rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=CAP, top_k=TOP_K, sizes=sizes
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=sizes,
     )
     return rt
 
@@ -112,10 +117,15 @@ def test_padded_captured_and_non_int64_rounds_use_flashinfer_methods(monkeypatch
     _step(rnd, x, ids, w, s)  # records the receive buffer
     before = _native_calls(rt)
     x5, ids5, w5, s5 = _layer(5, seed=2)  # padded to 8
-    torch.testing.assert_close(_step(rnd, x5, ids5, w5, s5), reference_moe(x5, ids5, w5, s5), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        _step(rnd, x5, ids5, w5, s5), reference_moe(x5, ids5, w5, s5), atol=2e-2, rtol=2e-2
+    )
     x4, ids4, w4, s4 = _layer(4, seed=3)
     torch.testing.assert_close(  # int32 ids: copied into the static buffer
-        _step(rnd, x4, ids4.to(torch.int32), w4, s4), reference_moe(x4, ids4, w4, s4), atol=2e-2, rtol=2e-2
+        _step(rnd, x4, ids4.to(torch.int32), w4, s4),
+        reference_moe(x4, ids4, w4, s4),
+        atol=2e-2,
+        rtol=2e-2,
     )
     switch.active = True  # the fake refuses a direct call under capture: it would escape it
     try:
@@ -142,7 +152,9 @@ def test_a_failed_direct_dispatch_ends_the_round(monkeypatch):
         with pytest.raises(fake_nccl_ep.NcclInvalid, match="injected"):
             rnd.dispatch(x, ids, w)
     assert rt.pool._current is None and not rt.pool._native_round
-    torch.testing.assert_close(_step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        _step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_a_flashinfer_without_the_attributes_keeps_its_methods_logged_once(monkeypatch, caplog):
@@ -216,7 +228,10 @@ def test_fp8_rounds_update_and_combine_directly_and_match_flashinfer_methods(mon
         outs = []
         for x, ids, w, s in layers:
             d = rnd.dispatch(x, ids, w, fp8=True)
-            rows = d.expert_x.float().view(*d.expert_x.shape[:-1], -1, 128) * d.expert_x_scale[..., None]
+            rows = (
+                d.expert_x.float().view(*d.expert_x.shape[:-1], -1, 128)
+                * d.expert_x_scale[..., None]
+            )
             expert_out = scale_expert_rows(rows.view(d.expert_x.shape).to(torch.bfloat16), s)
             outs.append(rnd.combine(expert_out, torch.empty_like(x)).clone())
         results[setting] = (outs, _native_calls(rt), rt.fp8_wire.dispatches)
@@ -246,7 +261,9 @@ def test_a_handle_on_another_stream_keeps_flashinfer_methods(caplog):
     rnd = LowLatencyRound(rt)
     for i in range(2):
         x, ids, w, s = _layer(8, seed=40 + i)
-        torch.testing.assert_close(_step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            _step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2
+        )
     assert _native_calls(rt) == (0, 0, 0)
     assert not rt.pool._native.usable(rt.pool._handles[8])
 
@@ -281,11 +298,15 @@ def test_strided_ids_and_expert_outputs_are_made_contiguous_before_a_descriptor(
     strided_ids = torch.empty(TOP_K, 8, dtype=torch.int64).t()
     strided_ids.copy_(ids)
     assert not strided_ids.is_contiguous()
-    torch.testing.assert_close(_step(rnd, x, strided_ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        _step(rnd, x, strided_ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2
+    )
     before = _native_calls(rt)
     d = rnd.dispatch(x, ids, w)  # direct
     expert_out = scale_expert_rows(d.expert_x, s)
-    strided_out = torch.empty(expert_out.shape[0], expert_out.shape[2], expert_out.shape[1], dtype=expert_out.dtype)
+    strided_out = torch.empty(
+        expert_out.shape[0], expert_out.shape[2], expert_out.shape[1], dtype=expert_out.dtype
+    )
     strided_out = strided_out.transpose(1, 2)
     strided_out.copy_(expert_out)
     assert not strided_out.is_contiguous()

@@ -52,8 +52,18 @@ def target(monkeypatch):
 
 def _patch(kind, attr, make, expect, **kw):
     return Patch(
-        f"test_{attr}", "worker", f"{MOD}:{attr}", kind, make, expect,
-        what="w", why="y", how="h", upstream="u", removal="r", **kw,
+        f"test_{attr}",
+        "worker",
+        f"{MOD}:{attr}",
+        kind,
+        make,
+        expect,
+        what="w",
+        why="y",
+        how="h",
+        upstream="u",
+        removal="r",
+        **kw,
     )
 
 
@@ -143,8 +153,19 @@ def test_apply_all_lists_every_moved_target_and_applies_none(target):
 
 
 def test_missing_module_names_the_patch():
-    patch = Patch("p", "worker", "vllm.no_such_module:f", WRAP, lambda o: o, (),
-                  what="w", why="y", how="h", upstream="u", removal="r")
+    patch = Patch(
+        "p",
+        "worker",
+        "vllm.no_such_module:f",
+        WRAP,
+        lambda o: o,
+        (),
+        what="w",
+        why="y",
+        how="h",
+        upstream="u",
+        removal="r",
+    )
     with pytest.raises(PatchTargetError, match="patch 'p': cannot import vllm.no_such_module"):
         _helper.apply(patch)
 

@@ -22,8 +22,18 @@ def moe_parallel_config(backend: str, dp: int = 2, ep: bool = True):
     fields = FusedMoEParallelConfig.__dataclass_fields__
     values = {name: 1 for name in fields}
     values.update(
-        dict(use_ep=ep, all2all_backend=backend, enable_eplb=False, dp_size=dp, ep_size=dp,
-             ep_rank=0, dp_rank=0, tp_rank=0, pcp_rank=0, sp_size=1)
+        dict(
+            use_ep=ep,
+            all2all_backend=backend,
+            enable_eplb=False,
+            dp_size=dp,
+            ep_size=dp,
+            ep_rank=0,
+            dp_rank=0,
+            tp_rank=0,
+            pcp_rank=0,
+            sp_size=1,
+        )
     )
     values = {k: v for k, v in values.items() if k in fields and fields[k].init}
     return FusedMoEParallelConfig(**values)
@@ -41,7 +51,9 @@ def test_hidden_size_round_up_logged(hidden, want, caplog):
     from vllm.model_executor.layers.fused_moe import all2all_utils
 
     with caplog.at_level(logging.INFO):
-        got = all2all_utils.maybe_roundup_layer_hidden_size(hidden, torch.bfloat16, moe_parallel_config(LOW_LATENCY))
+        got = all2all_utils.maybe_roundup_layer_hidden_size(
+            hidden, torch.bfloat16, moe_parallel_config(LOW_LATENCY)
+        )
     assert got == want and got in SUPPORTED_HIDDEN_SIZES
     if hidden != want:
         assert f"rounding MoE hidden size {hidden} up to {want}" in caplog.text
@@ -50,9 +62,17 @@ def test_hidden_size_round_up_logged(hidden, want, caplog):
 def test_hidden_size_untouched_for_ht_and_the_function_local_import():
     from vllm.model_executor.layers.fused_moe import all2all_utils
 
-    assert all2all_utils.maybe_roundup_layer_hidden_size(3000, torch.bfloat16, moe_parallel_config(HIGH_THROUGHPUT)) == 3000
+    assert (
+        all2all_utils.maybe_roundup_layer_hidden_size(
+            3000, torch.bfloat16, moe_parallel_config(HIGH_THROUGHPUT)
+        )
+        == 3000
+    )
     # fused_moe_method_base imports it function-locally from the module: the module attribute is ours
-    assert all2all_utils.maybe_roundup_layer_hidden_size.__module__ == "vllm_flashinfer_ep.vllm.patches.worker"
+    assert (
+        all2all_utils.maybe_roundup_layer_hidden_size.__module__
+        == "vllm_flashinfer_ep.vllm.patches.worker"
+    )
 
 
 def test_ft_backend_set_has_ll_only():
@@ -67,8 +87,12 @@ def test_sequence_parallel_moe_for_both_backends():
     from vllm.config import ParallelConfig
 
     for backend in (LOW_LATENCY, HIGH_THROUGHPUT):
-        par = ParallelConfig(all2all_backend=backend, data_parallel_size=2, tensor_parallel_size=2,
-                             enable_expert_parallel=True)
+        par = ParallelConfig(
+            all2all_backend=backend,
+            data_parallel_size=2,
+            tensor_parallel_size=2,
+            enable_expert_parallel=True,
+        )
         assert par.use_sequence_parallel_moe and par.use_all2all
 
 
@@ -82,7 +106,9 @@ def test_prepare_finalize_patched_in_place_for_every_importer():
     assert unquantized.maybe_make_prepare_finalize is function  # one object, nothing rebound
     assert fp8.maybe_make_prepare_finalize is function
     assert _helper.is_applied(BY_NAME["prepare_finalize"])
-    assert unquantized.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, all2all_manager=_manager()).runtime
+    assert unquantized.maybe_make_prepare_finalize(
+        _moe(LOW_LATENCY), None, all2all_manager=_manager()
+    ).runtime
 
 
 def _manager(backend: str = LOW_LATENCY):
@@ -104,8 +130,11 @@ def _manager(backend: str = LOW_LATENCY):
 
 def _moe(backend: str):
     return SimpleNamespace(
-        moe_parallel_config=moe_parallel_config(backend), num_experts=16,
-        max_num_tokens=256, hidden_dim=2048, experts_per_token=4,
+        moe_parallel_config=moe_parallel_config(backend),
+        num_experts=16,
+        max_num_tokens=256,
+        hidden_dim=2048,
+        experts_per_token=4,
     )
 
 
@@ -121,12 +150,26 @@ def test_prepare_finalize_selection_builds_ours(backend):
 
     mgr = _manager(backend)
     pf = all2all_utils.maybe_make_prepare_finalize(_moe(backend), None, all2all_manager=mgr)
-    want = FlashInferEPLowLatencyPrepareAndFinalize if backend == LOW_LATENCY else FlashInferEPHighThroughputPrepareAndFinalize
+    want = (
+        FlashInferEPLowLatencyPrepareAndFinalize
+        if backend == LOW_LATENCY
+        else FlashInferEPHighThroughputPrepareAndFinalize
+    )
     assert type(pf) is want
-    assert mgr.calls == [dict(num_experts=16, max_num_tokens_per_rank=256, hidden_size=2048, top_k=4)]
-    fmt = FusedMoEActivationFormat.BatchedExperts if backend == LOW_LATENCY else FusedMoEActivationFormat.Standard
+    assert mgr.calls == [
+        dict(num_experts=16, max_num_tokens_per_rank=256, hidden_size=2048, top_k=4)
+    ]
+    fmt = (
+        FusedMoEActivationFormat.BatchedExperts
+        if backend == LOW_LATENCY
+        else FusedMoEActivationFormat.Standard
+    )
     assert pf.activation_format == fmt
-    assert pf.topk_indices_dtype() == torch.int64 and pf.num_dispatchers() == 2 and pf.output_is_reduced()
+    assert (
+        pf.topk_indices_dtype() == torch.int64
+        and pf.num_dispatchers() == 2
+        and pf.output_is_reduced()
+    )
     if backend == LOW_LATENCY:
         assert pf.max_num_tokens_per_rank() == 256
 
@@ -136,9 +179,13 @@ def test_prepare_finalize_selection_refuses_quantized_and_monolithic():
 
     quant = SimpleNamespace(quant_dtype=torch.int8, block_shape=None)
     with pytest.raises(FlashInferEPConfigError, match="Serve a BF16 or FP8 checkpoint"):
-        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), quant, all2all_manager=_manager())
+        all2all_utils.maybe_make_prepare_finalize(
+            _moe(LOW_LATENCY), quant, all2all_manager=_manager()
+        )
     with pytest.raises(FlashInferEPConfigError, match="--moe-backend triton"):
-        all2all_utils.maybe_make_prepare_finalize(_moe(LOW_LATENCY), None, None, False, True, _manager())
+        all2all_utils.maybe_make_prepare_finalize(
+            _moe(LOW_LATENCY), None, None, False, True, _manager()
+        )
 
 
 # ----------------------------------------------------------- CudaCommunicator
@@ -155,8 +202,17 @@ def _run_comm_init(monkeypatch, backend: str, unique_name: str, use_all2all: boo
 
     seen = {}
 
-    def fake_original(self, cpu_group, device=None, device_group=None, unique_name="",
-                      global_ranks=None, global_world_size=None, tcp_store_group=None, use_all2all=False):
+    def fake_original(
+        self,
+        cpu_group,
+        device=None,
+        device_group=None,
+        unique_name="",
+        global_ranks=None,
+        global_world_size=None,
+        tcp_store_group=None,
+        use_all2all=False,
+    ):
         seen["use_all2all"] = use_all2all
         self.cpu_group = cpu_group
         self.is_ep_communicator = unique_name.split(":")[0] == "ep"
@@ -178,7 +234,9 @@ def _run_comm_init(monkeypatch, backend: str, unique_name: str, use_all2all: boo
         _helper.apply(patch)
         assert _helper.original(patch) is fake_original
         comm = object.__new__(CudaCommunicator)
-        CudaCommunicator.__init__(comm, _FakeGroup(), unique_name=unique_name, use_all2all=use_all2all)
+        CudaCommunicator.__init__(
+            comm, _FakeGroup(), unique_name=unique_name, use_all2all=use_all2all
+        )
     finally:
         _helper.undo(patch)
         CudaCommunicator.__init__ = real
@@ -218,9 +276,12 @@ def test_manager_runs_worker_checks_before_anything(monkeypatch):
     monkeypatch.setattr(All2AllManagerBase, "__init__", base_init)
     monkeypatch.setattr(env_checks, "ensure_nvcc_for_jit", lambda log: None)
     monkeypatch.setattr(
-        env_checks, "runtime_checks",
-        lambda: [Check("libnccl", False, "2.28.9", "load NCCL >= 2.30.7 (LD_PRELOAD)"),
-                 Check("nvcc (NCCL-EP JIT)", False, "no nvcc found", "export NCCL_EP_JIT_NVCC")],
+        env_checks,
+        "runtime_checks",
+        lambda: [
+            Check("libnccl", False, "2.28.9", "load NCCL >= 2.30.7 (LD_PRELOAD)"),
+            Check("nvcc (NCCL-EP JIT)", False, "no nvcc found", "export NCCL_EP_JIT_NVCC"),
+        ],
     )
     with pytest.raises(FlashInferEPEnvironmentError, match="LD_PRELOAD") as info:
         FlashInferEPLowLatencyManager(object())

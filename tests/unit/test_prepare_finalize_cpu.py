@@ -299,7 +299,11 @@ def test_ll_modular_kernel_on_a_padded_pooled_handle_matches_torch_moe():
     out = _apply(kernel, x, w1, w2, ids, weights, False)
     assert out.shape == x.shape
     _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
-    assert [(c.op, c.tokens) for c in fleet.log[-3:]] == [("update", 8), ("dispatch", 8), ("combine", 8)]
+    assert [(c.op, c.tokens) for c in fleet.log[-3:]] == [
+        ("update", 8),
+        ("dispatch", 8),
+        ("combine", 8),
+    ]
     assert rt.pool.counters.padded_rounds == 1 and rt.pool.counters.fresh_created == 0
 
 
@@ -307,7 +311,9 @@ def test_ll_combine_ignores_padding_rows_the_experts_compute(monkeypatch):
     # Under graphs NaiveBatchedExperts computes every row of the batched buffer,
     # including the padding past each expert's count (garbage; NaN in the fake).
     monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: True)
-    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[5])
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[5]
+    )
     kernel = _ll_kernel(rt, 2)
     x, w1, w2, ids, weights = _problem(5, 2, seed=11)
     out = _apply(kernel, x, w1, w2, ids, weights, False)
@@ -315,7 +321,9 @@ def test_ll_combine_ignores_padding_rows_the_experts_compute(monkeypatch):
 
 
 def test_ll_declared_properties_fit_vllm_s_batched_experts():
-    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[4])
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[4]
+    )
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     assert pf.activation_format == mk.FusedMoEActivationFormat.BatchedExperts
     assert pf.topk_indices_dtype() == torch.int64
@@ -343,7 +351,9 @@ def test_ll_declared_properties_fit_vllm_s_batched_experts():
 
 
 def test_ll_num_dispatchers_is_the_ep_world():
-    rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, world_size=2, rank=1)
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, world_size=2, rank=1
+    )
     pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
     assert pf.num_dispatchers() == 2 and pf.max_num_tokens_per_rank() == CAPACITY
 
@@ -388,7 +398,9 @@ def test_ht_modular_kernel_matches_torch_moe(experts_cls, top_k, on_input, num_t
 
 
 def test_ht_declared_properties():
-    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY, world_size=2)
+    rt, _ = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=CAPACITY, world_size=2
+    )
     pf = FlashInferEPHighThroughputPrepareAndFinalize(rt)
     assert pf.activation_format == mk.FusedMoEActivationFormat.Standard
     assert pf.topk_indices_dtype() == torch.int64

@@ -182,23 +182,28 @@ def test_ll_prepare_hands_the_experts_fp8_and_scales(fake):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(5, HIDDEN, generator=gen).bfloat16()
     ids, weights = random_routing(5, rt.num_local_experts, 2, torch.device("cpu"), gen)
-    a1q, scales, meta, _, _ = pf.prepare(x, weights, ids, rt.num_local_experts, None, False,
-                                         _qc("tensor"), defer_input_quant=False)
+    a1q, scales, meta, _, _ = pf.prepare(
+        x, weights, ids, rt.num_local_experts, None, False, _qc("tensor"), defer_input_quant=False
+    )
     assert a1q.dtype == FP8 and a1q.dim() == 3
     torch.testing.assert_close(scales.flatten()[0], x.float().abs().max() / FMAX, rtol=0, atol=0)
     assert int(meta.expert_num_tokens.sum()) == 5 * 2
-    pf.finalize(torch.empty_like(x), torch.zeros(a1q.shape, dtype=torch.bfloat16), weights, ids,
-                False, None)
+    pf.finalize(
+        torch.empty_like(x), torch.zeros(a1q.shape, dtype=torch.bfloat16), weights, ids, False, None
+    )
 
 
 def test_ht_prepare_hands_the_experts_fp8_and_scales(fake):
-    rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=8, top_k=2, sizes=[])
+    rt, _ = build_fake_runtime(
+        Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=8, top_k=2, sizes=[]
+    )
     pf = FlashInferEPHighThroughputPrepareAndFinalize(rt)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(6, HIDDEN, generator=gen).bfloat16()
     ids, weights = random_routing(6, rt.num_local_experts, 2, torch.device("cpu"), gen)
-    a1q, scales, meta, recv_ids, _ = pf.prepare(x, weights, ids, rt.num_local_experts, None,
-                                                False, _qc("block"), defer_input_quant=False)
+    a1q, scales, meta, recv_ids, _ = pf.prepare(
+        x, weights, ids, rt.num_local_experts, None, False, _qc("block"), defer_input_quant=False
+    )
     assert meta is None and a1q.dtype == FP8 and a1q.shape == (6, HIDDEN)
     assert scales.shape == (6, HIDDEN // 128) and recv_ids.shape == (6, 2)
     rt.pool.end()

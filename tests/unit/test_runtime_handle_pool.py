@@ -373,7 +373,9 @@ def test_stream_state_joins_side_streams_and_skips_the_capture_query_on_stream_0
     queries = []
     state = {"stream": 0, "capturing": False}
     monkeypatch.setattr(hp, "current_raw_stream", lambda device: state["stream"])
-    monkeypatch.setattr(hp, "current_stream_capturing", lambda: queries.append(1) or state["capturing"])
+    monkeypatch.setattr(
+        hp, "current_stream_capturing", lambda: queries.append(1) or state["capturing"]
+    )
     assert pool._stream_state() == (False, False) and queries == []
     state["stream"] = 7
     assert pool._stream_state() == (False, True)

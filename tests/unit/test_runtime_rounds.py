@@ -36,7 +36,13 @@ def _close(out, expected):
 
 def run_ll(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
     rnd = rt.round
-    d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None, apply_router_weight_on_input=on_input)
+    d = rnd.dispatch(
+        x,
+        ids,
+        weights,
+        agreed_tokens=LOCAL if uniform else None,
+        apply_router_weight_on_input=on_input,
+    )
     out = torch.empty_like(x)
     assert rnd.combine(scale_expert_rows(d.expert_x, scales), out) is out
     return d, out
@@ -44,7 +50,13 @@ def run_ll(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
 
 def run_ht(rt, x, ids, weights, scales, *, uniform=True, on_input=False):
     rnd = rt.round
-    d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None, apply_router_weight_on_input=on_input)
+    d = rnd.dispatch(
+        x,
+        ids,
+        weights,
+        agreed_tokens=LOCAL if uniform else None,
+        apply_router_weight_on_input=on_input,
+    )
     received = d.x.shape[0]
     reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(received))
     out = torch.empty_like(x)
@@ -192,7 +204,10 @@ def test_globalize_remote_slots_rank_0_of_2():
         weights, torch.tensor([[0.6, 0.0], [0.0, 0.7], [0.5, 0.5], [0.0, 0.0]])
     )
     assert remote.tolist() == [[False, True], [True, False], [False, False], [True, True]]
-    assert ids.data_ptr() == rt.round.ids.data_ptr() and weights.data_ptr() == rt.round.weights.data_ptr()
+    assert (
+        ids.data_ptr() == rt.round.ids.data_ptr()
+        and weights.data_ptr() == rt.round.weights.data_ptr()
+    )
     assert torch.equal(recv_w[0], torch.tensor([0.6, 0.4]))  # input untouched
 
 
@@ -217,7 +232,6 @@ def test_globalized_remote_slots_are_dropped_by_an_expert_map():
     local = expert_map[ids]
     assert ((local >= 0) == (recv_ids >= 0)).all()
     assert (weights[local < 0] == 0).all()
-
 
 
 def test_strided_activations_work_and_strided_output_is_refused():

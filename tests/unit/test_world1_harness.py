@@ -65,11 +65,14 @@ def harness_result(tmp_path_factory):
     env["VLLM_CONFIGURE_LOGGING"] = "0"
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(work / "model")],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("RESULT"):])
+    return json.loads(line[len("RESULT") :])
 
 
 def test_low_latency_at_world1_looks_like_one_rank_of_dp2(harness_result):

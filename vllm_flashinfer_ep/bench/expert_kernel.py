@@ -13,8 +13,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _scale_valid_rows(x_ptr, counts_ptr, scales_ptr, rows_per_expert, hidden,
-                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _scale_valid_rows(
+    x_ptr,
+    counts_ptr,
+    scales_ptr,
+    rows_per_expert,
+    hidden,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     expert = tl.program_id(0)
     row_block = tl.program_id(1)
     count = tl.load(counts_ptr + expert)
@@ -32,11 +39,14 @@ def _scale_valid_rows(x_ptr, counts_ptr, scales_ptr, rows_per_expert, hidden,
         tl.store(base + cols[None, :], (vals.to(tl.float32) * scale).to(vals.dtype), mask=mask)
 
 
-def scale_valid_rows_(expert_x: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def scale_valid_rows_(
+    expert_x: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
     """In place: expert_x[e, :counts[e]] *= scales[e]. expert_x is [E, R, H] contiguous."""
     experts, rows, hidden = expert_x.shape
     block_r = 16
     grid = (experts, triton.cdiv(rows, block_r))
-    _scale_valid_rows[grid](expert_x, counts, scales.float().contiguous(), rows, hidden,
-                            BLOCK_R=block_r, BLOCK_H=256)
+    _scale_valid_rows[grid](
+        expert_x, counts, scales.float().contiguous(), rows, hidden, BLOCK_R=block_r, BLOCK_H=256
+    )
     return expert_x

@@ -18,18 +18,24 @@ from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 
 
 class Fp8Harness(TimedModes):
-    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None
+    ) -> None:
         super().__init__(args, fleets, device)
         try:
             from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
         except ImportError as exc:  # the BF16 mode quantizes with vLLM's own kernels
-            raise SystemExit(f"bench-fp8 needs vLLM for its BF16 mode's quantization: {exc}") from None
+            raise SystemExit(
+                f"bench-fp8 needs vLLM for its BF16 mode's quantization: {exc}"
+            ) from None
         from vllm_flashinfer_ep.vllm import receive_quant
 
         self.ht = args.backend == "ht"
         self.modes = modes(args.backend)
         capacity = max(args.tokens)
-        if self.ht:  # as the HT manager: eager buckets up to the capacity, FP8 by vLLM's quantization
+        if (
+            self.ht
+        ):  # as the HT manager: eager buckets up to the capacity, FP8 by vLLM's quantization
             spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
             sizes = handle_pool.bucket_sizes(0, capacity, max_pad=handle_pool.HT_MAX_PAD)
             self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, sizes)
@@ -44,8 +50,16 @@ class Fp8Harness(TimedModes):
         rows = self.rt.capacity * self.world_size
         # LL: the experts' output stand-in, the same in both modes (combine is BF16 in both);
         # HT combines the round's own staging (zeros: what the experts write there is not timed).
-        self.expert_out = None if self.ht else torch.zeros(
-            self.rt.num_local_experts, rows, args.hidden, dtype=torch.bfloat16, device=self.device
+        self.expert_out = (
+            None
+            if self.ht
+            else torch.zeros(
+                self.rt.num_local_experts,
+                rows,
+                args.hidden,
+                dtype=torch.bfloat16,
+                device=self.device,
+            )
         )
 
     def _combine(self, out: torch.Tensor) -> None:
@@ -67,7 +81,9 @@ class Fp8Harness(TimedModes):
                 if keep is not None:  # one "expert": every received row (none: no scales)
                     keep.append(_one_expert(q, s))
             else:
-                q, s = quantize_expert_buffer(d.expert_x, d.expert_num_tokens, self.quant_config, False)
+                q, s = quantize_expert_buffer(
+                    d.expert_x, d.expert_num_tokens, self.quant_config, False
+                )
                 if keep is not None:
                     keep.append((q.clone(), s.clone(), d.expert_num_tokens.clone()))
             self._combine(out)
@@ -79,7 +95,9 @@ class Fp8Harness(TimedModes):
                 if self.ht:
                     keep.append(_one_expert(d.x, d.x_scale))
                 else:
-                    keep.append((d.expert_x.clone(), d.expert_x_scale.clone(), d.expert_num_tokens.clone()))
+                    keep.append(
+                        (d.expert_x.clone(), d.expert_x_scale.clone(), d.expert_num_tokens.clone())
+                    )
             self._combine(out)
 
     def _check(self, num_tokens: int, layers) -> None:
@@ -117,7 +135,9 @@ class Fp8Harness(TimedModes):
 
     def run(self) -> list[Row]:
         rows = []
-        progress = _Progress(len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress)
+        progress = _Progress(
+            len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress
+        )
         for num_tokens in self.args.tokens:
             layers = self._layers(num_tokens, seed=num_tokens, loud=True)
             self._check(num_tokens, layers)
@@ -130,7 +150,9 @@ class Fp8Harness(TimedModes):
         self.fleets.destroy()
 
 
-def _one_expert(q: torch.Tensor, s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _one_expert(
+    q: torch.Tensor, s: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HT's received rows [rows, hidden] in the check's per-expert layout [1, rows, ...]."""
     rows = q.shape[0]
     if s is None:  # nothing arrived: nothing was quantized

@@ -43,15 +43,21 @@ def modes(backend: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--backend", choices=("ll", "ht"), default="ll",
+        "--backend",
+        choices=("ll", "ht"),
+        default="ll",
         help="ll: the LL decode step (DS_FP8E3M4 dispatch); ht: the HT step (forward recipe)",
     )
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--experts", dest="num_experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=7168, help="a multiple of 512 (the recipe's rule)")
     parser.add_argument(
-        "--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None,
+        "--hidden", type=int, default=7168, help="a multiple of 512 (the recipe's rule)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=None,
         help="comma-separated tokens per rank per step (default: LL 1,8,32,128,256; HT 256,1024,4096)",
     )
     parser.add_argument("--steps", type=int, default=50)
@@ -73,7 +79,9 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("bench-fp8: --layers, --tokens and --steps must be positive")
 
 
-def dispatch_bytes(num_tokens: int, top_k: int, hidden: int, ht_world: int | None = None) -> dict[str, int]:
+def dispatch_bytes(
+    num_tokens: int, top_k: int, hidden: int, ht_world: int | None = None
+) -> dict[str, int]:
     """Bytes of activations and scales one rank's dispatch moves. LL: each token goes once
     to each of its top_k experts. HT (`ht_world`: the EP world size): once to each rank
     that holds one of its experts, so at most min(top_k, world) rows per token."""
@@ -82,7 +90,9 @@ def dispatch_bytes(num_tokens: int, top_k: int, hidden: int, ht_world: int | Non
 
 
 def _bytes(num_tokens: int, args: Any, world_size: int) -> dict[str, int]:
-    return dispatch_bytes(num_tokens, args.top_k, args.hidden, world_size if args.backend == "ht" else None)
+    return dispatch_bytes(
+        num_tokens, args.top_k, args.hidden, world_size if args.backend == "ht" else None
+    )
 
 
 def format_table(rows: list[Row], args: Any, world_size: int) -> str:
@@ -95,7 +105,13 @@ def format_table(rows: list[Row], args: Any, world_size: int) -> str:
     )
     names = modes(args.backend)
     graphs = "fp8_wire" in names
-    cols = ["T", *names, *(["fp8_wire/bf16_quant"] if graphs else []), "eager fp8/bf16", "dispatch KB bf16 / fp8"]
+    cols = [
+        "T",
+        *names,
+        *(["fp8_wire/bf16_quant"] if graphs else []),
+        "eager fp8/bf16",
+        "dispatch KB bf16 / fp8",
+    ]
     lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
     for r in rows:
         b = _bytes(r.num_tokens, args, world_size)
@@ -136,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
 
 def cli() -> int:
     parser = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}", description=__doc__,
+        prog=f"python -m {MODULE}",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)

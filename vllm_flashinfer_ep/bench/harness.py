@@ -58,7 +58,9 @@ class TimedModes:
     the timing (warm-up, then every mode once per step in rotated order, medians into
     the row)."""
 
-    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None
+    ) -> None:
         """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
         self.args = args
         if fleets is None:
@@ -92,7 +94,7 @@ class TimedModes:
         self._sync()
         n = len(modes)
         for i in range(self.args.steps):
-            for m in modes[i % n:] + modes[: i % n]:  # rotate the order
+            for m in modes[i % n :] + modes[: i % n]:  # rotate the order
                 gpu_ms, host_ms = self._time(steps[m])
                 samples[m].append(gpu_ms)
                 host[m].append(host_ms)
@@ -109,10 +111,16 @@ class TimedModes:
         gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
         layers = []
         for _ in range(self.args.layers):
-            scale = 1 + 20 * torch.rand(num_tokens, 1, device=self.device, generator=gen) if loud else None
+            scale = (
+                1 + 20 * torch.rand(num_tokens, 1, device=self.device, generator=gen)
+                if loud
+                else None
+            )
             x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen)
             x = (x if scale is None else x * scale).to(torch.bfloat16)
-            ids, w = random_routing(num_tokens, self.args.num_experts, self.args.top_k, self.device, gen)
+            ids, w = random_routing(
+                num_tokens, self.args.num_experts, self.args.top_k, self.device, gen
+            )
             layers.append((x, ids, w, torch.empty_like(x)))
         return layers
 
@@ -139,7 +147,9 @@ class TimedModes:
 
 
 class Harness(TimedModes):
-    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None
+    ) -> None:
         super().__init__(args, fleets, device)
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
@@ -158,14 +168,21 @@ class Harness(TimedModes):
         after_all = memory_snapshot(self.device)
         self.fi_rt.pool.warm(args.tokens)
         self.memory = PoolMemory.from_snapshots(
-            before, after_first, after_all, handles=len(pool.sizes),
-            median_handle_bytes=pool.per_handle_bytes, first_handle_bytes=pool.first_handle_bytes,
+            before,
+            after_first,
+            after_all,
+            handles=len(pool.sizes),
+            median_handle_bytes=pool.per_handle_bytes,
+            first_handle_bytes=pool.first_handle_bytes,
         )
         self.fleet = self.fleets.get(spec)
         self.scales = [torch.ones(args.num_experts, device=self.device) for _ in range(args.layers)]
         if args.expert_compute:
             gen = torch.Generator(device=self.device).manual_seed(1)
-            self.scales = [torch.rand(args.num_experts, device=self.device, generator=gen) + 0.5 for _ in range(args.layers)]
+            self.scales = [
+                torch.rand(args.num_experts, device=self.device, generator=gen) + 0.5
+                for _ in range(args.layers)
+            ]
         self._raw_handles: dict[int, Any] = {}
         self._raw_ids = torch.zeros(capacity, args.top_k, dtype=torch.int64, device=self.device)
         self._raw_w = torch.zeros(capacity, args.top_k, dtype=torch.float32, device=self.device)
@@ -189,7 +206,9 @@ class Harness(TimedModes):
             fi = moe_ep()
             ids = self._raw_ids[:num_tokens]
             rows = torch.arange(num_tokens, device=self.device).unsqueeze(1) * self.args.top_k
-            ids.copy_((rows + torch.arange(self.args.top_k, device=self.device)) % self.args.num_experts)
+            ids.copy_(
+                (rows + torch.arange(self.args.top_k, device=self.device)) % self.args.num_experts
+            )
             self._raw_w[:num_tokens].fill_(1.0 / self.args.top_k)
             handle = self.fleet.create_handle(
                 fi.HandleParams(topk_ids=ids),
@@ -213,7 +232,11 @@ class Harness(TimedModes):
                 ids_buf.copy_(ids)
                 handle.update(fi.HandleParams(topk_ids=ids_buf))
             d = handle.dispatch(fi.DispatchInputParams(x=[x]))
-            handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
+            handle.combine(
+                fi.CombineInputParams(
+                    x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out
+                )
+            )
 
     def _raw_fresh_step(self, layers) -> None:
         """FlashInfer's own per-forward path (MoEEpSplitLayer without a graph state):
@@ -222,18 +245,26 @@ class Harness(TimedModes):
         for i, (x, ids, w, out) in enumerate(layers):
             knobs = [fi.HandleAlgoKnobTopKWeights(weights=w)]
             if self.device.type == "cuda":
-                knobs.append(fi.HandleAlgoKnobUserStream(stream=torch.cuda.current_stream().cuda_stream))
+                knobs.append(
+                    fi.HandleAlgoKnobUserStream(stream=torch.cuda.current_stream().cuda_stream)
+                )
             handle = self.fleet.create_handle(fi.HandleParams(topk_ids=ids), algo_knobs=knobs)
             try:
                 d = handle.dispatch(fi.DispatchInputParams(x=[x]))
-                handle.combine(fi.CombineInputParams(x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out))
+                handle.combine(
+                    fi.CombineInputParams(
+                        x=[self._expert(d.expert_tensors, d.expert_counts, i)], out=out
+                    )
+                )
             finally:
                 handle.destroy()
 
     # -------------------------------------------------------------- run
     def run(self) -> list[Row]:
         rows = []
-        progress = _Progress(len(self.args.tokens) * len(MODES), self.rank == 0 and not self.args.no_progress)
+        progress = _Progress(
+            len(self.args.tokens) * len(MODES), self.rank == 0 and not self.args.no_progress
+        )
         for num_tokens in self.args.tokens:
             rows.append(self._run_size(num_tokens, progress))
         progress.close()
@@ -269,7 +300,11 @@ class Harness(TimedModes):
         sets, steps = self._steps(num_tokens)
         self._check_equal(num_tokens, sets, steps)
         row = self._measure(Row(num_tokens), MODES, steps, progress)
-        if getattr(self.args, "host_profile", False) and num_tokens == self.args.tokens[0] and self.rank == 0:
+        if (
+            getattr(self.args, "host_profile", False)
+            and num_tokens == self.args.tokens[0]
+            and self.rank == 0
+        ):
             print(self.host_profile(steps, ("pooled", "pooled_fi", "raw_eager")), file=sys.stderr)
         return row
 
@@ -281,7 +316,11 @@ class Harness(TimedModes):
         self._sync()
         for li in range(self.args.layers):
             x, ids, w, _ = sets["fresh"][li]
-            want = reference_moe(x, ids, w, self.scales[li]) if self.world_size == 1 else sets["fresh"][li][3]
+            want = (
+                reference_moe(x, ids, w, self.scales[li])
+                if self.world_size == 1
+                else sets["fresh"][li][3]
+            )
             for m in MODES:
                 got = sets[m][li][3]
                 if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):

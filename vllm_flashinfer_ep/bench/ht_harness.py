@@ -25,7 +25,9 @@ Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class HtHarness(TimedModes):
-    def __init__(self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None
+    ) -> None:
         super().__init__(args, fleets, device)
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
@@ -36,19 +38,25 @@ class HtHarness(TimedModes):
         self.fleet = self.ht_rt.fleet  # raw_ht_fresh creates its handles on the same fleet
         rows = self.ht_rt.capacity * self.world_size
         self._raw_received = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._raw_combine_in = torch.zeros(rows, args.hidden, dtype=torch.bfloat16, device=self.device)
+        self._raw_combine_in = torch.zeros(
+            rows, args.hidden, dtype=torch.bfloat16, device=self.device
+        )
         self._ones = torch.ones(args.num_experts, device=self.device)
         self.ll_rt = None
         self.ll_skipped = self._ll_skip_reason()
         if self.ll_skipped is None:
             ll_spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
-            self.ll_rt = build_runtime(self.fleets, ll_spec, args.top_k, self.device, list(args.tokens))
+            self.ll_rt = build_runtime(
+                self.fleets, ll_spec, args.top_k, self.device, list(args.tokens)
+            )
         elif not args.no_ll and self.rank == 0:
             print(f"bench-ht: ll_pooled skipped: {self.ll_skipped}", file=sys.stderr)
         self.pooled_rt = None
         if getattr(args, "ht_pooled", False):
             # One HT handle per token count on the same fleet, re-targeted per layer.
-            self.pooled_rt = build_runtime(self.fleets, spec, args.top_k, self.device, list(args.tokens))
+            self.pooled_rt = build_runtime(
+                self.fleets, spec, args.top_k, self.device, list(args.tokens)
+            )
         self.modes = modes(self.ll_rt is not None, self.pooled_rt is not None)
 
     def _ll_skip_reason(self) -> str | None:
@@ -68,12 +76,18 @@ class HtHarness(TimedModes):
         gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
         layers = []
         for _ in range(self.args.layers):
-            x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen).to(torch.bfloat16)
-            ids, w = random_routing(num_tokens, self.args.num_experts, self.args.top_k, self.device, gen)
+            x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen).to(
+                torch.bfloat16
+            )
+            ids, w = random_routing(
+                num_tokens, self.args.num_experts, self.args.top_k, self.device, gen
+            )
             layers.append((x, ids, w))
         return layers
 
-    def _expert(self, mode: str, x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _expert(
+        self, mode: str, x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
         """Identity experts, weighted and reduced per received row: out = x * sum_k w[k]
         (weights are 0 on slots whose expert lives on another rank). `mode` names the
         caller so a test can break one mode alone."""
@@ -103,7 +117,9 @@ class HtHarness(TimedModes):
                 fi.HandleAlgoKnobNumReceivedTokens(target=self._raw_received),
             ]
             if self.device.type == "cuda":
-                knobs.insert(0, fi.HandleAlgoKnobUserStream(stream=torch.cuda.current_stream().cuda_stream))
+                knobs.insert(
+                    0, fi.HandleAlgoKnobUserStream(stream=torch.cuda.current_stream().cuda_stream)
+                )
             handle = self.fleet.create_handle(fi.HandleParams(topk_ids=ids), algo_knobs=knobs)
             try:
                 d = handle.dispatch(fi.DispatchInputParams(x=[x]))
@@ -132,7 +148,9 @@ class HtHarness(TimedModes):
     # -------------------------------------------------------------- run
     def run(self) -> list[HtRow]:
         rows = []
-        progress = _Progress(len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress)
+        progress = _Progress(
+            len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress
+        )
         for num_tokens in self.args.tokens:
             rows.append(self._run_size(num_tokens, progress))
         progress.close()

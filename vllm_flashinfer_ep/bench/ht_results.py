@@ -21,12 +21,18 @@ HT_TARGET = 1.05
 #   ll_pooled/ht     the LL eager pooled round vs the HT round at the same token count
 #   ht_pooled/raw_ht_fresh  (with --ht-pooled) a pooled HT handle vs FlashInfer's per-forward path
 RATIOS: tuple[tuple[str, str], ...] = (
-    ("ht", "raw_ht_fresh"), (LL_MODE, "ht"), (HT_POOLED_MODE, "raw_ht_fresh"),
+    ("ht", "raw_ht_fresh"),
+    (LL_MODE, "ht"),
+    (HT_POOLED_MODE, "raw_ht_fresh"),
 )
 
 
 def modes(with_ll: bool, with_ht_pooled: bool = False) -> tuple[str, ...]:
-    return (*HT_MODES, *((HT_POOLED_MODE,) if with_ht_pooled else ()), *((LL_MODE,) if with_ll else ()))
+    return (
+        *HT_MODES,
+        *((HT_POOLED_MODE,) if with_ht_pooled else ()),
+        *((LL_MODE,) if with_ll else ()),
+    )
 
 
 @dataclass
@@ -70,10 +76,14 @@ def format_table(rows: list[HtRow], args: Any, world_size: int, ll_skipped: str 
     return "\n".join(lines)
 
 
-def write_json(rows: list[HtRow], args: Any, world_size: int, ll_skipped: str | None, path: str) -> None:
+def write_json(
+    rows: list[HtRow], args: Any, world_size: int, ll_skipped: str | None, path: str
+) -> None:
     payload = {
         "benchmark": "high_throughput",
-        "config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")},
+        "config": {
+            k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")
+        },
         "world_size": world_size,
         "modes": [m for m in modes(True, True) if rows and m in rows[0].median_ms],
         "ll_skipped": ll_skipped,

@@ -41,26 +41,36 @@ def _token_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="MoE layers per prefill step")
-    parser.add_argument("--experts", dest="num_experts", type=int, default=128, help="global experts")
+    parser.add_argument(
+        "--experts", dest="num_experts", type=int, default=128, help="global experts"
+    )
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size (any size for HT)")
     parser.add_argument(
-        "--tokens", type=_token_list, default=[512, 1024, 2048, 4096, 8192],
+        "--tokens",
+        type=_token_list,
+        default=[512, 1024, 2048, 4096, 8192],
         help="comma-separated tokens per rank per step (NCCL-EP HT: at most 8192)",
     )
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per mode and size (>= 50)")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed steps per mode and size (>= 50)"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
-        "--no-ll", action="store_true",
+        "--no-ll",
+        action="store_true",
         help="skip the ll_pooled mode (its LL fleet is sized for the largest --tokens value)",
     )
     parser.add_argument(
-        "--ht-pooled", action="store_true",
+        "--ht-pooled",
+        action="store_true",
         help="add the ht_pooled mode: the package's HT round on one pooled HT handle per token count",
     )
     parser.add_argument("--json", dest="json_path", help="write results as JSON here")

@@ -47,7 +47,9 @@ class MemoryRow:
     pool_reported_mb: float  # what HandlePool.memory_bytes says (the engine log's figure)
 
 
-def measure(hidden: int, capacity: int, num_experts: int, top_k: int, sizes: list[int], fleets, device) -> MemoryRow:
+def measure(
+    hidden: int, capacity: int, num_experts: int, top_k: int, sizes: list[int], fleets, device
+) -> MemoryRow:
     import torch
 
     from vllm_flashinfer_ep.backends import Algorithm
@@ -96,21 +98,51 @@ def format_table(rows: list[MemoryRow], args: argparse.Namespace) -> str:
         f"LL fleet + handle pool memory, device-wide (MB): {args.num_experts} experts, top_k "
         f"{args.top_k}, EP world 1; pool = vLLM's default capture sizes <= capacity + eager buckets"
     )
-    cols = ["hidden", "capacity", "handles", "fleet buffers", "all handles", "per handle",
-            "first rounds", "total", "torch total", "pool log says"]
+    cols = [
+        "hidden",
+        "capacity",
+        "handles",
+        "fleet buffers",
+        "all handles",
+        "per handle",
+        "first rounds",
+        "total",
+        "torch total",
+        "pool log says",
+    ]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
-        vals = [r.hidden, r.capacity, r.handles, r.fleet_mb, r.handles_mb, r.per_handle_mb,
-                r.rounds_mb, r.total_mb, r.torch_total_mb, r.pool_reported_mb]
-        lines.append("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in vals) + " |")
+        vals = [
+            r.hidden,
+            r.capacity,
+            r.handles,
+            r.fleet_mb,
+            r.handles_mb,
+            r.per_handle_mb,
+            r.rounds_mb,
+            r.total_mb,
+            r.torch_total_mb,
+            r.pool_reported_mb,
+        ]
+        lines.append(
+            "| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in vals) + " |"
+        )
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=lambda s: [int(v) for v in s.split(",")], default=[2048, 4096, 7168],
-                        help="comma-separated hidden sizes (NCCL-EP LL sizes)")
-    parser.add_argument("--capacity", type=lambda s: [int(v) for v in s.split(",")], default=[512],
-                        help="comma-separated fleet capacities in tokens per rank (--max-num-batched-tokens)")
+    parser.add_argument(
+        "--hidden",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[2048, 4096, 7168],
+        help="comma-separated hidden sizes (NCCL-EP LL sizes)",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[512],
+        help="comma-separated fleet capacities in tokens per rank (--max-num-batched-tokens)",
+    )
     parser.add_argument("--experts", dest="num_experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--json", dest="json_path", help="write the rows as JSON here")
@@ -121,11 +153,15 @@ def validate_arguments(args: argparse.Namespace) -> None:
 
     bad = [h for h in args.hidden if h not in SUPPORTED_HIDDEN_SIZES]
     if bad:
-        raise SystemExit(f"bench-memory: --hidden {bad} not NCCL-EP LL sizes {list(SUPPORTED_HIDDEN_SIZES)}")
+        raise SystemExit(
+            f"bench-memory: --hidden {bad} not NCCL-EP LL sizes {list(SUPPORTED_HIDDEN_SIZES)}"
+        )
     if any(c < 1 for c in args.capacity):
         raise SystemExit("bench-memory: --capacity must be positive")
     if not 1 <= args.top_k <= min(MAX_TOPK_LL, args.num_experts):
-        raise SystemExit(f"bench-memory: --top-k must be in [1, {min(MAX_TOPK_LL, args.num_experts)}]")
+        raise SystemExit(
+            f"bench-memory: --top-k must be in [1, {min(MAX_TOPK_LL, args.num_experts)}]"
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -138,19 +174,37 @@ def main(args: argparse.Namespace) -> int:
     for capacity in args.capacity:
         for hidden in args.hidden:
             fleets, device = torchrun_fleets()
-            rows.append(measure(hidden, capacity, args.num_experts, args.top_k,
-                                served_pool_sizes(capacity), fleets, device))
+            rows.append(
+                measure(
+                    hidden,
+                    capacity,
+                    args.num_experts,
+                    args.top_k,
+                    served_pool_sizes(capacity),
+                    fleets,
+                    device,
+                )
+            )
     print(format_table(rows, args))
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("json_path", "func")},
-                       "rows": [asdict(r) for r in rows]}, fh, indent=2)
+            json.dump(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k not in ("json_path", "func")},
+                    "rows": [asdict(r) for r in rows],
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 
 def cli() -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_flashinfer_ep.bench.memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_flashinfer_ep.bench.memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return main(parser.parse_args())
 

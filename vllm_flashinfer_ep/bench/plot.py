@@ -21,7 +21,9 @@ def plot(rows: list[Any], args: Any, world_size: int, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel(f"ms per decode step ({args.layers} MoE layers)")
-    ax.set_title(f"flashinfer_ep LL all2all, EP world {world_size}, hidden {args.hidden}, top_k {args.top_k}")
+    ax.set_title(
+        f"flashinfer_ep LL all2all, EP world {world_size}, hidden {args.hidden}, top_k {args.top_k}"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -49,10 +49,17 @@ class PoolMemory:
 
     @classmethod
     def from_snapshots(
-        cls, before: tuple[int, int], after_first: tuple[int, int], after_all: tuple[int, int], *,
-        handles: int, median_handle_bytes: float, first_handle_bytes: float,
+        cls,
+        before: tuple[int, int],
+        after_first: tuple[int, int],
+        after_all: tuple[int, int],
+        *,
+        handles: int,
+        median_handle_bytes: float,
+        first_handle_bytes: float,
     ) -> PoolMemory:
         """Snapshots are (torch-allocated, device-wide used) bytes."""
+
         def avg(i: int) -> float:
             return (after_all[i] - after_first[i]) / (handles - 1) if handles > 1 else 0.0
 
@@ -111,17 +118,29 @@ def format_table(rows: list[Row], args: Any, world_size: int, memory: PoolMemory
             cells.append(f"{r.median_ms[m]:.3f} ({r.min_ms[m]:.3f}-{r.max_ms[m]:.3f})")
         cells += [fmt.format(r.ratio(a, b)) for a, b, fmt in RATIOS]
         lines.append(" | ".join(cells))
-    eager = [m for m in ("pooled", "pooled_fi", "raw_eager", "fresh", "raw_fresh") if rows and m in rows[0].host_ms]
+    eager = [
+        m
+        for m in ("pooled", "pooled_fi", "raw_eager", "fresh", "raw_fresh")
+        if rows and m in rows[0].host_ms
+    ]
     if eager:
-        lines += ["", "host time to issue one step, median ms (eager modes; per layer: / layers)",
-                  " | ".join(["T", *eager]), " | ".join("---" for _ in range(len(eager) + 1))]
-        lines += [" | ".join([str(r.num_tokens), *(f"{r.host_ms[m]:.3f}" for m in eager)]) for r in rows]
+        lines += [
+            "",
+            "host time to issue one step, median ms (eager modes; per layer: / layers)",
+            " | ".join(["T", *eager]),
+            " | ".join("---" for _ in range(len(eager) + 1)),
+        ]
+        lines += [
+            " | ".join([str(r.num_tokens), *(f"{r.host_ms[m]:.3f}" for m in eager)]) for r in rows
+        ]
     return "\n".join(lines)
 
 
 def write_json(rows: list[Row], args: Any, world_size: int, memory: PoolMemory, path: str) -> None:
     payload = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")},
+        "config": {
+            k: v for k, v in vars(args).items() if k not in ("func", "json_path", "plot_path")
+        },
         "world_size": world_size,
         "memory": asdict(memory),
         "rows": [{**asdict(r), **r.ratios} for r in rows],

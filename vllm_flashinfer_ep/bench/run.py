@@ -31,24 +31,32 @@ from vllm_flashinfer_ep.bench.results import format_table, write_json
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=48, help="MoE layers per decode step")
-    parser.add_argument("--experts", dest="num_experts", type=int, default=128, help="global experts")
+    parser.add_argument(
+        "--experts", dest="num_experts", type=int, default=128, help="global experts"
+    )
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size (an NCCL-EP LL size)")
     parser.add_argument(
-        "--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 128, 256],
+        "--tokens",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[1, 8, 32, 128, 256],
         help="comma-separated tokens per rank per step",
     )
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per mode and size (>= 50)")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed steps per mode and size (>= 50)"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
-        "--expert-compute", action="store_true",
+        "--expert-compute",
+        action="store_true",
         help="scale each expert's valid rows in place (a Triton kernel; default: transport only)",
     )
     parser.add_argument("--json", dest="json_path", help="write results as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG plot here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
-        "--host-profile", action="store_true",
+        "--host-profile",
+        action="store_true",
         help="print a cProfile of the pooled and raw_eager steps at the first token count (stderr)",
     )
 
@@ -57,7 +65,9 @@ def validate_arguments(args: argparse.Namespace) -> None:
     from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
 
     if args.hidden not in SUPPORTED_HIDDEN_SIZES:
-        raise SystemExit(f"bench: --hidden must be one of {list(SUPPORTED_HIDDEN_SIZES)} (NCCL-EP LL sizes)")
+        raise SystemExit(
+            f"bench: --hidden must be one of {list(SUPPORTED_HIDDEN_SIZES)} (NCCL-EP LL sizes)"
+        )
     if not 1 <= args.top_k <= min(MAX_TOPK_LL, args.num_experts):
         raise SystemExit(f"bench: --top-k must be in [1, {min(MAX_TOPK_LL, args.num_experts)}]")
     if args.steps < 50:
@@ -88,8 +98,12 @@ def refuse_without_gpu(command: str, module: str) -> bool:
     return False
 
 
-def run_harness(make_harness: Callable[[], Any], report: Callable[[Any, list], None],
-                command: str = "bench", module: str = "vllm_flashinfer_ep.bench.run") -> int:
+def run_harness(
+    make_harness: Callable[[], Any],
+    report: Callable[[Any, list], None],
+    command: str = "bench",
+    module: str = "vllm_flashinfer_ep.bench.run",
+) -> int:
     """The harness benchmarks' driver: refuse without a GPU (exit 2), build the harness,
     run it, always close it, and let rank 0 report the rows."""
     if refuse_without_gpu(command, module):
@@ -125,7 +139,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli() -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_flashinfer_ep.bench.run", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_flashinfer_ep.bench.run", description=__doc__
+    )
     add_arguments(parser)
     return main(parser.parse_args())
 

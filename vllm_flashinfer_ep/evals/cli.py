@@ -27,13 +27,17 @@ from vllm_flashinfer_ep.evals.gsm8k import (
 
 
 def add_parser(subparsers) -> None:
-    evals = subparsers.add_parser("eval", help="accuracy evals (gsm8k) of a served model",
-                                  description=__doc__)
+    evals = subparsers.add_parser(
+        "eval", help="accuracy evals (gsm8k) of a served model", description=__doc__
+    )
     sub = evals.add_subparsers(dest="eval_name", metavar="EVAL", required=True)
-    p = sub.add_parser("gsm8k", help="serve a config's model and score lm-eval's gsm8k",
-                       description="Serve the config with `vllm serve`, run lm-eval's gsm8k over "
-                       "/v1/completions, pass iff the score reaches accuracy_threshold - "
-                       "tolerance. The server is always torn down.")
+    p = sub.add_parser(
+        "gsm8k",
+        help="serve a config's model and score lm-eval's gsm8k",
+        description="Serve the config with `vllm serve`, run lm-eval's gsm8k over "
+        "/v1/completions, pass iff the score reaches accuracy_threshold - "
+        "tolerance. The server is always torn down.",
+    )
     p.add_argument("--config", required=True, type=Path, help="gsm8k config YAML")
     p.add_argument("--data-dir", type=Path, help="dir with gsm8k train.jsonl/test.jsonl (offline)")
     p.add_argument("--port", type=int, default=8000, help="server port on 127.0.0.1")
@@ -63,9 +67,15 @@ def run_gsm8k_command(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("lm_eval") is None:
         print("error: lm-eval not installed; pip install 'lm-eval[api]==0.4.13'", file=sys.stderr)
         return Status.ERROR.exit_code
-    options = RunOptions(port=args.port, data_dir=args.data_dir, output=args.output,
-                         limit=args.limit, server_log=args.server_log,
-                         grace_s=args.grace_seconds, check_gpus=not args.no_gpu_check)
+    options = RunOptions(
+        port=args.port,
+        data_dir=args.data_dir,
+        output=args.output,
+        limit=args.limit,
+        server_log=args.server_log,
+        grace_s=args.grace_seconds,
+        check_gpus=not args.no_gpu_check,
+    )
     try:
         result = run_eval(config, options)
     except KeyboardInterrupt:

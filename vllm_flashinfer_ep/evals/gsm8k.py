@@ -110,8 +110,17 @@ def serve_command(
     config: Gsm8kConfig, port: int, vllm_executable: tuple[str, ...] = ("vllm",)
 ) -> list[str]:
     """`vllm serve <model> <server_args> <harness flags> --host 127.0.0.1 --port P`."""
-    return [*vllm_executable, "serve", config.model_name, *config.server_args, *HARNESS_FLAGS,
-            "--host", LOOPBACK, "--port", str(port)]
+    return [
+        *vllm_executable,
+        "serve",
+        config.model_name,
+        *config.server_args,
+        *HARNESS_FLAGS,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+    ]
 
 
 def serve_env(config: Gsm8kConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -134,8 +143,10 @@ def unmet_requirement(config: Gsm8kConfig, check_gpus: bool = True) -> str | Non
         except Exception:  # noqa: BLE001 - any failure means "not available"
             has_nixl = False
         if not has_nixl:
-            return (f"{envs.TRANSPORT}=nixl_ep needs a FlashInfer built with NIXL-EP "
-                    "(the PyPI wheel ships none)")
+            return (
+                f"{envs.TRANSPORT}=nixl_ep needs a FlashInfer built with NIXL-EP "
+                "(the PyPI wheel ships none)"
+            )
     if check_gpus:
         import torch
 
@@ -178,7 +189,9 @@ def write_offline_task(data_dir: Path, include_dir: Path, cache_dir: Path | None
     task.pop("tag", None)  # keep the copy out of the stock task groups
     task.pop("dataset_name", None)  # "main" is a hub config name; json has none
     task["dataset_path"] = "json"
-    kwargs: dict[str, Any] = {"data_files": {k: str(v) for k, v in validate_data_dir(data_dir).items()}}
+    kwargs: dict[str, Any] = {
+        "data_files": {k: str(v) for k, v in validate_data_dir(data_dir).items()}
+    }
     if cache_dir is not None:
         kwargs["cache_dir"] = str(cache_dir)
     task["dataset_kwargs"] = kwargs
@@ -190,25 +203,53 @@ def write_offline_task(data_dir: Path, include_dir: Path, cache_dir: Path | None
 def completions_model_args(config: Gsm8kConfig, base_url: str) -> str:
     """lm-eval `local-completions` arguments: text prompts (the server tokenizes)."""
     name = option_value(config.server_args, "--served-model-name") or config.model_name
-    return (f"model={name},base_url={base_url}/v1/completions,tokenizer_backend=none,"
-            f"tokenized_requests=False,num_concurrent={config.max_concurrency},max_retries=3,"
-            f"max_gen_toks={config.max_tokens},seed={config.seed},"
-            f"timeout={int(config.request_timeout_seconds)}")
+    return (
+        f"model={name},base_url={base_url}/v1/completions,tokenizer_backend=none,"
+        f"tokenized_requests=False,num_concurrent={config.max_concurrency},max_retries=3,"
+        f"max_gen_toks={config.max_tokens},seed={config.seed},"
+        f"timeout={int(config.request_timeout_seconds)}"
+    )
 
 
 def lm_eval_command(
-    model: str, model_args: str, *, task: str, num_fewshot: int, limit: int, seed: int,
-    output_dir: Path, include_path: Path | None = None, temperature: float = 0.0,
+    model: str,
+    model_args: str,
+    *,
+    task: str,
+    num_fewshot: int,
+    limit: int,
+    seed: int,
+    output_dir: Path,
+    include_path: Path | None = None,
+    temperature: float = 0.0,
 ) -> list[str]:
-    command = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args,
-               "--tasks", task, "--num_fewshot", str(num_fewshot), "--limit", str(limit),
-               "--gen_kwargs", f"temperature={temperature}", "--seed", str(seed),
-               "--output_path", str(output_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--tasks",
+        task,
+        "--num_fewshot",
+        str(num_fewshot),
+        "--limit",
+        str(limit),
+        "--gen_kwargs",
+        f"temperature={temperature}",
+        "--seed",
+        str(seed),
+        "--output_path",
+        str(output_dir),
+    ]
     return command + (["--include_path", str(include_path)] if include_path else [])
 
 
-def run_lm_eval(command: list[str], output_dir: Path, task: str,
-                env: dict[str, str] | None = None) -> tuple[dict[str, float], int]:
+def run_lm_eval(
+    command: list[str], output_dir: Path, task: str, env: dict[str, str] | None = None
+) -> tuple[dict[str, float], int]:
     """Run lm-eval; ({filter: exact-match}, questions scored) from its results JSON."""
     proc = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, check=False)
     if proc.returncode != 0:
@@ -228,8 +269,10 @@ def judge(scores: dict[str, float], config: Gsm8kConfig) -> tuple[Status, str]:
     bound = config.pass_bound
     low = [f"{n} {scores[n]:.4f}" for n in FILTERS if scores[n] < bound]
     if low:
-        return Status.FAILED, (f"{', '.join(low)} < {config.accuracy_threshold:.4f} - "
-                               f"{config.tolerance:.4f} = {bound:.4f}")
+        return Status.FAILED, (
+            f"{', '.join(low)} < {config.accuracy_threshold:.4f} - "
+            f"{config.tolerance:.4f} = {bound:.4f}"
+        )
     return Status.PASSED, ", ".join(f"{n} {scores[n]:.4f}" for n in FILTERS) + f" >= {bound:.4f}"
 
 
@@ -239,9 +282,13 @@ def run_eval(config: Gsm8kConfig, options: RunOptions) -> EvalResult:
     limit = options.limit if options.limit is not None else config.num_questions
     vllm = options.vllm_executable or default_vllm_executable()
     result = EvalResult(
-        config=str(config.path), model_name=config.model_name,
-        all2all_backend=config.all2all_backend, pass_bound=config.pass_bound, limit=limit,
-        serve_command=serve_command(config, options.port, vllm), env=dict(config.env),
+        config=str(config.path),
+        model_name=config.model_name,
+        all2all_backend=config.all2all_backend,
+        pass_bound=config.pass_bound,
+        limit=limit,
+        serve_command=serve_command(config, options.port, vllm),
+        env=dict(config.env),
         server_log=str(options.server_log) if options.server_log else None,
     )
     try:
@@ -273,18 +320,31 @@ def _run(config: Gsm8kConfig, options: RunOptions, result: EvalResult) -> None:
             include = work / "tasks"
             result.task = write_offline_task(options.data_dir, include, work / "hf-datasets")
         base_url = f"http://{LOOPBACK}:{options.port}"
-        server = ServerProcess(result.serve_command, serve_env(config, env),
-                               health_url=f"{base_url}/health", log_path=options.server_log,
-                               grace_s=options.grace_s, name=f"vllm serve ({config.name})")
-        print(f"[eval] starting: {' '.join(result.serve_command)}", file=options.progress, flush=True)
+        server = ServerProcess(
+            result.serve_command,
+            serve_env(config, env),
+            health_url=f"{base_url}/health",
+            log_path=options.server_log,
+            grace_s=options.grace_s,
+            name=f"vllm serve ({config.name})",
+        )
+        print(
+            f"[eval] starting: {' '.join(result.serve_command)}", file=options.progress, flush=True
+        )
         try:
             server.start()
             server.wait_healthy(config.startup_max_wait_seconds, progress=options.progress)
             started = time.monotonic()
             command = lm_eval_command(
-                "local-completions", completions_model_args(config, base_url), task=result.task,
-                num_fewshot=config.num_fewshot, limit=result.limit, seed=config.seed,
-                output_dir=work / "lm-eval", include_path=include, temperature=config.temperature,
+                "local-completions",
+                completions_model_args(config, base_url),
+                task=result.task,
+                num_fewshot=config.num_fewshot,
+                limit=result.limit,
+                seed=config.seed,
+                output_dir=work / "lm-eval",
+                include_path=include,
+                temperature=config.temperature,
             )
             result.scores, result.num_questions_scored = run_lm_eval(
                 command, work / "lm-eval", result.task, env
@@ -292,7 +352,11 @@ def _run(config: Gsm8kConfig, options: RunOptions, result: EvalResult) -> None:
             print(f"[eval] lm-eval took {time.monotonic() - started:.0f}s", file=options.progress)
             result.status, result.reason = judge(result.scores, config)
         except (ServerStartError, RuntimeError, KeyError) as exc:
-            result.reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ServerStartError) else str(exc)
+            result.reason = (
+                f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, ServerStartError)
+                else str(exc)
+            )
         finally:
             print("[eval] stopping the server", file=options.progress, flush=True)
             result.server_exit_code = server.stop()

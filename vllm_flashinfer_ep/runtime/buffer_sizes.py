@@ -97,7 +97,9 @@ def ll_receive_buffer_bytes(tokens_per_rank: int, hidden: int, num_experts: int)
     return num_experts * tokens_per_rank * hidden * BF16_BYTES
 
 
-def ll_memory_parts(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0) -> dict[str, int]:
+def ll_memory_parts(
+    tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0
+) -> dict[str, int]:
     """The parts of one LL fleet's estimated GPU memory (bytes), by what holds them."""
     return {
         "fixed": LL_FLEET_FIXED_BYTES,
@@ -107,7 +109,9 @@ def ll_memory_parts(tokens_per_rank: int, hidden: int, num_experts: int, top_k: 
     }
 
 
-def ll_memory_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0) -> int:
+def ll_memory_bytes(
+    tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, handles: int = 0
+) -> int:
     """Estimated GPU memory of one LL fleet in all: fixed part, NCCL-EP buffers,
     FlashInfer's receive buffer, `handles` pooled handles and their padding staging."""
     return sum(ll_memory_parts(tokens_per_rank, hidden, num_experts, top_k, handles).values())
@@ -138,7 +142,9 @@ def _align(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-def ll_layout_bytes(tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, world: int) -> int:
+def ll_layout_bytes(
+    tokens_per_rank: int, hidden: int, num_experts: int, top_k: int, world: int
+) -> int:
     """Bytes of NCCL-EP's LL RDMA buffer for one handle: `LowLatencyLayout(tokens,
     max_token_bytes = hidden x 2 (FlashInfer's BF16 group config), world, experts, top_k,
     EXPERT_MAJOR).total_bytes` (nccl/ep/include/nccl_ep/common.hpp), rounded up as

@@ -83,7 +83,9 @@ def check_gpus() -> Check:
     except Exception as exc:  # noqa: BLE001
         return Check("GPUs", False, f"CUDA unavailable ({exc})", "run on a host with NVIDIA GPUs")
     if count == 0:
-        return Check("GPUs", False, "no CUDA device visible", "run on a host with sm_90+ NVIDIA GPUs")
+        return Check(
+            "GPUs", False, "no CUDA device visible", "run on a host with sm_90+ NVIDIA GPUs"
+        )
     caps = [torch.cuda.get_device_capability(i) for i in range(count)]
     names = [torch.cuda.get_device_name(i) for i in range(count)]
     low = [i for i, cc in enumerate(caps) if tuple(cc) < MIN_COMPUTE_CAPABILITY]
@@ -195,7 +197,7 @@ def check_nccl_version(found: tuple[tuple[int, int, int], str] | None = None) ->
     fix = (
         f"load NCCL >= {need} before anything else: pip install 'nvidia-nccl-cu13>={need}' and "
         "export LD_PRELOAD=$(python -c 'import nvidia.nccl, os; "
-        "print(os.path.join(nvidia.nccl.__path__[0], \"lib\", \"libnccl.so.2\"))')"
+        'print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))\')'
     )
     if found is None:
         return Check("libnccl", False, "no libnccl.so.2 could be loaded", fix)
@@ -271,7 +273,9 @@ def ensure_nvcc_for_jit(log) -> None:
         return
     if candidates:
         os.environ["NCCL_EP_JIT_NVCC"] = candidates[0][1]
-        log(f"flashinfer_ep: set NCCL_EP_JIT_NVCC={candidates[0][1]} (nvcc of the nvidia-cuda-nvcc wheel)")
+        log(
+            f"flashinfer_ep: set NCCL_EP_JIT_NVCC={candidates[0][1]} (nvcc of the nvidia-cuda-nvcc wheel)"
+        )
 
 
 def runtime_checks() -> list[Check]:
@@ -298,7 +302,9 @@ def link_runtime_paths(prefix: Path) -> list[str]:
     not work: nvcc finds its toolchain from its real directory). Returns what it made."""
     nccl, nvcc = _pip_nccl_library(), pip_nvcc_path()
     if nccl is None or nvcc is None:
-        missing = [n for n, p in (("nvidia-nccl-cu13", nccl), ("nvidia-cuda-nvcc", nvcc)) if p is None]
+        missing = [
+            n for n, p in (("nvidia-nccl-cu13", nccl), ("nvidia-cuda-nvcc", nvcc)) if p is None
+        ]
         raise FlashInferEPEnvironmentError(f"pip packages not installed: {', '.join(missing)}")
     (prefix / "lib").mkdir(parents=True, exist_ok=True)
     (prefix / "bin").mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,9 @@ class EPRuntime:
             rows = self.capacity * self.world_size
             hidden = self.spec.hidden_size
             if self.spec.algorithm == Algorithm.HIGH_THROUGHPUT:
-                wire = HtFp8Wire(rows, hidden, self.pool.topk_weights, quantize or fp8_wire.group_quantize)
+                wire = HtFp8Wire(
+                    rows, hidden, self.pool.topk_weights, quantize or fp8_wire.group_quantize
+                )
                 self.pool.stage_padding("x", hidden, wire.tokens.dtype)
                 self.pool.stage_padding("scales", wire.scales.shape[1], torch.float32)
                 self.fp8_wire = wire
@@ -114,7 +116,9 @@ def build_runtime(
             pool.memory_summary(),
             receive / 1e6,
         )
-    return EPRuntime(spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size)
+    return EPRuntime(
+        spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size
+    )
 
 
 def _compact(sizes: list[int]) -> str:

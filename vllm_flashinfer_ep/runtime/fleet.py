@@ -40,7 +40,10 @@ class FleetSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))  # ValueError if unknown
-        if self.algorithm == Algorithm.LOW_LATENCY and self.hidden_size not in SUPPORTED_HIDDEN_SIZES:
+        if (
+            self.algorithm == Algorithm.LOW_LATENCY
+            and self.hidden_size not in SUPPORTED_HIDDEN_SIZES
+        ):
             raise FlashInferEPConfigError(
                 unsupported_hidden_size_reason(self.hidden_size)
                 + f" (supported: {list(SUPPORTED_HIDDEN_SIZES)}); vLLM layers are rounded "
@@ -95,9 +98,7 @@ def _fleet_knobs(spec: FleetSpec) -> list[Any]:
         # re-allocate when handles are created later.
         knobs.append(fi.FleetAlgoKnobRdmaBufferSize(bytes_=rdma_bytes))
     if spec.fault_tolerance:
-        knobs.append(
-            fi.FleetAlgoKnobFaultTolerance(enabled=True, timeout_ms=envs.ft_timeout_ms())
-        )
+        knobs.append(fi.FleetAlgoKnobFaultTolerance(enabled=True, timeout_ms=envs.ft_timeout_ms()))
     return knobs
 
 
@@ -125,7 +126,9 @@ def create_fleet(spec: FleetSpec, bootstrap: Any) -> Any:
             spec.effective_max_tokens_per_rank,
             spec.max_tokens_per_rank,
         )
-    return fi.create_fleet(bootstrap, params, algo_knobs=_fleet_knobs(spec), backend=envs.transport())
+    return fi.create_fleet(
+        bootstrap, params, algo_knobs=_fleet_knobs(spec), backend=envs.transport()
+    )
 
 
 class FleetCache:

@@ -100,7 +100,11 @@ class Fp8Wire:
     BF16 receive buffer) and the dispatch that fills them."""
 
     def __init__(
-        self, local_experts: int, rows: int, hidden: int, device: torch.device,
+        self,
+        local_experts: int,
+        rows: int,
+        hidden: int,
+        device: torch.device,
         dtype: torch.dtype = torch.float8_e4m3fn,
     ) -> None:
         reason = hidden_reason(hidden)
@@ -178,7 +182,11 @@ class HtFp8Wire:
     `quantize`: BF16 rows -> (E4M3, FP32 scales per 128), the layers' own quantization."""
 
     def __init__(
-        self, rows: int, hidden: int, weights: torch.Tensor, quantize: Quantizer = group_quantize,
+        self,
+        rows: int,
+        hidden: int,
+        weights: torch.Tensor,
+        quantize: Quantizer = group_quantize,
         dtype: torch.dtype = torch.float8_e4m3fn,
     ) -> None:
         reason = hidden_reason(hidden)
@@ -222,7 +230,9 @@ class HtFp8Wire:
             return f"scales must be {want_s} (one per {SCALE_GROUP} elements), got {tuple(scales.shape)}"
         return None
 
-    def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None) -> HtFp8Received:
+    def dispatch(
+        self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None
+    ) -> HtFp8Received:
         """Dispatch x [tokens, hidden] E4M3 with its scales [tokens, hidden / 128] FP32
         (the caller's quantization) on `handle`'s current routing."""
         kind = type(handle)
@@ -234,7 +244,9 @@ class HtFp8Wire:
         rows = handle._num_tokens_in
         wrong = self._input_error(x, scales, rows)
         if wrong is not None:
-            raise HandlePoolError(f"HT FP8 dispatch (the handle routes {rows} tokens): {wrong}{OFF}")
+            raise HandlePoolError(
+                f"HT FP8 dispatch (the handle routes {rows} tokens): {wrong}{OFF}"
+            )
         if not (x.is_contiguous() and scales.is_contiguous()):  # read by pointer, row by row
             x, scales = x.contiguous(), scales.contiguous()
         ep = handle._ep
@@ -248,10 +260,14 @@ class HtFp8Wire:
                     topk_weights=ep.Tensor(self.topk_weights),
                     topk_idx=ep.Tensor(self.topk_idx),
                 ),
-                ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.FWD, round_scales=0),
+                ep.DispatchConfig(
+                    quantization_recipe=ep.DispatchQuantizationRecipe.FWD, round_scales=0
+                ),
             )
         inputs = ep.DispatchInputs(
-            tokens=ep.Tensor(x), scales=ep.Tensor(scales), topk_weights=ep.Tensor(self._weights[:rows])
+            tokens=ep.Tensor(x),
+            scales=ep.Tensor(scales),
+            topk_weights=ep.Tensor(self._weights[:rows]),
         )
         stream = handle._op_stream()
         handle._handle.dispatch(inputs, d[1], layout_info=None, config=d[2], stream=stream)

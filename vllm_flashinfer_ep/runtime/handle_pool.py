@@ -165,16 +165,22 @@ class HandlePool:
         )
         # Routing of padded rows: this rank's own experts where top_k distinct ones exist
         # (padding then never crosses ranks), else spread over all experts.
-        self.pad_ids = _pad_routing(self.capacity, top_k, spec.num_experts, rank, world_size, self.device)
+        self.pad_ids = _pad_routing(
+            self.capacity, top_k, spec.num_experts, rank, world_size, self.device
+        )
         self.counters = PoolCounters()
         self._fi = moe_ep()  # looked up once: eager rounds are host-bound
         self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self._device_index = self.device.index if self.device.index is not None else (
-            torch.cuda.current_device() if self._cuda else -1
+        self._device_index = (
+            self.device.index
+            if self.device.index is not None
+            else (torch.cuda.current_device() if self._cuda else -1)
         )
         # Handles run on the fleet's stream outside capture: stream 0 (see fleet.py).
         self._handle_stream = torch.cuda.default_stream(self._device_index) if self._cuda else None
-        self._handle_raw_stream = self._handle_stream.cuda_stream if self._handle_stream is not None else 0
+        self._handle_raw_stream = (
+            self._handle_stream.cuda_stream if self._handle_stream is not None else 0
+        )
         self._join = False  # this round's handle work is joined with torch's current stream
         # Eager LL rounds on the nccl.ep handle underneath FlashInfer's (native_handle.py);
         # None: through FlashInfer's handle methods. `_native_round`: this round is direct.
@@ -372,8 +378,11 @@ class HandlePool:
         # bound per call (`update` takes any int64 contiguous CUDA tensor), which saves
         # one copy kernel per layer; other ids, and padded rounds, use the static buffer.
         self._copy_weights(num_tokens, topk_weights)
-        if size == num_tokens and self.bind_ids and topk_ids.dtype == torch.int64 and (
-            topk_ids.is_contiguous() and topk_ids.get_device() == self._device_index
+        if (
+            size == num_tokens
+            and self.bind_ids
+            and topk_ids.dtype == torch.int64
+            and (topk_ids.is_contiguous() and topk_ids.get_device() == self._device_index)
         ):
             ids = topk_ids
         else:
@@ -423,7 +432,9 @@ class HandlePool:
             and topk_ids.is_contiguous()
             and topk_ids.get_device() == self._device_index
             and x.shape[0] == num_tokens  # FlashInfer's dispatch refuses a mismatch; NCCL-EP not
-            and (not self._cuda or current_raw_stream(self._device_index) == self._handle_raw_stream)
+            and (
+                not self._cuda or current_raw_stream(self._device_index) == self._handle_raw_stream
+            )
         ):
             self._padded = None
             self._join = False
@@ -472,7 +483,12 @@ class HandlePool:
         if not expert_out.is_contiguous():  # NCCL-EP reads it by pointer, without strides
             expert_out = expert_out.contiguous()
         handle = self._current
-        if handle is not None and self._padded is None and not self._join and not self._current_is_fresh:
+        if (
+            handle is not None
+            and self._padded is None
+            and not self._join
+            and not self._current_is_fresh
+        ):
             rows = self.sent_per_rank
             self._current = self.sent_per_rank = None
             if self._native_round:
@@ -486,7 +502,9 @@ class HandlePool:
         finally:
             self.end()
 
-    def dispatch(self, x: torch.Tensor, fp8_wire: Any = None, scales: torch.Tensor | None = None) -> Any:
+    def dispatch(
+        self, x: torch.Tensor, fp8_wire: Any = None, scales: torch.Tensor | None = None
+    ) -> Any:
         """Dispatch on this round's handle: FlashInfer's BF16 dispatch, or NCCL-EP's FP8
         one when `fp8_wire` (runtime/fp8_wire.py) is given: LL quantizes x (BF16) in the
         kernel, HT forwards x (E4M3) with its `scales`. Padded rows are zeros (weight 0)."""
@@ -515,7 +533,9 @@ class HandlePool:
             return handle.combine(params).x
         real, size = self._padded
         dtype = out.dtype if out is not None else expert_out.dtype
-        staging = self._pad_buffer(f"out:{dtype}", self.spec.hidden_size, dtype, expert_out.device)[:size]
+        staging = self._pad_buffer(f"out:{dtype}", self.spec.hidden_size, dtype, expert_out.device)[
+            :size
+        ]
         params = self._fi.CombineInputParams(x=[expert_out], out=staging)
         self._ordered(handle.combine, params)
         if out is None:
@@ -576,7 +596,9 @@ class HandlePool:
             raise over_capacity(num_tokens, self.capacity, "this rank")
         raise HandlePoolError("a flashinfer_ep round needs at least one token per rank")
 
-    def _pad_buffer(self, name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _pad_buffer(
+        self, name: str, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         """[capacity, hidden] staging of padded rounds (activations in, combined rows out).
 
         Persistent: the same address every round (FlashInfer memoizes small tensors' FFI
@@ -599,7 +621,9 @@ class HandlePool:
         """This round's rows followed by zero rows up to its pooled size (one staging
         buffer per name and dtype: BF16 and FP8 layers may share a runtime)."""
         real, size = self._padded
-        padded = self._pad_buffer(f"{name}:{rows.dtype}", rows.shape[1], rows.dtype, rows.device)[:size]
+        padded = self._pad_buffer(f"{name}:{rows.dtype}", rows.shape[1], rows.dtype, rows.device)[
+            :size
+        ]
         padded[:real].copy_(rows)
         padded[real:].zero_()
         return padded

@@ -27,7 +27,11 @@ MAX_TOPK_HT: int = 32
 
 # Names under which Hugging Face configs carry the number of routed experts per token.
 TOPK_CONFIG_KEYS: tuple[str, ...] = (
-    "num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k",
+    "num_experts_per_tok",
+    "moe_topk",
+    "num_experts_per_token",
+    "top_k",
+    "moe_k",
 )
 
 

@@ -158,7 +158,10 @@ class NativeEager:
                 reason = f"the handle issues on stream {handle._stream}, not {self.stream}"
             if reason is not None and not self._logged:
                 self._logged = True
-                logger.info("flashinfer_ep: eager rounds run through FlashInfer's handle methods: %s", reason)
+                logger.info(
+                    "flashinfer_ep: eager rounds run through FlashInfer's handle methods: %s",
+                    reason,
+                )
             ok = self._usable[id(handle)] = reason is None
         return ok
 
@@ -178,7 +181,13 @@ class NativeEager:
         ep, native, stream = handle._ep, handle._handle, self.stream
         configs = self._configs_for(ep)
         inputs = self.memo.bundle(ep.DispatchInputs, ep, tokens=x)
-        native.dispatch(inputs, configs.received, layout_info=configs.layout, config=configs.dispatch, stream=stream)
+        native.dispatch(
+            inputs,
+            configs.received,
+            layout_info=configs.layout,
+            config=configs.dispatch,
+            stream=stream,
+        )
         native.complete(stream=stream)
         self._keep_dispatch += (inputs, x)
         self.rounds += 1
@@ -192,17 +201,25 @@ class NativeEager:
                 ep,
                 ep.DispatchConfig(send_only=0, round_scales=0),
                 ep.CombineConfig(send_only=0),
-                ep.LayoutInfo(expert_counters=memo.tensor(ep, self.counts)) if self.counts is not None else None,
-                ep.DispatchOutputs(tokens=memo.tensor(ep, self.recv)) if self.recv is not None else None,
+                ep.LayoutInfo(expert_counters=memo.tensor(ep, self.counts))
+                if self.counts is not None
+                else None,
+                ep.DispatchOutputs(tokens=memo.tensor(ep, self.recv))
+                if self.recv is not None
+                else None,
                 self.recv,
             )
         return configs
 
-    def combine(self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Combine `expert_out` into `out`, weighted by `weights` (the handle's bound ones)."""
         ep, memo = handle._ep, self.memo
         inputs = memo.bundle(ep.CombineInputs, ep, tokens=expert_out)
         outputs = memo.bundle(ep.CombineOutputs, ep, tokens=out, topk_weights=weights)
-        handle._handle.combine(inputs, outputs, config=self._configs_for(ep).combine, stream=self.stream)
+        handle._handle.combine(
+            inputs, outputs, config=self._configs_for(ep).combine, stream=self.stream
+        )
         self._keep_combine = (inputs, outputs)
         return out

@@ -36,9 +36,7 @@ def handle_supports_update() -> bool:
     if _override is not None:
         return hasattr(getattr(_override, "Handle", object), "update")
     try:
-        handle_mod = importlib.import_module(
-            "flashinfer.moe_ep.backends.split.comm.nccl_ep.handle"
-        )
+        handle_mod = importlib.import_module("flashinfer.moe_ep.backends.split.comm.nccl_ep.handle")
     except Exception:  # noqa: BLE001 - any import failure means "no"
         return False
     return callable(getattr(getattr(handle_mod, "NcclEpHandle", None), "update", None))

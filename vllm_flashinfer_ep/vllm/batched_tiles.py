@@ -29,9 +29,22 @@ logger = get_logger(__name__)
 
 # vLLM 0.33.0's BatchedTritonExperts.apply parameters; the wrapper forwards them by name.
 APPLY_PARAMS = (
-    "self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
-    "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13",
-    "workspace2", "expert_tokens_meta", "apply_router_weight_on_input",
+    "self",
+    "output",
+    "hidden_states",
+    "w1",
+    "w2",
+    "topk_weights",
+    "topk_ids",
+    "activation",
+    "global_num_experts",
+    "expert_map",
+    "a1q_scale",
+    "a2_scale",
+    "workspace13",
+    "workspace2",
+    "expert_tokens_meta",
+    "apply_router_weight_on_input",
 )
 ENABLED = True  # the test harness turns it off to measure vLLM's own lookup
 _logged = False
@@ -45,7 +58,9 @@ def matches_vllm_apply(fused_experts: Any, leaving: str) -> bool:
         return True
     logger.warning(
         "flashinfer_ep: BatchedTritonExperts.apply has parameters %s, not vLLM 0.33.0's; "
-        "leaving %s to vLLM", params, leaving,
+        "leaving %s to vLLM",
+        params,
+        leaving,
     )
     return False
 
@@ -82,7 +97,9 @@ def _user_tables(experts: int, n: int, dtype: str | None, block: tuple[int, ...]
     from vllm.model_executor.layers.fused_moe.fused_moe import get_config_file_name
 
     block_shape = [block[0], block[1]] if block and block[0] and block[1] else None
-    return os.path.exists(os.path.join(folder, get_config_file_name(experts, n, dtype, block_shape)))
+    return os.path.exists(
+        os.path.join(folder, get_config_file_name(experts, n, dtype, block_shape))
+    )
 
 
 def install(fused_experts: Any) -> bool:
@@ -118,8 +135,12 @@ def install(fused_experts: Any) -> bool:
         if key not in checked:
             checked[key] = _user_tables(w2.shape[0], w2.shape[2], dtype, block)
             if checked[key]:
-                logger.info("flashinfer_ep: batched experts use the tuned tables in "
-                            "VLLM_TUNED_CONFIG_FOLDER for E=%d, N=%d", w2.shape[0], w2.shape[2])
+                logger.info(
+                    "flashinfer_ep: batched experts use the tuned tables in "
+                    "VLLM_TUNED_CONFIG_FOLDER for E=%d, N=%d",
+                    w2.shape[0],
+                    w2.shape[2],
+                )
         if checked[key] or get_config():  # vLLM ignores an empty override too
             return original(**kw)
         rows = min(kw["topk_ids"].shape[0] * fused_experts.num_dispatchers, hidden.shape[1])
@@ -143,6 +164,7 @@ def install(fused_experts: Any) -> bool:
         logger.info(
             "flashinfer_ep_low_latency: the batched experts' Triton tile is chosen per batch "
             "(vLLM's generic rule at the rows an expert can receive in the forward), not from "
-            "the fused-MoE tables at the %d-row buffer size", fused_experts.max_num_tokens,
+            "the fused-MoE tables at the %d-row buffer size",
+            fused_experts.max_num_tokens,
         )
     return True

@@ -121,7 +121,9 @@ def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
     if sched is None or sched.max_num_batched_tokens <= HT_MAX_TOKENS_PER_RANK:
         return
     _refuse_unchunked(
-        vllm_config, flag, HT_MAX_TOKENS_PER_RANK,
+        vllm_config,
+        flag,
+        HT_MAX_TOKENS_PER_RANK,
         f"takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
     )
     _lower_step_budget(
@@ -260,7 +262,12 @@ def ep_world_size(par: Any) -> int:
 
 
 def rdma_buffer_reason(
-    flag: str, rdma_bytes: int, shape: tuple[int, int, int], tokens: int, world: int, budget: int | None
+    flag: str,
+    rdma_bytes: int,
+    shape: tuple[int, int, int],
+    tokens: int,
+    world: int,
+    budget: int | None,
 ) -> str | None:
     """Why VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES cannot serve this LL fleet, or None.
 
@@ -308,7 +315,9 @@ def _check_rdma_buffer(vllm_config: Any, backend: str, flag: str) -> None:
         )
     )
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
-    reason = rdma_buffer_reason(flag, rdma, shape, tokens, ep_world_size(vllm_config.parallel_config), budget)
+    reason = rdma_buffer_reason(
+        flag, rdma, shape, tokens, ep_world_size(vllm_config.parallel_config), budget
+    )
     if reason is not None:
         raise FlashInferEPConfigError(reason)
 

@@ -58,7 +58,9 @@ class _FlashInferEPManager(All2AllManagerBase):
         self._vllm_config = get_current_vllm_config_or_none()
         par = self._vllm_config.parallel_config if self._vllm_config is not None else None
         self._fault_tolerance = bool(
-            par is not None and par.enable_fault_tolerance and self.algorithm.supports_fault_tolerance
+            par is not None
+            and par.enable_fault_tolerance
+            and self.algorithm.supports_fault_tolerance
         )
         self.support_fault_tolerance = self._fault_tolerance
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +176,9 @@ class _FlashInferEPManager(All2AllManagerBase):
         if why is not None and why not in self._logged:  # once per reason, not per layer
             self._logged.add(why)
             logger.info(
-                "%s: FP8 layers dispatch BF16 and quantize after receive (%s)", self.backend_name, why
+                "%s: FP8 layers dispatch BF16 and quantize after receive (%s)",
+                self.backend_name,
+                why,
             )
         return why is None
 
@@ -199,7 +203,9 @@ class _FlashInferEPManager(All2AllManagerBase):
         if self.algorithm != Algorithm.LOW_LATENCY:
             return handle_pool.bucket_sizes(0, capacity, max_pad=handle_pool.HT_MAX_PAD)
         captured = [s for s in pool_sizes_from_config(self._vllm_config) if s <= capacity]
-        return sorted(set(captured) | set(handle_pool.bucket_sizes(max(captured, default=0), capacity)))
+        return sorted(
+            set(captured) | set(handle_pool.bucket_sizes(max(captured, default=0), capacity))
+        )
 
     # ------------------------------------------------------ fault tolerance
     def _require_ft(self) -> FaultToleranceAdapter:

@@ -49,7 +49,10 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     """What both backends declare to vLLM; the runtime's round does the transport."""
 
     def __init__(
-        self, runtime: EPRuntime, agreement_fn: AgreementFn | None = None, fp8_dispatch: bool = False
+        self,
+        runtime: EPRuntime,
+        agreement_fn: AgreementFn | None = None,
+        fp8_dispatch: bool = False,
     ) -> None:
         """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for the
         current forward (vllm/forward_state.py); by default every rank runs its own.
@@ -122,7 +125,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
         compact_experts.refuse_biases(fused_experts)
-        receive_quant.check_experts(fused_experts, "--all2all-backend flashinfer_ep_low_latency", True)
+        receive_quant.check_experts(
+            fused_experts, "--all2all-backend flashinfer_ep_low_latency", True
+        )
         batched_tiles.install(fused_experts)
         pool = self.runtime.pool
         compact_experts.install(fused_experts, lambda: pool.sent_per_rank)

@@ -74,7 +74,9 @@ def _owner(patch: Patch) -> tuple[Any, str]:
     try:
         owner: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise PatchTargetError(f"patch {patch.name!r}: cannot import {module_name} ({exc})") from exc
+        raise PatchTargetError(
+            f"patch {patch.name!r}: cannot import {module_name} ({exc})"
+        ) from exc
     *parents, attr = path.split(".")
     for part in parents:
         if not hasattr(owner, part):
@@ -192,7 +194,9 @@ def apply_all(patches: Iterable[Patch]) -> None:
         except PatchTargetError as exc:
             problems.append(str(exc))
     if problems:
-        raise PatchTargetError("vllm-flashinfer-ep cannot patch this vLLM:\n  " + "\n  ".join(problems))
+        raise PatchTargetError(
+            "vllm-flashinfer-ep cannot patch this vLLM:\n  " + "\n  ".join(problems)
+        )
     for patch in patches:
         apply(patch)
 
