@@ -37,7 +37,7 @@ class Fp8Harness(TimedModes):
             self.ht
         ):  # as the HT manager: eager buckets up to the capacity, FP8 by vLLM's quantization
             spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
-            sizes = handle_pool.bucket_sizes(0, capacity, max_pad=handle_pool.HT_MAX_PAD)
+            sizes = handle_pool.pool_sizes(Algorithm.HIGH_THROUGHPUT, capacity)
             self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, sizes)
             self.rt.enable_fp8_wire(receive_quant.group_quantize)
         else:  # as the LL manager under graphs: one pooled handle per step size

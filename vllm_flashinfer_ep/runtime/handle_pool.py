@@ -100,6 +100,22 @@ def bucket_sizes(above: int, capacity: int, max_pad: int | None = None) -> list[
 HT_MAX_PAD = 256
 
 
+def pool_sizes(
+    algorithm: Algorithm | str, capacity: int, captured: Iterable[int] = ()
+) -> list[int]:
+    """The token counts a pool is warmed with at load: the one policy of managers, doctor's
+    estimate and the benchmarks.
+
+    LL: the engine's configured capture sizes that fit the capacity, then the eager
+    buckets above the largest of them (counts vLLM captures beyond these are learned at
+    capture, runtime/capture.py). HT is never captured: buckets from 1, at most
+    HT_MAX_PAD rows apart, since its experts compute padded rows too."""
+    if Algorithm(algorithm) != Algorithm.LOW_LATENCY:
+        return bucket_sizes(0, capacity, max_pad=HT_MAX_PAD)
+    fits = {int(s) for s in captured if 1 <= int(s) <= capacity}
+    return sorted(fits | set(bucket_sizes(max(fits, default=0), capacity)))
+
+
 def unavailable_reason() -> str | None:
     """Why a persistent pool cannot back CUDA graphs here, or None if it can.
 

@@ -200,11 +200,8 @@ class _FlashInferEPManager(All2AllManagerBase):
         if reason is not None:
             logger.info("%s: no persistent handle pool: %s", self.backend_name, reason)
             return []
-        if self.algorithm != Algorithm.LOW_LATENCY:
-            return handle_pool.bucket_sizes(0, capacity, max_pad=handle_pool.HT_MAX_PAD)
-        captured = [s for s in pool_sizes_from_config(self._vllm_config) if s <= capacity]
-        return sorted(
-            set(captured) | set(handle_pool.bucket_sizes(max(captured, default=0), capacity))
+        return handle_pool.pool_sizes(
+            self.algorithm, capacity, pool_sizes_from_config(self._vllm_config)
         )
 
     # ------------------------------------------------------ fault tolerance
