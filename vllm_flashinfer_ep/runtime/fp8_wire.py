@@ -10,13 +10,15 @@ its kernel with the DS_FP8E3M4 recipe (nccl_ep.h: BF16 tokens in; E4M3 tokens
 hidden a multiple of 512). A dispatched row then moves hidden + hidden / 32 bytes instead
 of 2 * hidden, and the quantization pass after receive disappears. The scales are
 amax / 448 per 128-element group, vLLM's own convention (per_token_group_quant_fp8;
-measured equal on the H200), so the experts see what vLLM's quantization would give.
+docs/benchmarks.md, "Block-FP8 decode step"), so the experts see what vLLM's
+quantization would give.
 
 How: FlashInfer 0.7.2.post1's NcclEpHandle builds its dispatch config without a recipe,
 so this module issues the dispatch on the nccl.ep handle underneath it, through the
-attributes in native_handle.NATIVE_ATTRIBUTES, checked once per handle class
-(`native_reason`). Update and combine (BF16) stay the pool's (FlashInfer's, or its direct
-calls). Remove when FlashInfer's handle takes a dispatch quantization recipe.
+attributes listed in runtime/flashinfer_internals.py (read in place on every dispatch),
+checked once per handle class (`native_reason`). Update and combine (BF16) stay the
+pool's (FlashInfer's, or its direct calls). Remove when FlashInfer's handle takes a
+dispatch quantization recipe.
 
 High throughput: the DS_FP8E3M4 recipe is LL-only (nccl_ep.h), so HT layers quantize
 before dispatch (vLLM's group quantization, passed in by the adapter; `group_quantize`
@@ -37,6 +39,7 @@ import torch
 
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.errors import HandlePoolError
+from vllm_flashinfer_ep.runtime import flashinfer_internals as internals
 from vllm_flashinfer_ep.runtime import native_handle
 
 SCALE_GROUP = 128  # elements per FP32 scale (the recipe's, and 128x128 blocks' K group)
@@ -59,7 +62,7 @@ def native_reason(handle: Any, recipe: str = "DS_FP8E3M4") -> str | None:
     reason = native_handle.native_reason(handle, ht=recipe == "FWD")
     if reason is not None:
         return reason
-    recipes = getattr(handle._ep, "DispatchQuantizationRecipe", None)
+    recipes = getattr(internals.nccl_ep_of(handle), "DispatchQuantizationRecipe", None)
     if recipes is None or not hasattr(recipes, recipe):
         return f"the installed nccl.ep has no {recipe} dispatch recipe (nccl-extensions >= 0.1.0)"
     return None

@@ -96,7 +96,7 @@ def bucket_sizes(above: int, capacity: int, max_pad: int | None = None) -> list[
 
 # HT pads by at most this many rows per round: its experts compute every received row,
 # padded ones included (zeros, weight 0), so the geometric buckets alone could add up to
-# half a prefill's expert work. An HT handle costs ~0.1-0.7 MB (hidden 4096-7168).
+# half a prefill's expert work. What an HT handle costs: docs/benchmarks.md (HT section).
 HT_MAX_PAD = 256
 
 
@@ -356,8 +356,8 @@ class HandlePool:
         agreement is available (every rank then creates a fresh handle). Under CUDA-graph
         capture the count is uniform and must be pooled exactly.
         """
-        # Eager rounds are host-bound (about 5 ms per 48-layer step): this path keeps its
-        # Python calls few; the checks and rare cases branch off it.
+        # Eager rounds are host-bound (docs/benchmarks.md): this path keeps its Python
+        # calls few; the checks and rare cases branch off it.
         num_tokens, top_k = topk_ids.shape
         if top_k != self.top_k or not 1 <= num_tokens <= self.capacity:
             self._refuse_shape(num_tokens, top_k)
@@ -432,8 +432,8 @@ class HandlePool:
         The common round runs inline here: a pooled handle of exactly this round's size,
         routing ids it can bind, and handle work on torch's current stream (no join).
         Outside capture (LL) it issues the nccl.ep calls directly (native_handle.py): an
-        eager step is host-bound, and FlashInfer's methods cost about twice the host time
-        of the calls they make (docs/benchmarks.md). Anything else (padding, a fresh
+        eager step is host-bound, and FlashInfer's methods cost more host time than the
+        calls they make (docs/benchmarks.md). Anything else (padding, a fresh
         handle, a join, refusals) takes the general path.
         """
         num_tokens, top_k = topk_ids.shape

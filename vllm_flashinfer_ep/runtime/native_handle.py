@@ -1,13 +1,13 @@
 """Eager LL rounds issued on the nccl.ep handle underneath FlashInfer's.
 
 Why: an eager decode step is host-bound, and most of its host time is Python around
-three native calls per layer. Measured on the H200 (hidden 2048, 48 layers, world 1;
-docs/benchmarks.md): FlashInfer 0.7.2.post1's persistent-handle round costs ~109 us of
-host time per layer, the same nccl.ep calls issued directly ~74 us. The difference is
-argument checks the pool has already made, a CUDA capture query per call, parameter and
-result dataclasses, and two ~10 us tensor descriptors built on every combine (its input
-and its output are not memoized: FlashInfer's memo holds the tensors alive, so it takes
-only small ones and never a caller's churning output).
+three native calls per layer. FlashInfer 0.7.2.post1's persistent-handle round spends
+more host time than the same nccl.ep calls issued directly (docs/benchmarks.md, "Eager
+rounds as direct nccl.ep calls"): argument checks the pool has already made, a CUDA
+capture query per call, parameter and result dataclasses, and two tensor descriptors
+built on every combine (its input and its output are not memoized: FlashInfer's memo
+holds the tensors alive, so it takes only small ones and never a caller's churning
+output).
 
 How: `DescriptorMemo` keeps nccl.ep descriptors built from a raw device pointer, dtype
 and shape, which hold no tensor alive (nccl.ep.Tensor accepts a raw pointer; the caller
@@ -21,10 +21,10 @@ and counters FlashInfer's own dispatch returned (recorded from the first FlashIn
 dispatch), so captured and eager rounds share them as before.
 
 What it reads of FlashInfer's NcclEpHandle (flashinfer/moe_ep/backends/split/comm/
-nccl_ep/handle.py) is NATIVE_ATTRIBUTES, checked once per handle (`native_reason`); a
-handle without them runs through FlashInfer's methods, logged once.
-`VLLM_FLASHINFER_EP_NATIVE_EAGER=0` turns the direct calls off. Remove when FlashInfer's
-handle methods cost about what the native calls cost.
+nccl_ep/handle.py) is listed in runtime/flashinfer_internals.py and checked once per
+handle (`native_reason`); a handle without it runs through FlashInfer's methods, logged
+once. `VLLM_FLASHINFER_EP_NATIVE_EAGER=0` turns the direct calls off. Remove when
+FlashInfer's handle methods cost about what the native calls cost.
 """
 
 from __future__ import annotations
@@ -34,38 +34,22 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.runtime import flashinfer_internals as internals
 
 logger = get_logger(__name__)
-
-# What this package reads of FlashInfer's NcclEpHandle, and why (also runtime/fp8_wire.py):
-NATIVE_ATTRIBUTES = {
-    "_handle": "the nccl.ep Handle (update, dispatch, complete, combine)",
-    "_ep": "the nccl.ep module FlashInfer drives (descriptor types, recipe enum)",
-    "_wrap": "FlashInfer's address-keyed tensor-descriptor memo",
-    "_op_stream": "the stream FlashInfer issues on (the capturing one under capture)",
-    "_stream": "the handle's own stream (FlashInfer's op stream outside capture)",
-    "_recv_count_t": "the per-local-expert received counts NCCL-EP writes at dispatch",
-    "_num_tokens_in": "the token count the handle's routing holds",
-    "_is_ht": "the algorithm the handle runs (the direct eager calls are LL only)",
-    "_is_rank_major": "expert-major layout only",
-    "_staged": "no split send/complete mode",
-}
 
 
 def native_reason(handle: Any, ht: bool = False) -> str | None:
     """Why this package cannot issue nccl.ep calls under `handle` (None: it can); `ht`:
     for an HT handle (the HT FP8 dispatch), else for an LL expert-major one."""
-    missing = [name for name in NATIVE_ATTRIBUTES if not hasattr(handle, name)]
-    if missing:
-        return (
-            f"the installed FlashInfer's handle ({type(handle).__name__}) lacks {missing}; "
-            "the direct nccl.ep calls are written against flashinfer-python 0.7.2.post1"
-        )
+    missing = internals.check(handle)
+    if missing is not None:
+        return missing
     if ht:
-        if not handle._is_ht or handle._staged:
+        if not internals.is_ht(handle) or internals.is_staged(handle):
             return "the HT FP8 dispatch needs an HT handle without split send/complete"
         return None
-    if handle._is_ht or handle._is_rank_major or handle._staged:
+    if internals.is_ht(handle) or internals.is_rank_major(handle) or internals.is_staged(handle):
         return "direct nccl.ep calls are LL expert-major only, without split send/complete"
     return None
 
@@ -127,7 +111,11 @@ class _Configs(NamedTuple):
 
 
 class NativeEager:
-    """The direct nccl.ep calls of one pool's eager LL rounds."""
+    """The direct nccl.ep calls of one pool's eager LL rounds.
+
+    The rounds read the handle's `_ep` and `_handle` in place (rows of
+    flashinfer_internals.INTERNALS: a per-round accessor would cost host time); `usable`
+    checks them once per handle."""
 
     def __init__(self, stream: int) -> None:
         self.stream = stream  # the handles' own stream, which these calls must use
@@ -154,8 +142,10 @@ class NativeEager:
         ok = self._usable.get(id(handle))
         if ok is None:
             reason = native_reason(handle)
-            if reason is None and handle._stream != self.stream:
-                reason = f"the handle issues on stream {handle._stream}, not {self.stream}"
+            if reason is None:
+                stream = internals.handle_stream(handle)
+                if stream != self.stream:
+                    reason = f"the handle issues on stream {stream}, not {self.stream}"
             if reason is not None and not self._logged:
                 self._logged = True
                 logger.info(

@@ -1,14 +1,18 @@
-"""The one seam between the package and `flashinfer.moe_ep`.
+"""The one seam between the package and `flashinfer.moe_ep`'s public API.
 
-Everything the runtime needs from FlashInfer is looked up here, by name, from one
-module object. Unit tests install a fake module (tests/fakes/fake_moe_ep.py) through
-`use_transport_module`; production always uses the real `flashinfer.moe_ep`.
+Everything the runtime needs from FlashInfer's public API is looked up here, by name,
+from one module object; what it reads of FlashInfer's internals is listed in
+runtime/flashinfer_internals.py. Unit tests install a fake module
+(tests/fakes/fake_moe_ep.py) through `use_transport_module`; production always uses the
+real `flashinfer.moe_ep`.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+
+from vllm_flashinfer_ep.runtime import flashinfer_internals
 
 _override: ModuleType | None = None
 
@@ -35,8 +39,5 @@ def handle_supports_update() -> bool:
     """
     if _override is not None:
         return hasattr(getattr(_override, "Handle", object), "update")
-    try:
-        handle_mod = importlib.import_module("flashinfer.moe_ep.backends.split.comm.nccl_ep.handle")
-    except Exception:  # noqa: BLE001 - any import failure means "no"
-        return False
-    return callable(getattr(getattr(handle_mod, "NcclEpHandle", None), "update", None))
+    # FlashInfer's handle class is internal (runtime/flashinfer_internals.py).
+    return callable(getattr(flashinfer_internals.handle_class(), "update", None))

@@ -4,9 +4,10 @@ vLLM 0.33.0's `BatchedTritonExperts.apply` looks its tile up with
 `try_get_optimal_moe_config(..., M=rows per expert buffer)`: the expert-major buffer's
 row count (the LL capacity times the EP world, 256 by default), whatever the batch. Those
 lookups go to the fused-MoE tuning tables, measured for a different kernel (tokens sorted
-by expert) at M tokens. At a real model's shape the table entry for M=256 is a large tile
-(H200, E=128, N=768: 32x256x128) that makes the batched kernel spill registers, and every
-decode step pays for it although it carries a few rows per expert.
+by expert) at M tokens. At a real model's shape the table entry for M=256 can be a large
+tile that makes the batched kernel spill registers (docs/benchmarks.md, "Why the experts
+were the bottleneck"), and every decode step pays for it although it carries a few rows
+per expert.
 
 Here the tile is vLLM's generic rule (`get_default_config`) at M = the rows one expert can
 receive in this forward (tokens on this rank times the EP world, at most the buffer's
@@ -14,20 +15,33 @@ rows): the tile vLLM would choose without tuning tables for a batch of that size
 lookup runs in Python, so a captured CUDA graph keeps the tile of its own size.
 A user's tuned tables (`VLLM_TUNED_CONFIG_FOLDER` holding a file for the shape) are left
 in charge, and an explicit `override_config` still wins.
+
+The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py): applied per
+experts object by the LL prepare/finalize's setup hook (`install`), checked against vLLM
+0.33.0's `apply` parameters first, recorded, and undoable; `patches.index()` lists it.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.vllm.patches._helper import (
+    INSTANCE,
+    Patch,
+    PatchTargetError,
+    apply_instance,
+)
 
 logger = get_logger(__name__)
 
-# vLLM 0.33.0's BatchedTritonExperts.apply parameters; the wrapper forwards them by name.
+# What the instance patches here and in compact_experts.py replace.
+TARGET = "vllm.model_executor.layers.fused_moe.experts.fused_batched_moe:BatchedTritonExperts.apply"
+# vLLM 0.33.0's BatchedTritonExperts.apply parameters; the wrappers forward them by name, so
+# the patches' check (`expect`) requires exactly these.
 APPLY_PARAMS = (
     "self",
     "output",
@@ -50,18 +64,10 @@ ENABLED = True  # the test harness turns it off to measure vLLM's own lookup
 _logged = False
 
 
-def matches_vllm_apply(fused_experts: Any, leaving: str) -> bool:
-    """Whether the experts' `apply` has vLLM 0.33.0's parameters (the wrappers here and in
-    compact_experts.py forward them by name); if not, log what is left to vLLM."""
-    params = tuple(inspect.signature(type(fused_experts).apply).parameters)
-    if params == APPLY_PARAMS:
-        return True
-    logger.warning(
-        "flashinfer_ep: BatchedTritonExperts.apply has parameters %s, not vLLM 0.33.0's; "
-        "leaving %s to vLLM",
-        params,
-        leaving,
-    )
+def leave_to_vllm(error: PatchTargetError, leaving: str) -> bool:
+    """Log an experts object the instance patch refused (another `apply` than vLLM
+    0.33.0's) and what stays vLLM's; False, for `install` to return."""
+    logger.warning("flashinfer_ep: %s; leaving %s to vLLM", error, leaving)
     return False
 
 
@@ -102,28 +108,11 @@ def _user_tables(experts: int, n: int, dtype: str | None, block: tuple[int, ...]
     )
 
 
-def install(fused_experts: Any) -> bool:
-    """Make `fused_experts` (if it is vLLM's BatchedTritonExperts) pick its tile per batch.
-
-    The most rows one local expert can receive in a forward: this rank's tokens (the
-    routing handed to the experts; the LL prepare leaves it as the router made it) times
-    the ranks that dispatch to it, at most the buffer's rows. Under CUDA graphs every
-    rank runs the padded common count; in eager DP steps with uneven counts a rank with
-    fewer tokens picks a smaller tile than the busiest sender would (speed only: the
-    kernel masks by the received counts). Returns whether the instance now chooses.
-    """
+def _tiled_apply(fused_experts: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """`fused_experts.apply` choosing its tile per batch, around `original` (the instance
+    patch's replacement)."""
     from vllm.model_executor.layers.fused_moe import get_config, override_config
-    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
-        BatchedTritonExperts,
-    )
 
-    if not ENABLED or not isinstance(fused_experts, BatchedTritonExperts):
-        return False
-    if getattr(fused_experts.apply, "_flashinfer_ep_tiles", False):
-        return True  # already wrapped (the setup hook ran again)
-    if not matches_vllm_apply(fused_experts, "its tile choice"):
-        return False
-    original = fused_experts.apply
     checked: dict[tuple, bool] = {}
 
     def apply(*args: Any, **kw: Any) -> Any:
@@ -156,8 +145,45 @@ def install(fused_experts: Any) -> bool:
         finally:
             scope.__exit__(None, None, None)
 
-    apply._flashinfer_ep_tiles = True  # type: ignore[attr-defined]
-    fused_experts.apply = apply
+    return apply
+
+
+PATCH = Patch(
+    "batched_tiles",
+    "worker",
+    TARGET,
+    INSTANCE,
+    _tiled_apply,
+    APPLY_PARAMS,
+    what="LL batched Triton experts choose their tile per batch",
+    why="vLLM looks the tile up at the expert buffer's rows (LL capacity x EP world), "
+    "whatever the batch: a tile that spills registers at real shapes (docs/benchmarks.md)",
+    how="per experts object, from the LL prepare/finalize's post_init_setup: wrap its "
+    "apply; vLLM's generic tile at the rows an expert can receive, through override_config",
+    upstream="BatchedTritonExperts choosing its tile from the rows it can receive in the "
+    "forward, not the buffer's size",
+    removal="then",
+)
+
+
+def install(fused_experts: Any) -> bool:
+    """Make `fused_experts` (if it is vLLM's BatchedTritonExperts) pick its tile per batch.
+
+    The most rows one local expert can receive in a forward: this rank's tokens (the
+    routing handed to the experts; the LL prepare leaves it as the router made it) times
+    the ranks that dispatch to it, at most the buffer's rows. Under CUDA graphs every
+    rank runs the padded common count; in eager DP steps with uneven counts a rank with
+    fewer tokens picks a smaller tile than the busiest sender would (speed only: the
+    kernel masks by the received counts). Returns whether the instance now chooses
+    (applying `PATCH` again is a no-op: the setup hook may run twice).
+    """
+    if not ENABLED:
+        return False
+    try:
+        if not apply_instance(PATCH, fused_experts):
+            return False  # not a BatchedTritonExperts
+    except PatchTargetError as error:
+        return leave_to_vllm(error, "its tile choice")
     global _logged
     if not _logged:
         _logged = True

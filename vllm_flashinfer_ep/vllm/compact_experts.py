@@ -4,10 +4,10 @@ The LL dispatch hands vLLM's batched experts an expert-major buffer: [local expe
 rows per expert, hidden], rows per expert = the LL capacity times the EP world (256 at
 world 1). vLLM 0.33.0's `BatchedTritonExperts` launches one Triton program per (expert,
 BLOCK_M rows of that buffer, BLOCK_N columns) and lets the programs beyond an expert's
-received count return at once. At a real model's shape (128 local experts, 256 rows,
-N 1536) that is ~50k programs per GEMM for a decode step that carries a few rows per
-expert, and the empty programs, not the weights, set the time (measured on the H200:
-tests/engine/batched_tile_probe.py, docs/benchmarks.md).
+received count return at once. At a real model's shape that is one program for every
+BLOCK_M rows of the whole buffer, for a decode step that carries a few rows per expert,
+and the empty programs, not the weights, set the time (docs/benchmarks.md, "Why the
+experts were the bottleneck"; tests/engine/batched_tile_probe.py).
 
 Here the two GEMMs run through vLLM's fused-MoE kernel (`invoke_fused_moe_triton_kernel`,
 the kernel vLLM runs without EP) over a list of (expert, BLOCK_M rows) blocks built on the
@@ -35,6 +35,10 @@ included). Two kinds of experts take this path:
 Anything else (per-tensor and per-channel FP8, static activation scales, other dtypes)
 keeps vLLM's batched kernel with the per-batch tile of vllm/batched_tiles.py. Expert
 biases are refused at load (`refuse_biases`): neither path applies them.
+
+The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py), applied per experts
+object by the LL prepare/finalize's setup hook (`install`) over the tile patch, checked
+against vLLM 0.33.0's `apply` parameters first, recorded, and undoable.
 """
 
 from __future__ import annotations
@@ -45,7 +49,13 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.vllm.batched_tiles import matches_vllm_apply, named_args
+from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, TARGET, leave_to_vllm, named_args
+from vllm_flashinfer_ep.vllm.patches._helper import (
+    INSTANCE,
+    Patch,
+    PatchTargetError,
+    apply_instance,
+)
 
 logger = get_logger(__name__)
 
@@ -398,24 +408,13 @@ def compact_apply(fused_experts: Any, kw: dict, sent_per_rank: int | None = None
     )
 
 
-def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None = None) -> bool:
-    """Make `fused_experts` (vLLM's BatchedTritonExperts) compute received rows only.
-
-    Wraps the instance's `apply` (vLLM 0.33.0's parameters, checked); calls that are not
-    eligible go to the apply it wrapped. `sent_per_rank()` says, during a round, how many
-    tokens every rank dispatched (padded rounds send more than the batch holds). Returns
-    whether the instance now does so."""
-    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
-        BatchedTritonExperts,
-    )
-
-    if not ENABLED or not isinstance(fused_experts, BatchedTritonExperts):
-        return False
-    if getattr(fused_experts.apply, "_flashinfer_ep_compact", False):
-        return True
-    if not matches_vllm_apply(fused_experts, "the experts computation"):
-        return False
-    inner = fused_experts.apply
+def _received_rows_apply(
+    fused_experts: Any,
+    inner: Callable[..., Any],
+    sent_per_rank: Callable[[], int | None] | None = None,
+) -> Callable[..., Any]:
+    """`fused_experts.apply` computing received rows only, around `inner` (the instance
+    patch's replacement); calls that are not eligible go to `inner`."""
 
     def apply(*args: Any, **kw: Any) -> Any:
         kw = named_args(args, kw)
@@ -424,8 +423,42 @@ def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None =
         return compact_apply(fused_experts, kw, sent_per_rank() if sent_per_rank else None)
 
     apply._flashinfer_ep_compact = True  # type: ignore[attr-defined]
-    apply._flashinfer_ep_tiles = getattr(inner, "_flashinfer_ep_tiles", False)  # type: ignore[attr-defined]
-    fused_experts.apply = apply
+    return apply
+
+
+PATCH = Patch(
+    "compact_experts",
+    "worker",
+    TARGET,
+    INSTANCE,
+    _received_rows_apply,
+    APPLY_PARAMS,
+    what="LL batched Triton experts compute the received rows only (unquantized; 128x128 "
+    "block FP8 once FP8_ENABLED)",
+    why="vLLM's batched kernel launches programs over every expert's whole buffer; the "
+    "empty ones set a decode step's time (docs/benchmarks.md)",
+    how="per experts object, from the LL prepare/finalize's post_init_setup, over "
+    "batched_tiles: wrap its apply; vLLM's fused-MoE kernel over a block list built on the "
+    "device from the received counts, other calls to the wrapped apply",
+    upstream="a received-rows (block list) path in vLLM's BatchedTritonExperts",
+    removal="then",
+)
+
+
+def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None = None) -> bool:
+    """Make `fused_experts` (vLLM's BatchedTritonExperts) compute received rows only.
+
+    Applies `PATCH` to the instance (vLLM 0.33.0's `apply` parameters, checked; applying
+    it again is a no-op). `sent_per_rank()` says, during a round, how many tokens every
+    rank dispatched (padded rounds send more than the batch holds). Returns whether the
+    instance now does so."""
+    if not ENABLED:
+        return False
+    try:
+        if not apply_instance(PATCH, fused_experts, sent_per_rank):
+            return False  # not a BatchedTritonExperts
+    except PatchTargetError as error:
+        return leave_to_vllm(error, "the experts computation")
     global _logged
     if not _logged:
         _logged = True

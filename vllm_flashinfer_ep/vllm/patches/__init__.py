@@ -9,21 +9,35 @@ live in `platform.py` (matter before workers start: CLI parsing, engine config) 
 
 `register()` applies all of them in every vLLM process; `status()` says which are in
 place; `index()` renders the table as text.
+
+Two more kinds of rows bend vLLM or FlashInfer and are listed by `index()` beside them:
+
+- instance patches (`instance_patches()`): methods replaced on one vLLM object at a time
+  (the LL experts' `apply`), rows of the same mechanism (kind INSTANCE), defined beside
+  their replacements in vllm/batched_tiles.py and vllm/compact_experts.py (those modules
+  apply their row, so a row here would import them and they this package: a cycle) and
+  applied by the LL prepare/finalize's setup hook; `undo_all()` undoes them too.
+- FlashInfer internals (runtime/flashinfer_internals.py `INTERNALS`): the private
+  attributes and internal module the package reads, each with the public accessor that
+  would remove it.
 """
 
 from __future__ import annotations
 
+from vllm_flashinfer_ep.runtime import flashinfer_internals
 from vllm_flashinfer_ep.vllm.patches import _helper
 from vllm_flashinfer_ep.vllm.patches import platform as P
 from vllm_flashinfer_ep.vllm.patches import worker as W
 from vllm_flashinfer_ep.vllm.patches._helper import (
     FIELD,
     GLOBAL,
+    INSTANCE,
     PROPERTY,
     WRAP,
     Patch,
     PatchTargetError,
     undo,
+    undo_instances,
 )
 
 REGISTRY = "an all2all backend registry (vLLM PR #50556, OOT P/F registry) or the names in-tree (PR #47948)"
@@ -256,7 +270,16 @@ def apply_all(stage: str | None = None) -> None:
     _helper.apply_all(p for p in PATCHES if stage is None or p.stage == stage)
 
 
+def instance_patches() -> tuple[Patch, ...]:
+    """The INSTANCE rows, in the order the LL setup hook applies them."""
+    from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts
+
+    return (batched_tiles.PATCH, compact_experts.PATCH)
+
+
 def undo_all() -> None:
+    """Undo every instance patch on every object, then every patch of the table."""
+    undo_instances()
     for patch in reversed(PATCHES):
         undo(patch)
 
@@ -267,16 +290,21 @@ def status() -> dict[str, bool]:
 
 
 def index() -> str:
-    return "\n".join(patch.entry() for patch in PATCHES)
+    """Every row as text: the vLLM patches, the instance patches, the FlashInfer internals."""
+    rows = [patch.entry() for patch in (*PATCHES, *instance_patches())]
+    return "\n".join([*rows, flashinfer_internals.index()])
 
 
 __all__ = [
     "PATCHES",
     "BY_NAME",
+    "INSTANCE",
     "Patch",
     "PatchTargetError",
     "apply_all",
+    "instance_patches",
     "undo_all",
+    "undo_instances",
     "status",
     "index",
 ]
