@@ -5,6 +5,7 @@
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
 #          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
+#          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
@@ -42,9 +43,18 @@ for step in "${steps[@]}"; do
       [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && select=(-m "not multigpu")
       # The FP8 engine tests (~9 min) have their own step: with them one call would pass 600 s.
       select+=(--ignore tests/engine/test_engine_fp8_world1.py)
+      # Speculative decoding (~7 engines, ~100 s each) has its own step too.
+      select+=(--ignore tests/engine/test_engine_spec_decode_world1.py)
       python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
+    spec-decode|spec-decode-2|spec-decode-4)  # ngram speculation under LL graphs (the pool learns vLLM's captured counts)
+      sel=(-k "agree and 2")
+      [ "$step" = spec-decode-4 ] && sel=(-k "agree and 4 or v1_runner")
+      [ "$step" = spec-decode ] && sel=()
+      python3 -m pytest tests/engine/test_engine_spec_decode_world1.py "${sel[@]}" -p no:cacheprovider \
+        -rs -s -q -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
+      grep -E "k=|passed|failed|Error" "$out/pytest-$step.txt" | tail -8 ;;
     compact)  # the LL experts (received rows, and vLLM's batched kernel) against vLLM
       python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
         -p no:cacheprovider -rs -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
