@@ -315,9 +315,8 @@ class HandlePool:
         """Pool `size`, the agreed count of an eager warm-up forward in the engine's capture
         phase: the engine captures that count next, and a handle cannot be created inside
         the capture. Every rank runs the same warm-ups, so every rank learns alike; `agree`
-        checks that before the collective creation."""
-        if size > self.capacity:
-            return  # the round refuses it (begin); nothing to learn
+        checks that before the collective creation. `begin` has refused a count above
+        the capacity already."""
         if self.agree is not None:
             self.agree("token count learned in the capture phase", size)
         self.warm([size])
