@@ -64,7 +64,9 @@ def worker_probe(worker: Any) -> dict[str, Any]:
             # FP8 on the wire (runtime/fp8_wire.py): eager FP8 dispatches so far; None when off
             "fp8_dispatches": rt.fp8_wire.dispatches if getattr(rt, "fp8_wire", None) else None,
             # eager LL rounds issued as direct nccl.ep calls (runtime/native_handle.py)
-            "direct_rounds": rt.pool._native.rounds if getattr(rt.pool, "_native", None) else None,
+            "direct_rounds": rt.round.planner.native.rounds
+            if rt.round.planner.native is not None
+            else None,
         }
         for rt in runtimes
     ]

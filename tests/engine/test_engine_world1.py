@@ -27,7 +27,7 @@ import statistics
 import pytest
 from engine_models import qwen3_moe_config, token_sequences
 
-from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD, bucket_sizes
+from vllm_flashinfer_ep.runtime.pool_sizes import HT_MAX_PAD, bucket_sizes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

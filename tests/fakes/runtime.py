@@ -7,7 +7,7 @@
   `fleet.bootstrap_config` asks `torch.cuda.current_device()`, which has no driver to
   ask on CPU hosts, so it is answered with device 0 for the duration of the call.
 - `install_capture_switch(monkeypatch)`: one switch that every `is_capturing` the
-  package imported (handle_pool, fault_tolerance, ...) and the fake consult.
+  package imported (handle_pool, round_plan, streams, fault_tolerance, ...) and the fake consult.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 # Imported so their `is_capturing` names exist when the switch is installed.
 import vllm_flashinfer_ep.runtime.fault_tolerance  # noqa: F401
 import vllm_flashinfer_ep.runtime.handle_pool  # noqa: F401
+import vllm_flashinfer_ep.runtime.round_plan  # noqa: F401
+import vllm_flashinfer_ep.runtime.streams  # noqa: F401
 from tests.fakes import fake_moe_ep
 from vllm_flashinfer_ep.runtime import capture, transport
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime

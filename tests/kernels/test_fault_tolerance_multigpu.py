@@ -23,7 +23,6 @@ from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 
 pytestmark = pytest.mark.multigpu
 
@@ -45,7 +44,7 @@ def _setup(rank: int, world: int):
 
 
 def _step(rt, x, ids, w):
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, w)
     return rnd.combine(d.expert_x, torch.empty_like(x))  # identity experts
 

@@ -223,7 +223,7 @@ def test_ht_fp8_eager(vllm_env, kind):  # noqa: F811
     from vllm_flashinfer_ep.backends import Algorithm
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
     from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-    from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD, bucket_sizes
+    from vllm_flashinfer_ep.runtime.pool_sizes import HT_MAX_PAD, bucket_sizes
     from vllm_flashinfer_ep.vllm.prepare_finalize import (
         FlashInferEPHighThroughputPrepareAndFinalize,
     )

@@ -22,9 +22,9 @@ from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL, SUPPORTED_HIDDEN_SIZES
-from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
+from vllm_flashinfer_ep.runtime.pool_sizes import bucket_sizes
+from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def _ll_step(rnd: LowLatencyRound, x, ids, weights, scales, out):
 def _ll_round_trip(group, hidden, num_tokens):
     rt = _runtime(group, Algorithm.LOW_LATENCY, hidden)
     x, ids, weights, scales = _inputs(num_tokens, hidden, seed=num_tokens + hidden)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights)
     counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS).to(torch.int32)
     torch.testing.assert_close(d.expert_num_tokens, counts)
@@ -85,7 +85,7 @@ def _ll_round_trip(group, hidden, num_tokens):
 def _ht_round_trip(group, hidden, num_tokens):
     rt = _runtime(group, Algorithm.HIGH_THROUGHPUT, hidden)
     x, ids, weights, scales = _inputs(num_tokens, hidden, seed=7 * num_tokens + hidden)
-    rnd = HighThroughputRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights)
     assert d.x.shape[0] == num_tokens  # world 1: every token received once
     assert not bool(d.remote_slot.any())
@@ -112,7 +112,7 @@ def test_pool_cuda_graph_many_layers(ep_group_world1, hidden):
     rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=TOKEN_COUNTS)
     pool = rt.pool
     assert pool.sizes == TOKEN_COUNTS
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     print(
         f"POOL_MEMORY hidden={hidden} per_handle_bytes={pool.per_handle_bytes} first={pool.first_handle_bytes}"
     )
@@ -174,7 +174,7 @@ def test_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
     captured size still replays exactly afterwards."""
     sizes = [1, 2, 4, 8, *bucket_sizes(8, CAPACITY)]
     rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
-    pool, rnd = rt.pool, LowLatencyRound(rt)
+    pool, rnd = rt.pool, rt.round
     assert pool.sizes == sizes
     print(f"POOL_MEMORY hidden={hidden} {pool.memory_summary()}")
     created = pool.counters.pooled_created
@@ -210,7 +210,7 @@ def test_ht_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
     weight 0), the real rows' outputs match the reference, nothing is created."""
     sizes = bucket_sizes(0, CAPACITY)
     rt = _runtime(ep_group_world1, Algorithm.HIGH_THROUGHPUT, hidden, sizes=sizes)
-    pool, rnd = rt.pool, HighThroughputRound(rt)
+    pool, rnd = rt.pool, rt.round
     assert pool.sizes == sizes
     print(f"POOL_MEMORY ht hidden={hidden} {pool.memory_summary()}")
     created = pool.counters.pooled_created
@@ -221,7 +221,7 @@ def test_ht_eager_rounds_pad_to_pooled_handles(ep_group_world1, hidden):
                 for i in range(2):
                     x, ids, w, s = _inputs(num_tokens, hidden, seed=num_tokens * 10 + i)
                     d = rnd.dispatch(x, ids, w)
-                    assert d.x.shape[0] == pool.sent_per_rank == pool.pooled_size(num_tokens)
+                    assert d.x.shape[0] == rt.round.sent_per_rank == pool.pooled_size(num_tokens)
                     assert not bool(d.remote_slot.any())
                     reduce_received_rows(
                         d.x, d.topk_ids, d.topk_weights, s, rnd.combine_buffer(d.x.shape[0])
@@ -250,8 +250,8 @@ def test_direct_eager_rounds_match_flashinfer_methods(ep_group_world1, hidden, m
     monkeypatch.setenv("VLLM_FLASHINFER_EP_NATIVE_EAGER", "0")
     rt_fi = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
     monkeypatch.delenv("VLLM_FLASHINFER_EP_NATIVE_EAGER")
-    assert rt.pool._native is not None and rt_fi.pool._native is None
-    rnd, rnd_fi = LowLatencyRound(rt), LowLatencyRound(rt_fi)
+    assert rt.round.planner.native is not None and rt_fi.round.planner.native is None
+    rnd, rnd_fi = rt.round, rt_fi.round
     xg, idsg, wg, sg = _inputs(8, hidden, seed=4242)
     outg = torch.empty_like(xg)
     graph = capture_graph(lambda: _ll_step(rnd, xg, idsg, wg, sg, outg))
@@ -262,10 +262,10 @@ def test_direct_eager_rounds_match_flashinfer_methods(ep_group_world1, hidden, m
     expert_out = torch.empty(NUM_EXPERTS, CAPACITY, hidden, dtype=torch.bfloat16, device="cuda")
     x0, ids0, w0, s0 = _inputs(1, hidden, seed=4243)  # the first round, through FlashInfer's
     _ll_step(rnd, x0, ids0, w0, s0, torch.empty_like(x0))  # methods, records its buffer
-    assert rt.pool._native.rounds == 0 and rt.pool._native.recv is not None
+    assert rt.round.planner.native.rounds == 0 and rt.round.planner.native.recv is not None
     worst = 0.0
     for sweep in range(2):
-        built = rt.pool._native.memo.built
+        built = rt.round.planner.native.memo.built
         for n in sizes:
             for (x, ids, w, s), out in zip(layers[n], outs[n]):
                 out.fill_(float("nan"))
@@ -280,12 +280,14 @@ def test_direct_eager_rounds_match_flashinfer_methods(ep_group_world1, hidden, m
             torch.cuda.synchronize()
             torch.testing.assert_close(outg, want_g, atol=ATOL, rtol=RTOL)
         if sweep == 1:
-            assert rt.pool._native.memo.built == built, "the same tensors again built descriptors"
+            assert rt.round.planner.native.memo.built == built, (
+                "the same tensors again built descriptors"
+            )
     print(
-        f"DIRECT_EAGER hidden={hidden} rounds={rt.pool._native.rounds} max|direct-flashinfer|={worst:.3g} "
-        f"descriptors={rt.pool._native.memo.built}"
+        f"DIRECT_EAGER hidden={hidden} rounds={rt.round.planner.native.rounds} max|direct-flashinfer|={worst:.3g} "
+        f"descriptors={rt.round.planner.native.memo.built}"
     )
-    assert rt.pool._native.rounds == 2 * 3 * len(sizes)
+    assert rt.round.planner.native.rounds == 2 * 3 * len(sizes)
     assert worst <= ATOL
     assert rt.pool.counters.fresh_created == 0
     del graph
@@ -322,7 +324,7 @@ def test_fp8_dispatch_carries_rows_within_fp8_error(ep_group_world1, hidden):
     sizes = [1, 8, *bucket_sizes(8, CAPACITY)]
     rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=sizes)
     wire = rt.enable_fp8_wire()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     worst = 0.0
     for num_tokens in (1, 5, 8, 64, 200, 256):
         for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
@@ -330,7 +332,7 @@ def test_fp8_dispatch_carries_rows_within_fp8_error(ep_group_world1, hidden):
                 x, ids, w, s = _inputs(num_tokens, hidden, seed=num_tokens + hidden)
                 x = x * (1 + 20 * torch.rand(num_tokens, 1, device=x.device)).to(x.dtype)
                 d = rnd.dispatch(x, ids, w, fp8=True)
-                size = rt.pool.sent_per_rank
+                size = rt.round.sent_per_rank
                 if size == num_tokens:
                     worst = max(worst, _fp8_rows_match(d, x, ids))
                 else:  # padded rows (zeros) arrive at this rank's experts too
@@ -383,7 +385,7 @@ def test_ht_fp8_dispatch_forwards_rows_and_scales_unchanged(ep_group_world1, hid
     before dispatch, on pooled, padded and per-forward handles, on the default and a side
     stream; padded rows arrive as zeros; combine (BF16) after it matches the reference."""
     from vllm_flashinfer_ep.runtime.fp8_wire import group_quantize
-    from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD
+    from vllm_flashinfer_ep.runtime.pool_sizes import HT_MAX_PAD
 
     pooled = _runtime(
         ep_group_world1,
@@ -395,7 +397,7 @@ def test_ht_fp8_dispatch_forwards_rows_and_scales_unchanged(ep_group_world1, hid
     rounds = 0
     for rt in (pooled, fresh):
         wire = rt.enable_fp8_wire()
-        rnd = HighThroughputRound(rt)
+        rnd = rt.round
         for num_tokens in (1, 5, 64, 200, 256):
             for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
                 with torch.cuda.stream(stream):
@@ -448,9 +450,9 @@ def test_top_k_limit(ep_group_world1, algorithm, top_k):
     x, ids, weights, scales = _inputs(16, hidden, seed=top_k, top_k=top_k)
     out = torch.empty_like(x)
     if algorithm == Algorithm.LOW_LATENCY:
-        _ll_step(LowLatencyRound(rt), x, ids, weights, scales, out)
+        _ll_step(rt.round, x, ids, weights, scales, out)
     else:
-        rnd = HighThroughputRound(rt)
+        rnd = rt.round
         d = rnd.dispatch(x, ids, weights)
         reduce_received_rows(
             d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(d.x.shape[0])
@@ -478,7 +480,7 @@ def test_over_dispatch_is_a_clear_error(ep_group_world1):
     rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, 2048)
     x, ids, weights, _ = _inputs(CAPACITY + 1, 2048, seed=3)
     with pytest.raises(DispatchCapacityError, match="max-num-batched-tokens"):
-        LowLatencyRound(rt).dispatch(x, ids, weights)
+        rt.round.dispatch(x, ids, weights)
 
 
 def test_unwarmed_size_under_capture_raises(ep_group_world1):
@@ -487,8 +489,8 @@ def test_unwarmed_size_under_capture_raises(ep_group_world1):
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(HandlePoolError, match="cannot be created inside CUDA-graph capture"):
         with torch.cuda.graph(graph):
-            LowLatencyRound(rt).dispatch(x, ids, weights)
-    rt.pool.end()
+            rt.round.dispatch(x, ids, weights)
+    rt.round.end()
     torch.cuda.synchronize()
 
 
@@ -500,7 +502,7 @@ def test_capture_phase_learns_the_counts_the_engine_captures(ep_group_world1, hi
     from vllm_flashinfer_ep.runtime.capture import capture_phase
 
     rt = _runtime(ep_group_world1, Algorithm.LOW_LATENCY, hidden, sizes=[8, 16])
-    pool, rnd = rt.pool, LowLatencyRound(rt)
+    pool, rnd = rt.pool, rt.round
     for num_tokens in (18, 9, 3):  # vLLM captures the largest first
         layers = [_inputs(num_tokens, hidden, seed=500 * i + num_tokens) for i in range(NUM_LAYERS)]
         outs = [torch.empty_like(layer[0]) for layer in layers]

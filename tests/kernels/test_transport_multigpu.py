@@ -18,7 +18,6 @@ from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 
 pytestmark = pytest.mark.multigpu
 
@@ -53,12 +52,12 @@ def _round_trips(rank: int, world: int) -> None:
         e0 = rank * (NUM_EXPERTS // world)
         scale_local = scales[e0 : e0 + NUM_EXPERTS // world]
         want = reference_moe(x, ids, w, scales)
-        rnd = LowLatencyRound(ll)
+        rnd = ll.round
         d = rnd.dispatch(x, ids, w)
         out = torch.empty_like(x)
         rnd.combine(scale_expert_rows(d.expert_x, scale_local), out)
         torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
-        hrnd = HighThroughputRound(ht)
+        hrnd = ht.round
         hd = hrnd.dispatch(x, ids, w)
         reduce_received_rows(
             hd.x, hd.topk_ids, hd.topk_weights, scales, hrnd.combine_buffer(hd.x.shape[0])
@@ -76,7 +75,7 @@ def _pool_graph(rank: int, world: int) -> None:
     rt = build_runtime(
         cache, FleetSpec(Algorithm.LOW_LATENCY, NUM_EXPERTS, CAPACITY, HIDDEN), TOP_K, dev, TOKENS
     )
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     n_local = NUM_EXPERTS // world
     for num_tokens in TOKENS:  # same padded count on every rank, as vLLM's DP padding gives
         layers = [_inputs(rank, num_tokens, seed=31 * i + num_tokens) for i in range(LAYERS)]

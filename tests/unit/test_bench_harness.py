@@ -216,5 +216,5 @@ def test_host_profile_names_the_package_round_and_flashinfer_calls(bench):
     report = bench.host_profile(steps, ("pooled", "raw_eager"), repeats=2, top=40)
     pooled, raw = report.split("=== host profile: raw_eager")
     assert "=== host profile: pooled, 2 steps ===" in pooled
-    assert "handle_pool.py" in pooled and "rounds.py" in pooled  # the package's round
-    assert "handle_pool.py" not in raw and "rounds.py" not in raw  # FlashInfer alone
+    assert "round_plan.py" in pooled and "rounds.py" in pooled  # the package's round
+    assert "round_plan.py" not in raw and "rounds.py" not in raw  # FlashInfer alone

@@ -12,7 +12,7 @@ from tests.fakes.runtime import installed_fake
 from vllm_flashinfer_ep.bench import memory
 from vllm_flashinfer_ep.cli import build_parser
 from vllm_flashinfer_ep.runtime.fleet import FleetCache
-from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
+from vllm_flashinfer_ep.runtime.pool_sizes import bucket_sizes
 
 
 def test_default_capture_sizes_are_vllm_s():

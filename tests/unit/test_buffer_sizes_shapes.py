@@ -180,12 +180,12 @@ def test_the_estimate_s_receive_and_staging_are_what_an_ll_runtime_allocates(hid
         top_k=2,
         sizes=(2, 4),
     )
-    staged = sum(t.numel() * t.element_size() for t in rt.pool._pad_buffers.values())
+    staged = sum(t.numel() * t.element_size() for t in rt.pool.staged.values())
     assert staged == bs.ll_pad_staging_bytes(capacity, hidden)
     gen = torch.Generator().manual_seed(hidden)
     ids, weights = random_routing(3, experts, 2, torch.device("cpu"), gen)
     d = rt.round.dispatch(torch.randn(3, hidden, generator=gen).to(torch.bfloat16), ids, weights)
     received = d.expert_x.numel() * d.expert_x.element_size()
-    rt.pool.end()
+    rt.round.end()
     assert received == bs.ll_receive_buffer_bytes(capacity, hidden, experts)
     assert math.prod(d.expert_x.shape) == experts * capacity * hidden

@@ -22,8 +22,7 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import HandlePoolError
 from vllm_flashinfer_ep.runtime import capture
-from vllm_flashinfer_ep.runtime.handle_pool import bucket_sizes
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime.pool_sizes import bucket_sizes
 
 pytestmark = pytest.mark.usefixtures("fake")
 
@@ -91,7 +90,7 @@ def _round(rt, num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(torch.bfloat16)
     ids, weights = random_routing(num_tokens, 8, 2, torch.device("cpu"), gen)
     scales = torch.rand(8, generator=gen) + 0.5
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, agreed_tokens=num_tokens)
     out = rnd.combine(scale_expert_rows(d.expert_x, scales), torch.empty_like(x))
     return out, reference_moe(x, ids, weights, scales)

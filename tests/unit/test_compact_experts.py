@@ -278,4 +278,4 @@ def test_a_padded_round_lists_the_padded_rows_too(emulated):
     out = _apply(kernel, x, w1, w2, ids, weights, False)
     _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
     assert rt.pool.counters.padded_rounds == 1 and experts.tiles == []
-    assert rt.pool.sent_per_rank is None  # the round ended
+    assert rt.round.sent_per_rank is None  # the round ended

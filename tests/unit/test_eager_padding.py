@@ -18,9 +18,9 @@ from tests.helpers import scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import DispatchCapacityError, HandlePoolError
-from vllm_flashinfer_ep.runtime import handle_pool
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, bucket_sizes
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime import pool_sizes, round_plan
+from vllm_flashinfer_ep.runtime.pool_sizes import bucket_sizes
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 from vllm_flashinfer_ep.vllm.forward_state import agreed_token_count
 
 HIDDEN = 2048
@@ -39,7 +39,7 @@ def _layer(num_tokens: int, seed: int, top_k: int = 2):
 
 
 def _round(rt, x, ids, weights, scales, agreed=LOCAL, out=True):
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round  # the runtime's own, as every layer of its shape uses it
     d = rnd.dispatch(x, ids, weights, agreed_tokens=agreed)
     target = torch.full_like(x, float("nan")) if out else None
     result = rnd.combine(scale_expert_rows(d.expert_x, scales), target)
@@ -172,7 +172,7 @@ def test_under_capture_a_size_must_be_pooled_exactly(monkeypatch):
         switch.capturing(),
         pytest.raises(HandlePoolError, match="no warmed flashinfer_ep handle for 5"),
     ):
-        rt.pool.begin(ids, weights)
+        rt.round.dispatch(x, ids, weights)
     assert fleet.handles_created == 1
 
 
@@ -207,7 +207,7 @@ def test_without_agreement_every_rank_creates_a_fresh_handle_logged_once(monkeyp
     # The pool's own logger, recorded directly: vLLM's logging config may disable or
     # re-route loggers depending on which tests ran before.
     said: list[str] = []
-    monkeypatch.setattr(handle_pool.logger, "info", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setattr(round_plan.logger, "info", lambda msg, *args: said.append(msg % args))
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     for seed in range(3):
         x, ids, weights, scales = _layer(5, seed=seed)
@@ -252,11 +252,11 @@ def test_ht_ranks_far_apart_in_tokens_all_run_per_forward_handles():
     """HT's agreement (max_spread): an idle rank does not pad up to a busy rank's prefill;
     every rank reads the same counts, so all of them run fresh handles together."""
     with override_forward_context(_context([1, 2000])):
-        assert agreed_token_count(1, max_spread=handle_pool.HT_MAX_PAD) is None
-        assert agreed_token_count(2000, max_spread=handle_pool.HT_MAX_PAD) is None
+        assert agreed_token_count(1, max_spread=pool_sizes.HT_MAX_PAD) is None
+        assert agreed_token_count(2000, max_spread=pool_sizes.HT_MAX_PAD) is None
         assert agreed_token_count(1) == 2000  # LL (and graphs) keep the largest count
     with override_forward_context(_context([1800, 2000])):
-        assert agreed_token_count(1800, max_spread=handle_pool.HT_MAX_PAD) == 2000
+        assert agreed_token_count(1800, max_spread=pool_sizes.HT_MAX_PAD) == 2000
 
 
 def test_the_ht_prepare_takes_the_spread_bound():
@@ -285,8 +285,7 @@ def test_the_ht_prepare_takes_the_spread_bound():
 def test_a_round_that_failed_before_its_combine_leaves_no_padding_behind():
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x5, ids5, w5, _ = _layer(5, seed=1)
-    rt.pool.begin(ids5, w5)
-    rt.pool.dispatch(x5)  # padded 5 -> 8, then the layer fails before its combine
+    rt.round.dispatch(x5, ids5, w5)  # padded 5 -> 8, then the layer fails before its combine
     for n in (8, 3, 1):  # an exact round, a fresh one and a padded one still come out right
         x, ids, weights, scales = _layer(n, seed=n)
         out, _ = _round(rt, x, ids, weights, scales, agreed=None if n == 3 else LOCAL)
@@ -296,17 +295,16 @@ def test_a_round_that_failed_before_its_combine_leaves_no_padding_behind():
 def test_a_failing_dispatch_ends_the_round(monkeypatch):
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[8])
     x, ids, weights, scales = _layer(5, seed=2)
-    real = rt.pool.dispatch
+    issuer = rt.round.planner.flashinfer
+    real = issuer.dispatch
     monkeypatch.setattr(
-        rt.pool,
-        "dispatch",
-        lambda x, wire=None, scales=None: (_ for _ in ()).throw(RuntimeError("boom")),
+        issuer, "dispatch", lambda *args: (_ for _ in ()).throw(RuntimeError("boom"))
     )
     with pytest.raises(RuntimeError, match="boom"):
-        LowLatencyRound(rt).dispatch(x, ids, weights, agreed_tokens=None)  # a fresh handle
-    assert rt.pool._current is None and rt.pool.sent_per_rank is None
+        rt.round.dispatch(x, ids, weights, agreed_tokens=None)  # a fresh handle
+    assert rt.round.in_flight is None and rt.round.sent_per_rank is None
     assert fleet.handles_alive == 1  # the fresh handle was destroyed
-    monkeypatch.setattr(rt.pool, "dispatch", real)
+    monkeypatch.setattr(issuer, "dispatch", real)
     out, _ = _round(rt, x, ids, weights, scales)
     _close(out, x, ids, weights, scales)
 
@@ -342,7 +340,7 @@ def test_pad_rows_are_written_with_the_pad_routing_on_every_round():
 def test_padded_rounds_stage_through_persistent_buffers():
     rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=32, sizes=[4, 8])
     pool = rt.pool
-    staged = {k: v.data_ptr() for k, v in pool._pad_buffers.items()}
+    staged = {k: v.data_ptr() for k, v in pool.staged.items()}
     assert set(staged) == {
         "x:torch.bfloat16",
         "out:torch.bfloat16",
@@ -351,7 +349,7 @@ def test_padded_rounds_stage_through_persistent_buffers():
         x, ids, weights, scales = _layer(n, seed=n)
         out, _ = _round(rt, x, ids, weights, scales, out=False)
         _close(out, x, ids, weights, scales)
-    assert {k: v.data_ptr() for k, v in pool._pad_buffers.items()} == staged
+    assert {k: v.data_ptr() for k, v in pool.staged.items()} == staged
 
 
 @pytest.mark.parametrize("num_tokens", [3, 5, 8])
@@ -359,16 +357,15 @@ def test_ht_rounds_pad_to_the_next_pooled_size_and_match_the_reference(num_token
     """HT receives the padded rows too (world 1: every row once): zeros with weight 0,
     reduced and combined with the rest, and dropped from the output."""
     from tests.helpers import reduce_received_rows
-    from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound
 
     rt, fleet = build_fake_runtime(
         Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=32, sizes=[4, 8]
     )
     x, ids, weights, scales = _layer(num_tokens, seed=num_tokens)
-    rnd = HighThroughputRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights)
     size = 4 if num_tokens <= 4 else 8
-    assert d.x.shape[0] == size == rt.pool.sent_per_rank
+    assert d.x.shape[0] == size == rnd.sent_per_rank
     # Received rows come in the transport's order: count the padded (all-zero) ones.
     assert int((d.x == 0).all(dim=1).sum()) == size - num_tokens
     reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(size))

@@ -78,9 +78,9 @@ def test_policy_ll_without_pool_turns_graphs_off(monkeypatch):
 
 
 def test_policy_ll_without_handle_update_turns_graphs_off(monkeypatch):
-    from vllm_flashinfer_ep.runtime import handle_pool
+    from vllm_flashinfer_ep.runtime import pool_sizes
 
-    monkeypatch.setattr(handle_pool, "handle_supports_update", lambda: False)
+    monkeypatch.setattr(pool_sizes, "handle_supports_update", lambda: False)
     cc = _compilation("PIECEWISE")
     d = cudagraph_policy.apply(cc, LOW_LATENCY, data_parallel_size=2)
     assert cc.cudagraph_mode.name == "NONE" and "Handle.update" in d.reason

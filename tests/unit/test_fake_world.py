@@ -16,8 +16,7 @@ from tests.fakes.world import run_ranks
 from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
-from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 
 pytestmark = pytest.mark.usefixtures("fake")
 
@@ -54,7 +53,7 @@ def test_ll_tokens_reach_experts_on_other_ranks_and_come_back(world, uniform):
             process_group=group,
         )
         x, ids, weights = _inputs(rank, counts[rank], top_k)
-        rnd = LowLatencyRound(rt)
+        rnd = rt.round
         d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None)
         e_local = rt.num_local_experts
         received = d.expert_num_tokens.clone()
@@ -101,7 +100,7 @@ def test_ht_receive_counts_remote_slots_and_outputs(world):
         gen = torch.Generator().manual_seed(200 + rank)
         x = torch.randn(counts[rank], HIDDEN, generator=gen).to(torch.bfloat16)
         ids, weights = random_routing(counts[rank], num_experts, top_k, CPU, gen)
-        rnd = HighThroughputRound(rt)
+        rnd = rt.round
         d = rnd.dispatch(x, ids, weights, agreed_tokens=None)
         got = (d.x.clone(), d.topk_ids.clone(), d.topk_weights.clone(), d.remote_slot.clone())
         n = d.x.shape[0]
@@ -145,7 +144,7 @@ def test_a_rank_that_skips_a_collective_is_caught():
         )
         x, ids, weights = _inputs(rank, 4, 2)
         # rank 0 re-targets its pooled handle, rank 1 creates a fresh one: a mismatch.
-        LowLatencyRound(rt).dispatch(x, ids, weights, agreed_tokens=LOCAL if rank == 0 else None)
+        rt.round.dispatch(x, ids, weights, agreed_tokens=LOCAL if rank == 0 else None)
 
     with pytest.raises(RuntimeError, match="disagree on the collective"):
         run_ranks(2, rank_fn, timeout_s=20)

@@ -66,7 +66,7 @@ def _fp8_seen(x: torch.Tensor) -> torch.Tensor:
 
 def _expected_counts(rt, ids: torch.Tensor) -> torch.Tensor:
     """Rows each expert receives: the layer's slots, and the padded rows' (pad routing)."""
-    n, size = ids.shape[0], rt.pool.sent_per_rank
+    n, size = ids.shape[0], rt.round.sent_per_rank
     routed = torch.cat([ids, rt.pool.pad_ids[n:size]]).flatten()
     return torch.bincount(routed, minlength=EXPERTS).to(torch.int32)
 
@@ -106,7 +106,7 @@ def _layer(rt, x, kind: str, ids, weights, scales) -> torch.Tensor:
         seen = d.expert_x
     out = torch.full_like(x, float("nan"))
     rnd.combine(scale_expert_rows(seen, scales), out)
-    assert rt.pool.sent_per_rank is None  # the round ended
+    assert rt.round.sent_per_rank is None  # the round ended
     want = reference_moe(_fp8_seen(x) if fp8 else x, ids, weights, scales)
     torch.testing.assert_close(
         out.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.abs().max())
@@ -173,4 +173,4 @@ def test_a_bf16_round_after_an_fp8_round_hands_over_what_the_transport_received(
         assert n == want.shape[0]
         # rows arrive in any order: each received row is one of the tokens routed here
         assert all(bool((row == want).all(1).any()) for row in got), e
-    rt.pool.end()
+    rt.round.end()

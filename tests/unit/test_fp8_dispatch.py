@@ -28,7 +28,6 @@ from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError, HandlePoolError
 from vllm_flashinfer_ep.runtime import fp8_wire
 from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Wire
-from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 from vllm_flashinfer_ep.vllm import receive_quant
 from vllm_flashinfer_ep.vllm.prepare_finalize import (
     FlashInferEPHighThroughputPrepareAndFinalize,
@@ -77,7 +76,7 @@ def _runtime(sizes=(4, 8)):
 def test_fp8_dispatch_carries_every_received_row_within_fp8_error_and_combines(num_tokens):
     rt, _ = _runtime(sizes=(1, 5, 8))  # every count pooled exactly: no padded rows arrive
     x, ids, weights = _layer(num_tokens, seed=num_tokens)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, fp8=True)
     assert d.expert_x.dtype == FP8 and d.expert_x.shape == (EXPERTS, CAP, HIDDEN)
     assert d.expert_x_scale.shape == (EXPERTS, CAP, HIDDEN // 128)
@@ -102,8 +101,8 @@ def test_fp8_dispatch_carries_every_received_row_within_fp8_error_and_combines(n
 def test_a_padded_fp8_round_pads_with_zeros_and_stays_on_the_pooled_handle():
     rt, fleet = _runtime(sizes=(8,))
     x, ids, weights = _layer(5, seed=3)
-    d = LowLatencyRound(rt).dispatch(x, ids, weights, fp8=True)
-    assert rt.pool.sent_per_rank == 8 and rt.pool.counters.padded_rounds == 1
+    d = rt.round.dispatch(x, ids, weights, fp8=True)
+    assert rt.round.sent_per_rank == 8 and rt.pool.counters.padded_rounds == 1
     assert int(d.expert_num_tokens.sum()) == 8 * TOP_K  # padded rows arrive too, as zeros
     assert fleet.handles_created == 1
 
@@ -114,7 +113,7 @@ def test_fp8_dispatch_needs_the_runtime_s_wire():
     )
     x, ids, weights = _layer(2, seed=1)
     with pytest.raises(FlashInferEPConfigError, match="without an FP8 wire"):
-        LowLatencyRound(rt).dispatch(x, ids, weights, fp8=True)
+        rt.round.dispatch(x, ids, weights, fp8=True)
 
 
 def test_the_recipe_s_hidden_rule_is_refused_before_nccl_ep():
@@ -133,8 +132,7 @@ def test_the_fake_refuses_what_nccl_ep_refuses():
     """The fake's rules are the header's (a fake that accepted these would hide bugs)."""
     rt, _ = _runtime()
     x, ids, weights = _layer(4, seed=2)
-    rt.pool.begin(ids, weights)
-    handle, ep, wire = rt.pool._current, fake_nccl_ep, rt.fp8_wire
+    handle, ep, wire = rt.round.planner.plan(x, ids, weights).handle, fake_nccl_ep, rt.fp8_wire
     counters = ep.LayoutInfo(expert_counters=ep.Tensor(handle._recv_count_t))
     config = ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4)
     good = ep.DispatchOutputs(tokens=ep.Tensor(wire.tokens), scales=ep.Tensor(wire.scales))
@@ -162,7 +160,6 @@ def test_the_fake_refuses_what_nccl_ep_refuses():
     for message, (inputs, outputs, layout) in cases.items():
         with pytest.raises(fake_nccl_ep.NcclInvalid, match=message):
             handle._handle.dispatch(inputs, outputs, layout_info=layout, config=config, stream=0)
-    rt.pool.end()
 
 
 # --------------------------------------------------------------- which layers
@@ -189,7 +186,7 @@ def test_ll_prepare_hands_the_experts_the_wire_s_fp8_and_scales_without_quantizi
     x, ids, weights = _layer(5, seed=4)
     a1q, scales, meta, _, _ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
     assert a1q is rt.fp8_wire.tokens and scales is rt.fp8_wire.scales
-    assert torch.equal(meta.expert_num_tokens, rt.pool._current._recv_count_t)
+    assert torch.equal(meta.expert_num_tokens, rt.round.in_flight.handle._recv_count_t)
     out = torch.empty_like(x)
     pf.finalize(
         out, torch.zeros(EXPERTS, CAP, HIDDEN, dtype=torch.bfloat16), weights, ids, False, None
@@ -258,7 +255,7 @@ def test_a_captured_fp8_round_issues_on_the_capturing_stream(monkeypatch):
     switch = install_capture_switch(monkeypatch)
     rt, _ = _runtime(sizes=(4,))
     x, ids, weights = _layer(4, seed=6)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     with switch.capturing():
         d = rnd.dispatch(x, ids, weights, fp8=True)
         rnd.combine(torch.zeros(EXPERTS, CAP, HIDDEN, dtype=torch.bfloat16), torch.empty_like(x))
@@ -290,10 +287,10 @@ def test_ht_fp8_dispatch_forwards_each_token_s_rows_and_scales_unchanged(num_tok
     handle above the count) arrive as zeros with weight 0; combine after it matches."""
     rt, _ = _ht_runtime(sizes)
     x, ids, weights = _layer(num_tokens, seed=10 + num_tokens)
-    rnd = HighThroughputRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, fp8=True)
     sent_q, sent_s = fp8_wire.group_quantize(x)
-    size = rt.pool.sent_per_rank or num_tokens  # None on a per-forward handle
+    size = rt.round.sent_per_rank or num_tokens  # None on a per-forward handle
     assert (
         d.x.dtype == FP8
         and d.x.shape == (size, HIDDEN)
@@ -338,7 +335,7 @@ def test_ht_fp8_dispatch_crosses_ranks():
         rt.enable_fp8_wire()
         everyone = [_layer(4 + r, seed=40 + r) for r in range(2)]
         x, ids, weights = everyone[rank]
-        d = HighThroughputRound(rt).dispatch(x, ids, weights, fp8=True)
+        d = rt.round.dispatch(x, ids, weights, fp8=True)
         mine = rank * (EXPERTS // 2)
         want = sum(
             int(((i >= mine) & (i < mine + EXPERTS // 2)).any(1).sum()) for _, i, _ in everyone
@@ -355,7 +352,7 @@ def test_ht_fp8_dispatch_crosses_ranks():
                         d.topk_weights[row][here], ws[hits[0]][here]
                     )
                     matched += 1
-        rt.pool.end()
+        rt.round.end()
         return d.x.shape[0] == want == matched
 
     assert run_ranks(2, rank_fn, timeout_s=60) == [True, True]
@@ -389,7 +386,7 @@ def test_ht_prepare_hands_the_experts_the_forwarded_fp8_without_quantizing_after
     assert scales.shape == (5, HIDDEN // 128) and scales.data_ptr() == rt.fp8_wire.scales.data_ptr()
     assert recv_ids.shape == recv_w.shape == (5, TOP_K)
     assert rt.fp8_wire.dispatches == 1
-    rt.pool.end()
+    rt.round.end()
 
 
 def test_ht_router_weight_on_input_is_applied_before_quantizing():
@@ -405,20 +402,20 @@ def test_ht_router_weight_on_input_is_applied_before_quantizing():
         sizes=(),
     )
     rt2.enable_fp8_wire()
-    d = HighThroughputRound(rt2).dispatch(x, ids, w, fp8=True, apply_router_weight_on_input=True)
+    d = rt2.round.dispatch(x, ids, w, fp8=True, apply_router_weight_on_input=True)
     q, s = fp8_wire.group_quantize(x * 0.5)
     for row in range(3):
         [j] = torch.nonzero((d.x_scale[row] == s).all(1)).flatten().tolist()
         assert torch.equal(_bytes(d.x[row]), _bytes(q[j]))
     assert bool((d.topk_weights == 1).all())
-    rt2.pool.end()
+    rt2.round.end()
 
 
 def test_ht_fp8_wire_refuses_rows_it_cannot_forward():
     rt, _ = _ht_runtime()
     x, ids, weights = _layer(4, seed=3)
     q, s = fp8_wire.group_quantize(x)
-    pool, wire = rt.pool, rt.fp8_wire
+    wire = rt.fp8_wire
     groups = HIDDEN // 128
     for bad_x, bad_s, message in [
         (
@@ -431,11 +428,11 @@ def test_ht_fp8_wire_refuses_rows_it_cannot_forward():
         (q, s.to(torch.bfloat16), "scales must be torch.float32, got torch.bfloat16"),
         (q, s[:, :4].contiguous(), rf"scales must be \(4, {groups}\) .*got \(4, 4\)"),
     ]:
-        pool.begin(ids, weights)
+        plan = rt.round.planner.plan(bad_x, ids, weights, wire=wire)
         with pytest.raises(HandlePoolError, match=message) as err:
-            pool.dispatch(bad_x, wire, bad_s)
+            plan.dispatch(bad_x, bad_s)
         assert "VLLM_FLASHINFER_EP_FP8_DISPATCH=0" in str(err.value)  # how to turn the wire off
-        pool.end()
+        plan.end()
     with pytest.raises(ValueError, match="multiple of 512"):
         HtFp8Wire(16, 3200, torch.zeros(16, 2))
     with pytest.raises(HandlePoolError, match="pass no scales"):
@@ -448,8 +445,7 @@ def test_the_fake_refuses_what_nccl_ep_refuses_for_forwarded_rows():
     rt, _ = _ht_runtime()
     x, ids, weights = _layer(4, seed=2)
     q, s = fp8_wire.group_quantize(x)
-    rt.pool.begin(ids, weights)
-    handle, ep, wire = rt.pool._current, fake_nccl_ep, rt.fp8_wire
+    handle, ep, wire = rt.round.planner.plan(q, ids, weights).handle, fake_nccl_ep, rt.fp8_wire
     fwd = ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.FWD)
     w = ep.Tensor(rt.pool.topk_weights[:4])
     good_in = ep.DispatchInputs(tokens=ep.Tensor(q), scales=ep.Tensor(s), topk_weights=w)
@@ -505,7 +501,7 @@ def test_the_fake_refuses_what_nccl_ep_refuses_for_forwarded_rows():
             config=ep.DispatchConfig(quantization_recipe=ep.DispatchQuantizationRecipe.DS_FP8E3M4),
             stream=0,
         )
-    rt.pool.end()
+    rt.round.end()
 
 
 def test_ht_fp8_padding_is_staged_when_the_wire_is_enabled():
@@ -520,14 +516,14 @@ def test_ht_fp8_padding_is_staged_when_the_wire_is_enabled():
         sizes=(4, 8),
     )
     pool = rt.pool
-    before = set(pool._pad_buffers)
+    before = set(pool.staged)
     rt.enable_fp8_wire()
-    staged = {k: v.data_ptr() for k, v in pool._pad_buffers.items()}
+    staged = {k: v.data_ptr() for k, v in pool.staged.items()}
     assert set(staged) - before == {"x:torch.float8_e4m3fn", "scales:torch.float32"}
-    rnd = HighThroughputRound(rt)
+    rnd = rt.round
     for n in (3, 5, 7):  # each pads to a pooled size
         x, ids, weights = _layer(n, seed=n)
         d = rnd.dispatch(x, ids, weights, fp8=True)
         assert d.x.shape[0] == (4 if n <= 4 else 8)
         rnd.combine(torch.empty_like(x))
-    assert {k: v.data_ptr() for k, v in pool._pad_buffers.items()} == staged
+    assert {k: v.data_ptr() for k, v in pool.staged.items()} == staged

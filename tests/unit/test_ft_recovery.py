@@ -27,8 +27,7 @@ from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 
 pytestmark = pytest.mark.usefixtures("fake")
 
@@ -76,7 +75,7 @@ def _inputs(rank: int, hidden: int = HIDDEN):
 
 def _step(rt, x, ids, weights) -> torch.Tensor:
     """One MoE round: dispatch, experts that scale their rows, combine."""
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL)
     e_local = rt.num_local_experts
     scales = SCALES[rt.rank * e_local : (rt.rank + 1) * e_local]

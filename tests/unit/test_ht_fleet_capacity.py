@@ -58,5 +58,7 @@ def test_a_step_over_the_limit_is_our_capacity_error_naming_the_flag():
     ids = torch.zeros(8193, 2, dtype=torch.int64)
     ids[:, 1] = 1
     with pytest.raises(DispatchCapacityError, match="--max-num-batched-tokens"):
-        rt.pool.begin(ids, torch.full((8193, 2), 0.5))
+        rt.round.dispatch(
+            torch.zeros(8193, 2048, dtype=torch.bfloat16), ids, torch.full((8193, 2), 0.5)
+        )
     assert fleet.calls() == []

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_flashinfer_ep import cli
 from vllm_flashinfer_ep.bench import ht_harness, ht_results
-from vllm_flashinfer_ep.runtime import handle_pool
+from vllm_flashinfer_ep.runtime import pool_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
 STALE = re.compile(
@@ -26,9 +26,9 @@ def _help(command: str) -> str:
 
 
 def test_ht_pools_buckets_at_most_ht_max_pad_apart():
-    sizes = handle_pool.bucket_sizes(0, 8192, max_pad=handle_pool.HT_MAX_PAD)
+    sizes = pool_sizes.bucket_sizes(0, 8192, max_pad=pool_sizes.HT_MAX_PAD)
     assert sizes[0] == 1 and sizes[-1] == 8192
-    assert max(b - a for a, b in zip(sizes, sizes[1:])) <= handle_pool.HT_MAX_PAD
+    assert max(b - a for a, b in zip(sizes, sizes[1:])) <= pool_sizes.HT_MAX_PAD
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_no_text_says_ht_does_not_pool(text):
 def test_help_says_what_each_ht_mode_is():
     text = " ".join(_help("bench-ht").split())
     assert (
-        "what a served HT engine runs" in text and f"HT_MAX_PAD = {handle_pool.HT_MAX_PAD}" in text
+        "what a served HT engine runs" in text and f"HT_MAX_PAD = {pool_sizes.HT_MAX_PAD}" in text
     )
     assert "the served HT path only where no pooled size fits" in text
 

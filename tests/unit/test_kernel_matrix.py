@@ -23,7 +23,6 @@ from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY, Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime import fleet, limits
-from vllm_flashinfer_ep.runtime.rounds import HighThroughputRound, LowLatencyRound
 
 NUM_EXPERTS = 8
 TOP_K = 2
@@ -48,11 +47,11 @@ def _round_trip(backend: str, hidden: int, num_tokens: int, seed: int):
     scales = torch.rand(NUM_EXPERTS, generator=gen) + 0.5
     out = torch.empty_like(x)
     if backend == LOW_LATENCY:
-        rnd = LowLatencyRound(rt)
+        rnd = rt.round
         d = rnd.dispatch(x, ids, weights)
         rnd.combine(scale_expert_rows(d.expert_x, scales), out)
     else:
-        rnd = HighThroughputRound(rt)
+        rnd = rt.round
         d = rnd.dispatch(x, ids, weights)
         n = d.x.shape[0]
         reduce_received_rows(d.x, d.topk_ids, d.topk_weights, scales, rnd.combine_buffer(n))

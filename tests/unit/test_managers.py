@@ -15,7 +15,7 @@ import torch
 from tests.fakes.runtime import installed_fake
 from vllm_flashinfer_ep import backends, envs
 from vllm_flashinfer_ep.runtime import fleet as fleet_mod
-from vllm_flashinfer_ep.runtime import handle_pool
+from vllm_flashinfer_ep.runtime import pool_sizes
 from vllm_flashinfer_ep.vllm import managers
 
 CPU = torch.device("cpu")
@@ -128,7 +128,7 @@ def test_ht_manager_pools_eager_buckets_padding_at_most_ht_max_pad(build):
     big = mgr.get_handle(_kwargs(max_num_tokens_per_rank=2048)).pool.sizes
     assert big[-1] == 2048 and 1280 in big and 1792 in big
     gaps = [b - a for a, b in zip(big, big[1:])]
-    assert max(gaps) == handle_pool.HT_MAX_PAD
+    assert max(gaps) == pool_sizes.HT_MAX_PAD
 
 
 def test_ht_manager_pools_nothing_with_the_pool_off(build, monkeypatch):

@@ -24,7 +24,6 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.log import ROOT
 from vllm_flashinfer_ep.runtime.native_handle import DescriptorMemo
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
 
 pytestmark = pytest.mark.usefixtures("fake")
 
@@ -60,7 +59,7 @@ def _step(rnd, x, ids, w, s):
 
 def _native_calls(rt) -> tuple[int, int, int]:
     """(updates, BF16 dispatches, combines) issued on the nccl.ep handles directly."""
-    natives = [h._handle for h in rt.pool._handles.values()]
+    natives = [h._handle for h in rt.pool.handles.values()]
     return (
         sum(n.updates for n in natives),
         sum(n.bf16_dispatches for n in natives),
@@ -73,14 +72,14 @@ def test_eager_rounds_run_direct_after_the_first_and_match_the_reference():
     recorded); every later one issues update, dispatch and combine directly, with the
     same results as the reference MoE."""
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     for i, n in enumerate((4, 8, 4, 8, 8)):
         x, ids, w, s = _layer(n, seed=i)
         out = _step(rnd, x, ids, w, s)
         torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
-    assert rt.pool._native.rounds == 4
+    assert rt.round.planner.native.rounds == 4
     assert _native_calls(rt) == (4, 4, 4)
-    assert rt.pool.counters.pooled_rounds == 5 and rt.pool.sent_per_rank is None
+    assert rt.pool.counters.pooled_rounds == 5 and rt.round.sent_per_rank is None
 
 
 def test_direct_and_flashinfer_methods_give_identical_rows(monkeypatch):
@@ -91,7 +90,7 @@ def test_direct_and_flashinfer_methods_give_identical_rows(monkeypatch):
     for setting in ("1", "0"):
         monkeypatch.setenv(envs.NATIVE_EAGER, setting)
         rt = _runtime()
-        rnd = LowLatencyRound(rt)
+        rnd = rt.round
         got = []
         for x, ids, w, s in layers:
             d = rnd.dispatch(x, ids, w)
@@ -112,7 +111,7 @@ def test_padded_captured_and_non_int64_rounds_use_flashinfer_methods(monkeypatch
     capture, go direct; the others keep FlashInfer's methods and stay correct."""
     switch = install_capture_switch(monkeypatch)
     rt = _runtime(sizes=(4, 8))
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     x, ids, w, s = _layer(8, seed=1)
     _step(rnd, x, ids, w, s)  # records the receive buffer
     before = _native_calls(rt)
@@ -140,7 +139,7 @@ def test_padded_captured_and_non_int64_rounds_use_flashinfer_methods(monkeypatch
 def test_a_failed_direct_dispatch_ends_the_round(monkeypatch):
     """A direct dispatch that raises leaves no round behind: the next round runs."""
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     x, ids, w, s = _layer(8, seed=4)
     _step(rnd, x, ids, w, s)
 
@@ -151,7 +150,7 @@ def test_a_failed_direct_dispatch_ends_the_round(monkeypatch):
         m.setattr(fake_nccl_ep.NativeHandle, "dispatch", refuse)
         with pytest.raises(fake_nccl_ep.NcclInvalid, match="injected"):
             rnd.dispatch(x, ids, w)
-    assert rt.pool._current is None and not rt.pool._native_round
+    assert rt.round.in_flight is None
     torch.testing.assert_close(
         _step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2
     )
@@ -160,7 +159,7 @@ def test_a_failed_direct_dispatch_ends_the_round(monkeypatch):
 def test_a_flashinfer_without_the_attributes_keeps_its_methods_logged_once(monkeypatch, caplog):
     monkeypatch.delattr(fake_moe_ep.Handle, "_op_stream")
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     ours = logging.getLogger(ROOT)  # under vLLM's logger, which does not propagate
     ours.addHandler(caplog.handler)
     try:
@@ -181,13 +180,13 @@ def test_the_descriptor_memo_holds_no_tensor_alive():
     """FlashInfer's memo keeps its tensors alive; descriptors from raw addresses do not,
     so a caller's per-step output is freed when the caller drops it."""
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     x, ids, w, s = _layer(8, seed=5)
     _step(rnd, x, ids, w, s)
     out = torch.empty_like(x)
     d = rnd.dispatch(x, ids, w)
     rnd.combine(scale_expert_rows(d.expert_x, s), out)
-    assert len(rt.pool._native.memo) > 0
+    assert len(rt.round.planner.native.memo) > 0
     ref = weakref.ref(out)
     del out, d
     gc.collect()
@@ -224,7 +223,7 @@ def test_fp8_rounds_update_and_combine_directly_and_match_flashinfer_methods(mon
         monkeypatch.setenv(envs.NATIVE_EAGER, setting)
         rt = _runtime()
         rt.enable_fp8_wire()
-        rnd = LowLatencyRound(rt)
+        rnd = rt.round
         outs = []
         for x, ids, w, s in layers:
             d = rnd.dispatch(x, ids, w, fp8=True)
@@ -245,27 +244,27 @@ def test_a_row_count_mismatch_is_refused_before_any_direct_call():
     """NCCL-EP does not compare the activation rows with the routing's (FlashInfer's
     dispatch does): a mismatch must never reach the direct dispatch."""
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     x, ids, w, s = _layer(8, seed=6)
     _step(rnd, x, ids, w, s)
     before = _native_calls(rt)
     with pytest.raises(fake_moe_ep.MoEEpConfigError, match="7 activation rows"):
         rnd.dispatch(x[:7], ids, w)
-    assert _native_calls(rt) == before and rt.pool._current is None
+    assert _native_calls(rt) == before and rt.round.in_flight is None
 
 
 def test_a_handle_on_another_stream_keeps_flashinfer_methods(caplog):
     rt = _runtime()
-    for handle in rt.pool._handles.values():
+    for handle in rt.pool.handles.values():
         handle._stream = 5  # not the pool's handle stream (0)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     for i in range(2):
         x, ids, w, s = _layer(8, seed=40 + i)
         torch.testing.assert_close(
             _step(rnd, x, ids, w, s), reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2
         )
     assert _native_calls(rt) == (0, 0, 0)
-    assert not rt.pool._native.usable(rt.pool._handles[8])
+    assert not rt.round.planner.native.usable(rt.pool.handles[8])
 
 
 def test_a_round_left_without_its_combine_does_not_make_the_next_one_direct(monkeypatch):
@@ -274,11 +273,11 @@ def test_a_round_left_without_its_combine_does_not_make_the_next_one_direct(monk
     combine through FlashInfer's methods, not directly (which would escape the capture)."""
     switch = install_capture_switch(monkeypatch)
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     x, ids, w, s = _layer(8, seed=7)
     _step(rnd, x, ids, w, s)
     rnd.dispatch(x, ids, w)  # direct; its combine never comes
-    assert rt.pool._native_round
+    assert rnd.in_flight.issuer is rnd.planner.native
     x4, ids4, w4, s4 = _layer(4, seed=8)
     switch.active = True
     try:
@@ -292,7 +291,7 @@ def test_strided_ids_and_expert_outputs_are_made_contiguous_before_a_descriptor(
     """Descriptors carry no strides and the memo's key none either: strided routing
     takes the static buffer, a strided expert output is copied, and both still match."""
     rt = _runtime()
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     x, ids, w, s = _layer(8, seed=9)
     _step(rnd, x, ids, w, s)
     strided_ids = torch.empty(TOP_K, 8, dtype=torch.int64).t()

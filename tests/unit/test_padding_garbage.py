@@ -1,7 +1,7 @@
 """Padded rows are zero whatever the allocator left in the pool's staging.
 
 A round whose token count is not pooled is padded to the next pooled size through the
-pool's persistent staging (HandlePool._pad_buffer, made with torch.empty at warm-up or
+pool's persistent staging (HandlePool.staging, made with torch.empty at warm-up or
 when the FP8 wire is enabled, stage_padding). Fresh CPU memory is usually zero, which
 would hide a pool that forgot to clear the padded rows; here the staging (and the pad
 routing weights) are filled with NaN and huge values first, and what reaches the
@@ -42,10 +42,10 @@ def _garbage(buf: torch.Tensor) -> None:
 
 def _poison(rt) -> list[str]:
     pool = rt.pool
-    for buf in pool._pad_buffers.values():
+    for buf in pool.staged.values():
         _garbage(buf)
     pool.topk_weights.fill_(float("nan"))  # rows past a round's tokens are the pad's
-    return sorted(pool._pad_buffers)
+    return sorted(pool.staged)
 
 
 class Sent:
@@ -158,4 +158,4 @@ def test_padded_rows_reach_the_transport_as_zeros_over_garbage_staging(monkeypat
             torch.testing.assert_close(
                 out.float(), reference_moe(x, ids, weights, scales).float(), rtol=2e-2, atol=2e-2
             )
-    assert sorted(rt.pool._pad_buffers) == staged  # no round staged through fresh memory
+    assert sorted(rt.pool.staged) == staged  # no round staged through fresh memory

@@ -1,4 +1,4 @@
-"""One pool-size policy (handle_pool.pool_sizes) for the managers, doctor's and the
+"""One pool-size policy (pool_sizes.pool_sizes) for the managers, doctor's and the
 config's memory estimate and the benchmarks."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.runtime import buffer_sizes, handle_pool
-from vllm_flashinfer_ep.runtime.handle_pool import HT_MAX_PAD, bucket_sizes, pool_sizes
+from vllm_flashinfer_ep.runtime import buffer_sizes
+from vllm_flashinfer_ep.runtime import pool_sizes as policy
+from vllm_flashinfer_ep.runtime.pool_sizes import HT_MAX_PAD, bucket_sizes, pool_sizes
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_flashinfer_ep"
 
@@ -40,18 +41,18 @@ def test_the_manager_takes_the_same_policy(algorithm, monkeypatch):
 
     captured = [1, 2, 4, 8, 24, 48]
     monkeypatch.setattr(managers, "pool_sizes_from_config", lambda config: captured)
-    monkeypatch.setattr(handle_pool, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(policy, "unavailable_reason", lambda: None)
     cls = managers.MANAGERS[algorithm.backend]
     manager = cls.__new__(cls)
     manager._vllm_config = None
     assert manager._pool_sizes(512) == pool_sizes(algorithm, 512, captured)
 
 
-def test_no_module_but_the_pool_builds_sizes_from_buckets():
+def test_no_module_but_the_policy_builds_sizes_from_buckets():
     """bucket_sizes is the policy's building block: another caller would be a second policy."""
     callers = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "handle_pool.py":
+        if path.name == "pool_sizes.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):

@@ -277,7 +277,7 @@ def test_ll_modular_kernel_matches_torch_moe(top_k, on_input, num_tokens, unifor
     )
     assert [c.op for c in fleet.log[-len(tail) :]] == tail
     assert {c.tokens for c in fleet.log[-len(tail) :]} == {num_tokens}
-    assert rt.pool._current is None  # round ended
+    assert rt.round.in_flight is None  # round ended
     assert fleet.handles_alive == 2  # the two pooled sizes; a fresh handle is gone
 
 
@@ -341,7 +341,7 @@ def test_ll_declared_properties_fit_vllm_s_batched_experts():
     a1q, scale, meta, topk_ids, topk_w = pf.prepare(
         x, weights, ids, NUM_EXPERTS, None, False, FUSED_MOE_UNQUANTIZED_CONFIG
     )
-    rt.pool.end()
+    rt.round.end()
     assert scale is None and topk_ids is None and topk_w is None
     assert meta.expert_num_tokens.dtype == torch.int32
     shapes = experts.workspace_shapes(
@@ -394,7 +394,7 @@ def test_ht_modular_kernel_matches_torch_moe(experts_cls, top_k, on_input, num_t
     out = _apply(kernel, x, w1, w2, ids, weights, on_input)
     _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, on_input))
     assert [c.op for c in fleet.log[-2:]] == ["dispatch", "combine"]
-    assert rt.pool._current is None
+    assert rt.round.in_flight is None
 
 
 def test_ht_declared_properties():

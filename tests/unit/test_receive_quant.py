@@ -206,7 +206,7 @@ def test_ht_prepare_hands_the_experts_fp8_and_scales(fake):
     )
     assert meta is None and a1q.dtype == FP8 and a1q.shape == (6, HIDDEN)
     assert scales.shape == (6, HIDDEN // 128) and recv_ids.shape == (6, 2)
-    rt.pool.end()
+    rt.round.end()
 
 
 class _NotTriton:

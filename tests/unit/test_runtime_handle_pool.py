@@ -21,9 +21,9 @@ from vllm_flashinfer_ep.errors import (
 )
 from vllm_flashinfer_ep.runtime import transport
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, HandlePool
+from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
 from vllm_flashinfer_ep.runtime.limits import MAX_TOPK_HT, MAX_TOPK_LL
-from vllm_flashinfer_ep.runtime.rounds import LowLatencyRound
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL, Planner
 
 HIDDEN = 2048
 NUM_EXPERTS = 8
@@ -42,7 +42,7 @@ def _layer(num_tokens: int, seed: int, top_k: int = 2, num_experts: int = NUM_EX
 
 
 def _ll_round(rt, x, ids, weights, scales, *, uniform=True):
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, agreed_tokens=LOCAL if uniform else None)
     out = torch.empty_like(x)
     result = rnd.combine(scale_expert_rows(d.expert_x, scales), out)
@@ -135,7 +135,7 @@ def test_weights_buffer_is_bound_and_layer_weights_are_copied():
 
     x, ids, weights, scales = _layer(8, seed=1)
     expected = reference_moe(x, ids, weights, scales)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights)
     assert handle.bound_weights is bound  # same binding every round
     assert weights.data_ptr() != bound.data_ptr()
@@ -153,9 +153,9 @@ def test_int64_contiguous_ids_are_bound_per_call_others_are_copied():
     (handle,) = fleet.handles
 
     x, ids, weights, scales = _layer(8, seed=2)
-    pool.begin(ids, weights)
+    rt.round.dispatch(x, ids, weights)
     assert handle.bound_ids is ids  # bound: no copy kernel
-    pool.end()
+    rt.round.end()
 
     ids32 = ids.to(torch.int32)
     out = _ll_round(rt, x, ids32, weights, scales)
@@ -166,9 +166,9 @@ def test_int64_contiguous_ids_are_bound_per_call_others_are_copied():
 
     strided = torch.cat([ids, ids], dim=1)[:, ::2]
     assert not strided.is_contiguous()
-    pool.begin(strided, weights)
+    rt.round.dispatch(x, strided, weights)
     assert handle.bound_ids.data_ptr() == pool.topk_ids.data_ptr()
-    pool.end()
+    rt.round.end()
 
 
 def test_bind_ids_off_always_copies():
@@ -177,10 +177,11 @@ def test_bind_ids_off_always_copies():
     pool.warm([8])
     handle = fleet.handles[-1]
     x, ids, weights, scales = _layer(8, seed=3)
-    pool.begin(ids, weights)
+    plan = Planner(pool).plan(x, ids, weights)
+    plan.dispatch(x)
     assert handle.bound_ids is not ids
     assert handle.bound_ids.data_ptr() == pool.topk_ids.data_ptr()
-    pool.end()
+    plan.end()
 
 
 # --------------------------------------------------------------- capture guard
@@ -188,6 +189,8 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
     switch = install_capture_switch(monkeypatch)
     assert {
         "vllm_flashinfer_ep.runtime.handle_pool",
+        "vllm_flashinfer_ep.runtime.round_plan",
+        "vllm_flashinfer_ep.runtime.streams",
         "vllm_flashinfer_ep.runtime.fault_tolerance",
     } <= set(switch.patched_modules)
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[4])
@@ -202,12 +205,12 @@ def test_capture_uses_warmed_handles_and_refuses_new_sizes(monkeypatch):
         with pytest.raises(
             HandlePoolError, match=r"no warmed flashinfer_ep handle for 8 tokens"
         ) as exc:
-            rt.pool.begin(ids8, w8)
+            rt.round.dispatch(x8, ids8, w8)
         assert "cannot be created inside CUDA-graph capture" in str(exc.value)
         assert "[4]" in str(exc.value)
         # Non-uniform counts cannot take a pooled handle either.
         with pytest.raises(HandlePoolError, match="no warmed flashinfer_ep handle for 4 tokens"):
-            rt.pool.begin(ids, weights, agreed_tokens=None)
+            rt.round.dispatch(x, ids, weights, agreed_tokens=None)
     assert rt.pool.counters.created_during_capture == 2
     assert fleet.handles_created == 1
     assert fleet.log[len(log_before) :] == [
@@ -222,7 +225,7 @@ def test_non_uniform_round_uses_a_fresh_handle_destroyed_at_end():
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, sizes=[8])
     n_before = len(fleet.log)
     x, ids, weights, scales = _layer(8, seed=6)
-    rnd = LowLatencyRound(rt)
+    rnd = rt.round
     d = rnd.dispatch(x, ids, weights, agreed_tokens=None)
     assert fleet.handles_created == 2 and fleet.handles_alive == 2
     fresh = fleet.handles[-1]
@@ -255,12 +258,12 @@ def test_size_above_every_pooled_size_runs_eagerly_on_a_fresh_handle():
 def test_fresh_handle_is_destroyed_by_end_without_combine():
     rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN)
     x, ids, weights, _ = _layer(6, seed=8)
-    rt.pool.begin(ids, weights, agreed_tokens=None)
+    rt.round.dispatch(x, ids, weights, agreed_tokens=None)
     assert fleet.handles_alive == 1
-    rt.pool.end()
+    rt.round.end()
     assert fleet.handles_alive == 0
-    with pytest.raises(HandlePoolError, match="without HandlePool.begin"):
-        rt.pool.dispatch(x)
+    with pytest.raises(HandlePoolError, match="without a dispatch in flight"):
+        rt.round.combine(torch.zeros(1, 6, HIDDEN), torch.empty_like(x))
 
 
 # ------------------------------------------------------------------ limits
@@ -268,9 +271,9 @@ def test_fresh_handle_is_destroyed_by_end_without_combine():
 def test_over_capacity_names_max_num_batched_tokens(algorithm):
     rt, fleet = build_fake_runtime(algorithm, hidden=HIDDEN, capacity=16, sizes=[16])
     n_before = len(fleet.log)
-    _, ids, weights, _ = _layer(17, seed=9)
+    x, ids, weights, _ = _layer(17, seed=9)
     with pytest.raises(DispatchCapacityError, match="--max-num-batched-tokens") as exc:
-        rt.pool.begin(ids, weights)
+        rt.round.planner.plan(x, ids, weights)
     assert isinstance(exc.value, FlashInferEPConfigError)
     assert "17 tokens" in str(exc.value) and "16 tokens per rank" in str(exc.value)
     assert len(fleet.log) == n_before  # refused before any collective
@@ -295,9 +298,9 @@ def test_top_k_limits_per_algorithm():
 
 def test_routing_with_another_top_k_is_refused():
     rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, top_k=2, sizes=[4])
-    _, ids, weights, _ = _layer(4, seed=10, top_k=3)
+    x, ids, weights, _ = _layer(4, seed=10, top_k=3)
     with pytest.raises(HandlePoolError, match="built for top_k=2, got routing with top_k=3"):
-        rt.pool.begin(ids, weights)
+        rt.round.dispatch(x, ids, weights)
 
 
 def test_destroy_releases_every_handle():
@@ -365,19 +368,19 @@ def test_stream_state_joins_side_streams_and_skips_the_capture_query_on_stream_0
     stubbed): torch's legacy default stream is the handles' own and cannot be captured, so
     it needs neither a join nor a capture query; a side stream joins outside capture and
     never under it."""
-    from vllm_flashinfer_ep.runtime import handle_pool as hp
+    from vllm_flashinfer_ep.runtime import streams as hs
 
     rt, _ = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=2048, sizes=[4])
-    pool = rt.pool
-    pool._cuda, pool._handle_raw_stream = True, 0
+    streams = rt.pool.streams
+    streams.cuda, streams.raw = True, 0
     queries = []
     state = {"stream": 0, "capturing": False}
-    monkeypatch.setattr(hp, "current_raw_stream", lambda device: state["stream"])
+    monkeypatch.setattr(hs, "current_raw_stream", lambda device: state["stream"])
     monkeypatch.setattr(
-        hp, "current_stream_capturing", lambda: queries.append(1) or state["capturing"]
+        hs, "current_stream_capturing", lambda: queries.append(1) or state["capturing"]
     )
-    assert pool._stream_state() == (False, False) and queries == []
+    assert streams.state() == (False, False) and queries == []
     state["stream"] = 7
-    assert pool._stream_state() == (False, True)
+    assert streams.state() == (False, True)
     state["capturing"] = True
-    assert pool._stream_state() == (True, False) and len(queries) == 2
+    assert streams.state() == (True, False) and len(queries) == 2

@@ -11,7 +11,7 @@ from tests.helpers import reduce_received_rows, scale_expert_rows
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 
 HIDDEN = 2048
 NUM_EXPERTS = 8
@@ -94,7 +94,7 @@ def test_ll_expert_rows_are_the_routed_tokens():
         n = int(d.expert_num_tokens[e])
         assert n == tokens.numel()
         assert_same_rows((d.expert_x[e, :n],), (x[tokens],))
-    rt.pool.end()
+    rt.round.end()
 
 
 def test_ll_apply_router_weight_on_input_top_1():
@@ -250,4 +250,4 @@ def test_strided_activations_work_and_strided_output_is_refused():
     bad_out = torch.empty(HIDDEN, 6, dtype=torch.bfloat16).t()
     with pytest.raises(FlashInferEPConfigError, match="contiguous"):
         rnd.combine(d.expert_x, bad_out)
-    rt.pool.end()
+    rt.round.end()

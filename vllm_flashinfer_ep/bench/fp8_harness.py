@@ -11,7 +11,7 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.fp8_run import modes
 from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress
 from vllm_flashinfer_ep.bench.results import Row
-from vllm_flashinfer_ep.runtime import handle_pool
+from vllm_flashinfer_ep.runtime import pool_sizes
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
@@ -37,7 +37,7 @@ class Fp8Harness(TimedModes):
             self.ht
         ):  # as the HT manager: eager buckets up to the capacity, FP8 by vLLM's quantization
             spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
-            sizes = handle_pool.pool_sizes(Algorithm.HIGH_THROUGHPUT, capacity)
+            sizes = pool_sizes.pool_sizes(Algorithm.HIGH_THROUGHPUT, capacity)
             self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, sizes)
             self.rt.enable_fp8_wire(receive_quant.group_quantize)
         else:  # as the LL manager under graphs: one pooled handle per step size

@@ -2,7 +2,7 @@
 
 For each hidden size: a fleet sized for `--capacity` tokens per rank, and a pool of the
 sizes a served engine warms (vLLM's default CUDA-graph capture sizes up to the capacity,
-plus the eager buckets above them, handle_pool.bucket_sizes). Memory is read
+plus the eager buckets above them, pool_sizes.bucket_sizes). Memory is read
 device-wide (`torch.cuda.mem_get_info`: everything NCCL-EP allocates, natively or
 through torch) and in torch's allocator at four points:
   before      no fleet yet

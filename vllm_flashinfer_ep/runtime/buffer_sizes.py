@@ -176,6 +176,6 @@ def vllm_default_capture_sizes(max_num_seqs: int = 256, max_size: int = 512) -> 
 
 def served_pool_sizes(capacity: int) -> list[int]:
     """The sizes a served LL engine with default capture sizes warms for `capacity`."""
-    from vllm_flashinfer_ep.runtime.handle_pool import pool_sizes
+    from vllm_flashinfer_ep.runtime.pool_sizes import pool_sizes
 
     return pool_sizes("low_latency", capacity, vllm_default_capture_sizes())

@@ -86,6 +86,7 @@ class EPRuntime:
         return self.pool.capacity
 
     def destroy(self) -> None:
+        self.round.end()
         self.pool.destroy()
 
 

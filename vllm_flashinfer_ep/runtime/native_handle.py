@@ -15,8 +15,8 @@ keeps the memory alive for the call). A descriptor describes exactly its key's m
 any later tensor at that address with that dtype and shape reuses it, whatever allocator
 churn happened in between, and the memo never pins memory. `NativeEager` issues update,
 dispatch and combine with those descriptors for pooled LL rounds on the handle's own
-stream outside capture (handle_pool.HandlePool.begin_dispatch); captured rounds, padded
-ones, fresh handles, joins and HT stay FlashInfer's. It writes into the receive buffer
+stream outside capture (runtime/round_plan.py chooses it; runtime/issuers.py lists the
+issuers); captured rounds, padded ones, fresh handles, joins and HT stay FlashInfer's. It writes into the receive buffer
 and counters FlashInfer's own dispatch returned (recorded from the first FlashInfer
 dispatch), so captured and eager rounds share them as before.
 
@@ -164,10 +164,10 @@ class NativeEager:
         # round's combine.
         self._keep_dispatch = (ids, topk_ids)
 
-    def dispatch(self, handle: Any, x: torch.Tensor) -> tuple:
-        """Dispatch `x` (BF16) on `handle`'s routing into FlashInfer's receive buffer;
-        returns (received rows, None, per-expert counts) like fp8_wire's (tokens,
-        scales, counts)."""
+    def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None) -> tuple:
+        """Dispatch `x` (BF16; `scales` must be None) on `handle`'s routing into
+        FlashInfer's receive buffer; returns (received rows, None, per-expert counts) like
+        fp8_wire's (tokens, scales, counts)."""
         ep, native, stream = handle._ep, handle._handle, self.stream
         configs = self._configs_for(ep)
         inputs = self.memo.bundle(ep.DispatchInputs, ep, tokens=x)
@@ -202,9 +202,16 @@ class NativeEager:
         return configs
 
     def combine(
-        self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor, weights: torch.Tensor
+        self,
+        handle: Any,
+        expert_out: torch.Tensor,
+        out: torch.Tensor | None,
+        weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Combine `expert_out` into `out`, weighted by `weights` (the handle's bound ones)."""
+        """Combine `expert_out` into `out` (allocated when None), weighted by `weights`
+        (the rows the handle bound)."""
+        if out is None:
+            out = expert_out.new_empty(weights.shape[0], expert_out.shape[-1])
         ep, memo = handle._ep, self.memo
         inputs = memo.bundle(ep.CombineInputs, ep, tokens=expert_out)
         outputs = memo.bundle(ep.CombineOutputs, ep, tokens=out, topk_weights=weights)

@@ -1,6 +1,10 @@
 """One MoE layer's transport round (dispatch, then combine), engine-agnostic.
 
-A runtime holds one round, shared by every layer of its shape; the vLLM
+The path of one layer: `Round.dispatch` checks the activations, asks the planner for the
+round's plan (runtime/round_plan.py: handle, size, padding, stream, wire, issuer), which
+issues update and dispatch (runtime/issuers.py); the algorithm's view of what arrived
+goes back to the caller; `combine` issues the combine on the same plan and ends it.
+A runtime holds one Round, shared by every layer of its shape; the vLLM
 prepare/finalize classes are thin adapters over it, and the benchmark and the GPU tests
 drive the same code without vLLM.
 
@@ -16,10 +20,11 @@ from typing import Any, Protocol
 import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError, HandlePoolError
 from vllm_flashinfer_ep.runtime.fleet import FleetSpec
 from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Received, HtFp8Wire
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL, HandlePool
+from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL, Planner, RoundPlan
 
 
 class RoundRuntime(Protocol):
@@ -79,13 +84,27 @@ def router_weights(
 
 
 class Round:
-    """One transport round over a runtime: checks, routing bound to a handle, dispatch;
-    then combine into the caller's output, which ends the round."""
+    """One transport round over a runtime, layer after layer: checks, then a plan
+    (runtime/round_plan.py) that binds the routing and dispatches; the combine into the
+    caller's output ends it. At most one round is in flight per runtime."""
 
     def __init__(self, runtime: RoundRuntime) -> None:
         self.runtime = runtime
-        self._pool = runtime.pool
+        self.planner = Planner(runtime.pool)
         self._hidden = runtime.spec.hidden_size
+        self._inflight: RoundPlan | None = None
+
+    @property
+    def in_flight(self) -> RoundPlan | None:
+        """The plan of the round between its dispatch and its combine, else None."""
+        return self._inflight
+
+    @property
+    def sent_per_rank(self) -> int | None:
+        """Rows every EP rank dispatched in the round in flight, when known (a pooled
+        round's size, padding included); None between rounds and on a fresh handle."""
+        plan = self._inflight
+        return plan.sent_per_rank if plan is not None else None
 
     def dispatch(
         self,
@@ -97,10 +116,10 @@ class Round:
         apply_router_weight_on_input: bool = False,
         fp8: bool = False,
     ) -> Any:
-        """Bind this layer's routing to a handle and dispatch; the algorithm's view of
-        what arrived (`_received`). `agreed_tokens`: see HandlePool.begin. `fp8`: FP8 on
-        the wire (the runtime's `fp8_wire` must be enabled; HT quantizes a1 here, after
-        the router weights, with the wire's quantizer)."""
+        """Plan this layer's round, bind its routing and dispatch; the algorithm's view of
+        what arrived (`_received`). `agreed_tokens`: see round_plan.Planner.plan. `fp8`:
+        FP8 on the wire (the runtime's `fp8_wire` must be enabled; HT quantizes a1 here,
+        after the router weights, with the wire's quantizer)."""
         # Host-bound in eager mode: the checks run in full only when one fails.
         if a1.dtype != torch.bfloat16 or a1.dim() != 2 or a1.shape[1] != self._hidden:
             check_activations(a1, self.runtime)
@@ -109,7 +128,6 @@ class Round:
         weights = topk_weights
         if apply_router_weight_on_input:
             a1, weights = router_weights(a1, topk_weights, True)
-        pool = self._pool
         wire = scales = None
         if fp8:
             wire = self.runtime.fp8_wire
@@ -118,22 +136,33 @@ class Round:
             quantize = getattr(wire, "quantize", None)  # HT: forwarded as quantized here
             if quantize is not None:
                 a1, scales = quantize(a1)
-        out = pool.begin_dispatch(a1, topk_ids, weights, agreed_tokens, wire, scales)
+        if self._inflight is not None:  # a layer failed between its dispatch and combine
+            self.end()
+        plan = self._inflight = self.planner.plan(a1, topk_ids, weights, agreed_tokens, wire)
         try:
-            return self._received(out)
+            return self._received(plan.dispatch(a1, scales))
         except BaseException:
-            pool.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
+            self.end()  # no round state (padding, a fresh handle) outlives a failed dispatch
             raise
+
+    def end(self) -> None:
+        """Abandon the round in flight, if any (a fresh handle is destroyed)."""
+        plan, self._inflight = self._inflight, None
+        if plan is not None:
+            plan.end()
 
     def _received(self, out: Any) -> Any:
         raise NotImplementedError
 
     def _combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
         """Combine into `output` (in place when given); ends the round."""
+        plan, self._inflight = self._inflight, None
+        if plan is None:
+            raise HandlePoolError("combine called without a dispatch in flight")
         if output is not None and not output.is_contiguous():
-            self._pool.end()
+            plan.end()
             _refuse_output(output)
-        return self._pool.combine_end(expert_out, output)
+        return plan.combine(expert_out, output)
 
 
 class LowLatencyRound(Round):

@@ -117,7 +117,7 @@ def senders_tokens(
     """The most tokens any sender dispatches in this forward.
 
     `sent_per_rank`: what every rank dispatched this round when the transport knows it
-    (a pooled round: its handle's size, padding included; HandlePool.sent_per_rank).
+    (a pooled round: its handle's size, padding included; rounds.Round.sent_per_rank).
     Otherwise, one sender (world 1): this rank's own count; several: the largest count in
     vLLM's DP metadata for the forward (every rank's tokens; CUDA graphs pad them to one
     size), at most `capacity`, the LL capacity per rank (the bound the buffer was sized

@@ -199,7 +199,7 @@ def ll_memory_verdict(
     `shape`: (LL hidden size, physical experts, top_k), `ModelShape.ll_fleet_shape`;
     `total_memory`: GPU memory in bytes (`device_memory_bytes`), None where no GPU is
     visible (then nothing is checked and the summary says so). The estimate includes
-    the handle pool a served engine warms (runtime/handle_pool.py buckets above vLLM's
+    the handle pool a served engine warms (runtime/pool_sizes.py buckets above vLLM's
     default capture sizes).
     """
     hidden, experts, top_k = shape

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import handle_pool
+from vllm_flashinfer_ep.runtime import pool_sizes
 
 logger = get_logger(__name__)
 
@@ -49,7 +49,7 @@ def apply(compilation_config, backend: str, data_parallel_size: int) -> Decision
 
     current = compilation_config.cudagraph_mode
     before = current.name if current is not None else CUDAGraphMode.NONE.name
-    off = HT_REASON if algorithm is Algorithm.HIGH_THROUGHPUT else handle_pool.unavailable_reason()
+    off = HT_REASON if algorithm is Algorithm.HIGH_THROUGHPUT else pool_sizes.unavailable_reason()
     if off is None:
         decision = Decision(backend, before, before, KEEP_REASON)
     else:

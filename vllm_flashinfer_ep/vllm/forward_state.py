@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 
 
 def agreed_token_count(
@@ -52,7 +52,7 @@ def agreed_token_count(
             "on a handle. Please report this with the vLLM command line."
         )
     if capacity is not None and agreed > capacity:
-        from vllm_flashinfer_ep.runtime.handle_pool import LARGEST_RANK, over_capacity
+        from vllm_flashinfer_ep.runtime.round_plan import LARGEST_RANK, over_capacity
 
         raise over_capacity(agreed, capacity, LARGEST_RANK)
     if max_spread is not None and counts and agreed - min(counts) > max_spread:

@@ -20,7 +20,7 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import env_checks, handle_pool, rank_agreement
+from vllm_flashinfer_ep.runtime import env_checks, pool_sizes, rank_agreement
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
@@ -155,7 +155,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         if self.algorithm != Algorithm.LOW_LATENCY:
             # HT: ranks far apart in tokens run per-forward handles (forward_state.py).
             agreement = partial(
-                agreed_token_count, max_spread=handle_pool.HT_MAX_PAD, capacity=runtime.capacity
+                agreed_token_count, max_spread=pool_sizes.HT_MAX_PAD, capacity=runtime.capacity
             )
         return cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
 
@@ -194,13 +194,13 @@ class _FlashInferEPManager(All2AllManagerBase):
 
     def _pool_sizes(self, capacity: int) -> list[int]:
         """vLLM's capture sizes, plus buckets that cover every eager step up to the fleet
-        capacity (handle_pool.bucket_sizes), so no forward creates a handle. HT is never
+        capacity (runtime/pool_sizes.py), so no forward creates a handle. HT is never
         captured: buckets alone, padding at most HT_MAX_PAD rows."""
-        reason = handle_pool.unavailable_reason()
+        reason = pool_sizes.unavailable_reason()
         if reason is not None:
             logger.info("%s: no persistent handle pool: %s", self.backend_name, reason)
             return []
-        return handle_pool.pool_sizes(
+        return pool_sizes.pool_sizes(
             self.algorithm, capacity, pool_sizes_from_config(self._vllm_config)
         )
 

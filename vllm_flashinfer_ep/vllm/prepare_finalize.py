@@ -35,7 +35,7 @@ from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
 from vllm_flashinfer_ep.runtime.fp8_wire import Quantizer
-from vllm_flashinfer_ep.runtime.handle_pool import LOCAL
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, receive_quant
 
 AgreementFn = Callable[[int], "int | str | None"]
@@ -130,8 +130,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             fused_experts, "--all2all-backend flashinfer_ep_low_latency", True
         )
         batched_tiles.install(fused_experts)
-        pool = self.runtime.pool
-        compact_experts.install(fused_experts, lambda: pool.sent_per_rank)
+        rnd = self._round
+        compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
