@@ -1,4 +1,4 @@
-"""Block-FP8 received-rows LL experts (vllm/compact_experts.py) against vLLM's batched FP8 kernel (GPU).
+"""FP8 received-rows LL experts (vllm/compact_experts_fp8.py) against vLLM's batched FP8 kernel (GPU).
 
 A 128x128 block-FP8 layer (E4M3 weights, FP32 scales per 128x128 block, dynamic
 activation groups of 128: vLLM's `fp8_w8a8_moe_quant_config(..., block_shape=[128, 128])`)
@@ -21,6 +21,7 @@ order of the FP32 sums inside a K group: it flips a BF16 rounding of GEMM1's out
 and then, which flips an E4M3 rounding of the intermediate more rarely still. That is
 noise of order 1e-3 at most; a wrong scale view, row or block shape is off by O(1).
 Printed values (pytest -s) say how far below the bound the H200 lands.
+Per-tensor and per-channel layers: the second half of this module.
 Needs the real vLLM runtime on the GPU (docs/device_vllm.md).
 """
 
@@ -281,3 +282,250 @@ def test_listed_rows_quantize_to_the_bytes_of_the_whole_buffer(vllm_env):  # noq
     assert rows.numel() == int(counts.sum())
     assert torch.equal(q.view(torch.uint8)[rows], whole_q.view(torch.uint8)[rows])
     assert torch.equal(s[rows], whole_s[rows])
+
+
+# ------------------------------------------------- per-tensor and per-channel FP8 layers
+# vllm/compact_experts_fp8.py: per-tensor (one weight scale per expert, a dynamic or static
+# activation scale) and per-channel (per-output-channel weight scales, per-token dynamic
+# activations; also per-tensor weights with per-token activations) against vLLM's
+# batched kernel on the same receive buffer, which the LL prepare quantizes as it does in
+# serving (vllm/receive_quant.py). Bound and reasoning as for block FP8 (module
+# docstring): the same E4M3 bytes and FP32 scales on both sides, the same FP32 products
+# (accumulator x activation scale x weight scale); the tile, and so the order of the FP32
+# sums, differs. A dynamic per-tensor intermediate scale is per expert eagerly and one
+# over every received row inside a graph, on both sides: eager runs are compared with
+# eager ones, graph replays with vLLM's batched experts replayed in their own graph.
+SCHEMES = ["tensor-dynamic", "tensor-static", "token-channel", "token-tensor"]
+STATIC_A1, STATIC_A2 = 0.025, 0.05  # about max |x| / 448 of the rows and intermediates here
+
+
+def _scheme_quant_config(kind: str, seed: int):
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = (
+        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5
+    ).bfloat16()
+    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5).bfloat16()
+    weights = "token" if kind == "token-channel" else "tensor"  # per channel / per expert
+    q1, s1 = _quantize_weight(w1, weights)
+    q2, s2 = _quantize_weight(w2, weights)
+    static = kind == "tensor-static"
+    qc = fp8_w8a8_moe_quant_config(
+        s1,
+        s2,
+        a1_scale=torch.tensor([STATIC_A1], device="cuda") if static else None,
+        a2_scale=torch.tensor([STATIC_A2], device="cuda") if static else None,
+        per_act_token_quant=kind.startswith("token"),
+        per_out_ch_quant=kind == "token-channel",
+    )
+    return q1, q2, qc
+
+
+class SchemeProblem:
+    """A per-tensor or per-channel layer, the BF16 receive buffer and what the LL prepare
+    makes of it (E4M3 rows and their scales), reused in place so a graph sees new rows."""
+
+    def __init__(self, kind: str, seed: int) -> None:
+        self.kind = kind
+        self.q1, self.q2, self.qc = _scheme_quant_config(kind, seed)
+        dev = torch.device("cuda", 0)
+        self.x = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=torch.bfloat16)
+        self.xq = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=FP8)
+        scale_rows = ROWS if kind.startswith("token") else 1
+        self.xs = torch.empty(EXPERTS, scale_rows, 1, device=dev, dtype=torch.float32)
+        self.counts = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
+        self.ws13 = torch.empty(
+            EXPERTS * ROWS * max(2 * INTER, HIDDEN), device=dev, dtype=torch.bfloat16
+        )
+        self.ws2 = torch.empty(EXPERTS * ROWS * 2 * INTER, device=dev, dtype=torch.bfloat16)
+
+    def load(self, counts: torch.Tensor, seed: int) -> None:
+        from vllm_flashinfer_ep.vllm import receive_quant
+
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        loud = 1 + 8 * torch.rand(EXPERTS, ROWS, 1, device="cuda", generator=gen)
+        x = (torch.randn(EXPERTS, ROWS, HIDDEN, device="cuda", generator=gen) * loud / 4).bfloat16()
+        x[~Problem.received(counts)] = float("nan")
+        self.x.copy_(x)
+        self.counts.copy_(counts)
+        xq, xs = receive_quant.quantize_expert_buffer(self.x, self.counts, self.qc, False)
+        self.xq.copy_(xq)
+        self.xs.copy_(xs.view(self.xs.shape))
+
+    def run(self, experts, tokens: int, output: torch.Tensor, arrival: str = "prepared") -> None:
+        _, mk, act, *_ = _modules()
+        hidden, scales = (self.x, None) if arrival == "bf16" else (self.xq, self.xs)
+        experts.apply(
+            output=output,
+            hidden_states=hidden,
+            w1=self.q1,
+            w2=self.q2,
+            topk_weights=torch.ones(tokens, TOP_K, device="cuda"),
+            topk_ids=torch.zeros(tokens, TOP_K, dtype=torch.int64, device="cuda"),
+            activation=act.SILU,
+            global_num_experts=EXPERTS,
+            expert_map=None,
+            a1q_scale=scales,
+            a2_scale=experts.a2_scale,  # what vLLM's modular kernel passes
+            workspace13=self.ws13,
+            workspace2=self.ws2,
+            expert_tokens_meta=mk.ExpertTokensMetadata(
+                expert_num_tokens=self.counts, expert_num_tokens_cpu=None
+            ),
+            apply_router_weight_on_input=False,
+        )
+
+
+def _takes_the_path(experts, p: SchemeProblem, arrival: str) -> None:
+    """The wrapper's decision for this layer (not a silent fall back to vLLM's kernel)."""
+    from vllm_flashinfer_ep.vllm import compact_experts, compact_experts_fp8
+
+    _, mk, act, *_ = _modules()
+    hidden, scales = (p.x, None) if arrival == "bf16" else (p.xq, p.xs)
+    kw = {
+        "hidden_states": hidden,
+        "output": torch.empty(EXPERTS, ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16),
+        "w1": p.q1,
+        "w2": p.q2,
+        "a1q_scale": scales,
+        "a2_scale": experts.a2_scale,
+        "activation": act.SILU,
+        "expert_tokens_meta": mk.ExpertTokensMetadata(
+            expert_num_tokens=p.counts, expert_num_tokens_cpu=None
+        ),
+    }
+    want = "token" if p.kind.startswith("token") else "tensor"
+    assert compact_experts._eligible(experts, kw)
+    assert compact_experts_fp8.scheme(experts, kw) == want
+
+
+SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [
+    ("token-channel", "bf16"),
+    ("token-tensor", "bf16"),
+]
+
+
+@pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
+@pytest.mark.parametrize(("tokens", "counts", "sent"), CASES)
+def test_per_tensor_and_per_channel_received_rows_match_vllm_s_batched_kernel(
+    vllm_env,  # noqa: F811
+    kind,
+    arrival,
+    tokens,
+    counts,
+    sent,
+):
+    p = SchemeProblem(kind, seed=tokens + int(counts.sum()))
+    p.load(counts, seed=7 * tokens + 3)
+    want = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = want.clone()
+    p.run(_experts(p.qc, compact=False), tokens, want)  # the prepare's E4M3 buffer
+    compact = _experts(p.qc, compact=True, sent_per_rank=(lambda: sent) if sent else None)
+    _takes_the_path(compact, p, arrival)
+    p.run(compact, tokens, got, arrival)
+    torch.cuda.synchronize()
+    assert _rel(counts, got, want, f"{kind} {arrival} T={tokens}") < BOUND
+    assert torch.isnan(got[~Problem.received(counts)].float()).all()  # nothing else written
+
+
+@pytest.mark.parametrize("kind", SCHEMES)
+def test_per_tensor_and_per_channel_experts_without_rows_write_nothing(vllm_env, kind):  # noqa: F811
+    p = SchemeProblem(kind, seed=1)
+    p.load(torch.zeros(EXPERTS, dtype=torch.int32), seed=1)
+    got = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    p.run(_experts(p.qc, compact=True), 1, got)
+    torch.cuda.synchronize()
+    assert torch.isnan(got.float()).all()
+
+
+@pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
+def test_captured_per_tensor_and_per_channel_experts_follow_new_counts_and_rows(
+    vllm_env,  # noqa: F811
+    kind,
+    arrival,
+):
+    """Both sides captured, each in its own graph (vLLM's batched experts quantize the
+    intermediate in-graph as they do in serving), and replayed with new rows and counts,
+    the edges included."""
+    p = SchemeProblem(kind, seed=5)
+    tokens = ROWS  # a list that can cover the edge counts
+    compact, batched = _experts(p.qc, compact=True), _experts(p.qc, compact=False)
+    got = torch.zeros(EXPERTS, ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    want = torch.zeros_like(got)
+    p.load(_routed_counts(32, 10), seed=10)
+    compact_graph = capture_graph(lambda: p.run(compact, tokens, got, arrival))
+    batched_graph = capture_graph(lambda: p.run(batched, tokens, want))
+    for seed, counts in (
+        (11, _routed_counts(32, 11)),
+        (12, _edge_counts()),
+        (13, _routed_counts(1, 13)),
+    ):
+        p.load(counts, seed=seed)
+        compact_graph.replay()
+        batched_graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(counts, got, want, f"{kind} {arrival} graph replay {seed}") < BOUND
+    del compact_graph, batched_graph
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "in-graph"])
+def test_per_tensor_listed_rows_get_vllm_s_dynamic_quantization(vllm_env, monkeypatch, in_graph):  # noqa: F811
+    """On the real CUDA ops: the per-tensor scale taken here (max |x| / 448 over an
+    expert's listed rows, or over all of them in a graph) and vLLM's static quantization
+    with it give the bytes and scales vLLM's own dynamic per-tensor quantization gives the
+    rows vLLM's batched experts quantize (per expert eagerly; the buffer, rows past the
+    counts zeroed, in a graph). Per-token rows: the bytes of the whole buffer's."""
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
+    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+
+    from vllm_flashinfer_ep.vllm.compact_experts_fp8 import (
+        quantize_listed_rows,
+        quantize_listed_rows_per_tensor,
+    )
+
+    monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: in_graph)
+    _, _, qc = _scheme_quant_config("tensor-dynamic", 3)
+    counts = _edge_counts().cuda()
+    counts[TOP_K] = 3
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    loud = 1 + 100 * torch.rand(EXPERTS, ROWS, 1, device="cuda", generator=gen)
+    x = (torch.randn(EXPERTS, ROWS, INTER, device="cuda", generator=gen) * loud).bfloat16()
+    received = Problem.received(counts)
+    x[~received] = float("nan")
+    for tokens in (13, EXPERTS * ROWS):  # a gathered list, and one as long as the buffer
+        listed, _, _ = _blocks(counts, _max_blocks_for(tokens))
+        q, s = quantize_listed_rows_per_tensor(x.view(-1, INTER), listed, ROWS, qc, None)
+        q, s = q.view(EXPERTS, ROWS, INTER), s.reshape(EXPERTS, ROWS)
+        if in_graph:
+            whole = torch.where(received[..., None], x, torch.zeros_like(x))
+            vq, vs = moe_kernel_quantize_input(whole.view(-1, INTER), None, FP8, False, None)
+            vq = vq.view(EXPERTS, ROWS, INTER)
+            assert torch.equal(q.view(torch.uint8)[received], vq.view(torch.uint8)[received])
+            assert torch.equal(s[received], vs.expand(int(received.sum())))
+            continue
+        for e in torch.nonzero(counts).flatten().tolist():
+            n = int(counts[e])
+            vq, vs = moe_kernel_quantize_input(x[e, :n].contiguous(), None, FP8, False, None)
+            assert torch.equal(q[e, :n].view(torch.uint8), vq.view(torch.uint8)), (tokens, e)
+            assert torch.equal(s[e, :n], vs.expand(n)), (tokens, e)
+    # Per token: each row on its own, the listed rows as in the whole buffer.
+    _, _, token_qc = _scheme_quant_config("token-channel", 3)
+    listed, _, _ = _blocks(counts, _max_blocks_for(13))
+    q, s = quantize_listed_rows(x.view(-1, INTER), listed, token_qc)
+    whole_q, whole_s = moe_kernel_quantize_input(x.view(-1, INTER), None, FP8, True, None)
+    rows = listed[listed < EXPERTS * ROWS].long()
+    assert torch.equal(q.view(torch.uint8)[rows], whole_q.view(torch.uint8)[rows])
+    assert torch.equal(s[rows], whole_s[rows])
+
+
+def _max_blocks_for(tokens: int, block_m: int = 16) -> int:
+    from vllm_flashinfer_ep.vllm.compact_experts import max_blocks
+
+    return max_blocks(tokens * TOP_K, EXPERTS, ROWS, block_m)
+
+
+def _blocks(counts: torch.Tensor, bound: int, block_m: int = 16):
+    from vllm_flashinfer_ep.vllm.compact_experts import expert_blocks
+
+    return expert_blocks(counts, ROWS, block_m, bound)

@@ -1,4 +1,4 @@
-"""Block-FP8 LL experts over the received rows only (vllm/compact_experts.py), on CPU.
+"""Block-FP8 LL experts over the received rows only (vllm/compact_experts_fp8.py), on CPU.
 
 Which FP8 layers take the received-rows path is decided from vLLM's own
 FusedMoEQuantConfig objects (`fp8_w8a8_moe_quant_config`), one per FP8 scheme vLLM's
@@ -13,7 +13,8 @@ document:
 - `per_token_group_quant_fp8` (fp8_utils.py, called by vLLM's `moe_kernel_quantize_input`):
   amax / 448 per 128 elements, and records what it was asked to quantize.
 The real kernels are compared with vLLM's batched FP8 experts on the GPU
-(tests/kernels/test_compact_experts_fp8_gpu.py).
+(tests/kernels/test_compact_experts_fp8_gpu.py). Per-tensor and per-channel layers:
+tests/unit/test_compact_experts_fp8_schemes.py.
 """
 
 from __future__ import annotations
@@ -382,9 +383,15 @@ def _block_qc(seed=0):
 @pytest.mark.parametrize(
     "kind", ["tensor-dynamic", "tensor-static", "token-channel", "channel-tensor"]
 )
-def test_per_tensor_and_per_channel_fp8_keep_vllm_s_batched_kernel(kind):
+def test_other_fp8_layers_with_block_scales_keep_vllm_s_batched_kernel(kind):
+    """Per-tensor and per-channel layers take the path with their own activation scales
+    (tests/unit/test_compact_experts_fp8_schemes.py), not with 128-element group scales;
+    per-channel weights with per-tensor activations not at all."""
     experts = _experts(_qc(kind), install=False)
-    for hidden_dtype, scales in ((FP8, "per-expert"), (FP8, "rows"), (torch.bfloat16, "none")):
+    arrivals = [(FP8, "rows")]
+    if kind == "channel-tensor":
+        arrivals += [(FP8, "per-expert"), (torch.bfloat16, "none")]
+    for hidden_dtype, scales in arrivals:
         assert not compact_experts._eligible(
             experts, _eligible_kw(experts.quant_config, hidden_dtype, scales)
         )
@@ -483,9 +490,9 @@ def test_ineligible_calls_reach_vllm_s_own_apply_and_the_kill_switch_holds(monke
     (q1, _, _), (q2, _, _) = _block_weights(1)
     counts = torch.tensor([1] + [0] * (EXPERTS - 1), dtype=torch.int32)
     hidden = torch.zeros(EXPERTS, CAP, HIDDEN, dtype=FP8)
-    per_tensor = _experts(_qc("tensor-dynamic"))
-    _call(per_tensor, hidden, torch.ones(EXPERTS, 1, 1), q1, q2, counts, 1)
-    assert per_tensor.own_applies == 1 and not rec.gemms
+    channel_tensor = _experts(_qc("channel-tensor"))
+    _call(channel_tensor, hidden, torch.ones(EXPERTS, 1, 1), q1, q2, counts, 1)
+    assert channel_tensor.own_applies == 1 and not rec.gemms
     monkeypatch.setattr(compact_experts, "ENABLED", False)
     assert not compact_experts.install(_experts(_block_qc(), install=False))
 

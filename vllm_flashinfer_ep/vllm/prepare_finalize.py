@@ -115,8 +115,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
         so the experts must leave weighting to the prepare/finalize; expert biases are
         refused (neither experts path applies them). vLLM's batched Triton
-        experts compute only the received rows when unquantized (128x128 block FP8 too,
-        once compact_experts.FP8_ENABLED is on; vllm/compact_experts.py) and otherwise get
+        experts compute only the received rows when unquantized (block, per-channel and
+        per-tensor FP8 too, once compact_experts.FP8_ENABLED is on;
+        vllm/compact_experts.py) and otherwise get
         their tile per batch (vllm/batched_tiles.py): instance patches of vllm/patches,
         applied to this experts object."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
