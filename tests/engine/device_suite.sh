@@ -57,8 +57,9 @@ for step in "${steps[@]}"; do
       grep -E "k=|passed|failed|Error" "$out/pytest-$step.txt" | tail -8 ;;
     compact)  # the LL experts (received rows, and vLLM's batched kernel) against vLLM
       python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
-        -p no:cacheprovider -rs -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
-      tail -15 "$out/pytest-compact.txt" ;;
+        tests/kernels/test_block_list_gpu.py \
+        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
+      grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
     padding)  # eager rounds padded onto pooled handles, and the pool under graphs (real NCCL-EP)
       python3 -m pytest tests/kernels/test_transport_gpu.py -k "pad or pool_cuda_graph or unwarmed" \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-padding.txt" 2>&1 || rc=1

@@ -1,0 +1,140 @@
+"""The (expert, BLOCK_M rows) block list of the received-rows experts, from the counts.
+
+Why: the received-rows experts (vllm/compact_experts.py) build, per MoE layer and per
+forward, the list of blocks vLLM's fused-MoE kernel reads. Built from torch ops it is
+about fifteen small kernels per layer (a cumsum, a searchsorted, gathers, compares,
+casts); inside a captured decode step each is a kernel node of its own, launched for
+every MoE layer, and launches, not bytes, are their cost. `fused_expert_blocks` builds the
+same three tensors in one Triton kernel.
+
+Both builders write exactly the same values (tests/unit/test_block_list.py compares them
+in Triton's interpreter on CPU; tests/kernels/test_compact_experts_gpu.py on the GPU);
+`expert_blocks` takes the fused one on CUDA tensors when `FUSED` is on, the torch one
+otherwise. `FUSED` stays off until the GPU test has run the kernel: a kernel that failed
+to compile there would fail every LL forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton comes with vLLM's CUDA builds; the torch builder serves without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without Triton
+    triton = None
+
+FUSED = False
+BLOCKS_PER_PROGRAM = 16  # blocks one program writes: [16, experts] compares fit registers
+
+
+def expert_blocks(
+    counts: torch.Tensor, rows_per_expert: int, block_m: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block list vLLM's fused-MoE kernel reads, from the received counts.
+
+    Row r of expert e's buffer slot is flat row e * rows_per_expert + r. Returns
+    (sorted_ids int32 [num_blocks * block_m]: flat rows block by block, the sentinel
+    experts * rows_per_expert where a block has no row; expert_ids int32 [num_blocks]:
+    the expert of each block, -1 past the last; blocks_rows int32 [1]: used blocks x
+    block_m, past which the kernel's programs return). Fixed shapes, no host sync."""
+    if FUSED and counts.is_cuda and triton is not None:
+        return fused_expert_blocks(counts, rows_per_expert, block_m, num_blocks)
+    return torch_expert_blocks(counts, rows_per_expert, block_m, num_blocks)
+
+
+def torch_expert_blocks(
+    counts: torch.Tensor, rows_per_expert: int, block_m: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`expert_blocks` from torch ops (any device)."""
+    experts = counts.numel()
+    dev = counts.device
+    counts = counts.to(torch.int64)
+    blocks = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(blocks, 0)
+    index = torch.arange(num_blocks, device=dev, dtype=torch.int64)
+    owner = torch.searchsorted(ends, index, right=True)
+    live = owner < experts
+    expert = owner.clamp(max=experts - 1)
+    first_block = (ends - blocks)[expert]
+    row = (index - first_block)[:, None] * block_m + torch.arange(block_m, device=dev)
+    valid = live[:, None] & (row < counts[expert][:, None])
+    sentinel = experts * rows_per_expert
+    sorted_ids = torch.where(valid, expert[:, None] * rows_per_expert + row, sentinel)
+    expert_ids = torch.where(live, expert, -1)
+    blocks_rows = (ends[-1:] * block_m).clamp(max=num_blocks * block_m)
+    return (
+        sorted_ids.reshape(-1).to(torch.int32),
+        expert_ids.to(torch.int32),
+        blocks_rows.to(torch.int32),
+    )
+
+
+def fused_expert_blocks(
+    counts: torch.Tensor, rows_per_expert: int, block_m: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`expert_blocks` in one Triton kernel launch (CUDA tensors, or any tensors under
+    Triton's interpreter)."""
+    if triton is None:
+        raise RuntimeError("fused_expert_blocks needs Triton")
+    experts = counts.numel()
+    if experts * rows_per_expert >= 2**31:
+        raise ValueError("the block list's row ids are int32")
+    dev = counts.device
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    blocks_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    grid = (triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM),)
+    _block_list_kernel[grid](
+        counts,
+        sorted_ids,
+        expert_ids,
+        blocks_rows,
+        experts,
+        rows_per_expert,
+        num_blocks,
+        BLOCK_M=block_m,
+        EXPERTS=triton.next_power_of_2(experts),
+        BLOCKS=BLOCKS_PER_PROGRAM,
+    )
+    return sorted_ids, expert_ids, blocks_rows
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_list_kernel(
+        counts_ptr,
+        sorted_ids_ptr,
+        expert_ids_ptr,
+        blocks_rows_ptr,
+        num_experts,
+        rows_per_expert,
+        num_blocks,
+        BLOCK_M: tl.constexpr,
+        EXPERTS: tl.constexpr,
+        BLOCKS: tl.constexpr,
+    ):
+        # Every program reads all counts (a few hundred at most) and writes BLOCKS blocks.
+        e = tl.arange(0, EXPERTS)
+        in_range = e < num_experts
+        counts = tl.load(counts_ptr + e, mask=in_range, other=0).to(tl.int32)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        ends = tl.cumsum(blocks, axis=0)
+        total = tl.sum(blocks, axis=0)
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        # The owner of block b: the experts whose blocks all end at or before it.
+        done = (ends[None, :] <= b[:, None]) & in_range[None, :]
+        owner = tl.sum(done.to(tl.int32), axis=1)
+        live = b < total
+        first = tl.sum(tl.where(e[None, :] < owner[:, None], blocks[None, :], 0), axis=1)
+        owned = tl.sum(tl.where(e[None, :] == owner[:, None], counts[None, :], 0), axis=1)
+        r = tl.arange(0, BLOCK_M)
+        row = (b - first)[:, None] * BLOCK_M + r[None, :]
+        valid = live[:, None] & (row < owned[:, None])
+        ids = tl.where(valid, owner[:, None] * rows_per_expert + row, num_experts * rows_per_expert)
+        writes = b < num_blocks
+        tl.store(sorted_ids_ptr + b[:, None] * BLOCK_M + r[None, :], ids, mask=writes[:, None])
+        tl.store(expert_ids_ptr + b, tl.where(live, owner, -1), mask=writes)
+        if tl.program_id(0) == 0:
+            tl.store(blocks_rows_ptr, tl.minimum(total * BLOCK_M, num_blocks * BLOCK_M))
