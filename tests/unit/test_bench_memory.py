@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from unittest import mock
 
 import pytest
@@ -59,3 +60,36 @@ def test_measure_runs_every_pooled_handle_once_on_the_fake(fake):
     assert row.handles == len(sizes) and row.capacity == 16
     table = memory.format_table([row], argparse.Namespace(num_experts=8, top_k=2))
     assert "| 2048 | 16 | 6 |" in table
+
+
+def test_each_row_is_measured_in_a_process_of_its_own(monkeypatch, capsys):
+    """NCCL-EP's first fleet of a process costs more than later ones (it loads its group
+    and kernels), and an engine worker builds its first: every row gets a fresh process."""
+    import json as json_mod
+    import subprocess
+
+    monkeypatch.setattr(memory, "refuse_without_gpu", lambda *a: False)
+    children = []
+
+    def child(command, check):
+        children.append(command)
+        args = build_parser().parse_args(["bench-memory", *command[3:]])
+        row = memory.MemoryRow(
+            args.hidden[0], args.capacity[0], 3, 1.0, 0.0, 0.0, 1.0, 2.0, 1.0, 2.0, 2.0
+        )
+        with open(args.one_row, "w") as fh:
+            json_mod.dump(memory.asdict(row), fh)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(memory.subprocess, "run", child)
+    assert memory.main(_args("--hidden", "2048,7168", "--capacity", "256,4096")) == 0
+    measured = [(c[c.index("--hidden") + 1], c[c.index("--capacity") + 1]) for c in children]
+    assert measured == [("2048", "256"), ("7168", "256"), ("2048", "4096"), ("7168", "4096")]
+    assert all(c[:3] == [sys.executable, "-m", "vllm_flashinfer_ep.bench.memory"] for c in children)
+    table = capsys.readouterr().out
+    assert "| 7168 | 4096 | 3 |" in table and "log / total" in table and "estimate / total" in table
+
+
+def test_one_row_takes_one_shape():
+    with pytest.raises(SystemExit, match="one --hidden and one --capacity"):
+        memory.validate_arguments(_args("--hidden", "2048,7168", "--one-row", "x.json"))

@@ -330,3 +330,24 @@ def test_every_ep_rank_takes_the_wire_or_none_does(build, monkeypatch, caplog):
         pf = mgr.make_prepare_finalize(_moe(), _block_qc())
     assert seen == [(1, dist.ReduceOp.MIN)] and not pf._fp8
     assert any("another EP rank" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("backend", list(managers.MANAGERS))
+def test_the_first_round_runs_at_load_on_the_smallest_pooled_handle(build, backend):
+    """FlashInfer allocates its receive buffer at a runtime's first dispatch: the manager
+    runs that round at load (every rank alike), so the load log's device-wide figure is
+    what the runtime holds. Zero rows, weight 0, routed to this rank's own experts."""
+    mgr = build(backend, _vllm_config())
+    rt = mgr.get_handle(_kwargs())
+    log = rt.fleet.log
+    created = [c for c in log if c.op == "create_handle"]
+    after = log[log.index(created[-1]) + 1 :]
+    smallest = min(rt.pool.sizes)
+    assert [(c.op, c.tokens) for c in after if c.op != "update"][:2] == [
+        ("dispatch", smallest),
+        ("combine", smallest),
+    ]
+    assert rt.round.in_flight is None and rt.pool.counters.fresh_created == 0
+    if backend == backends.Algorithm.LOW_LATENCY.backend:
+        assert rt.round.planner.native.recv is not None  # direct rounds from the first step
+    assert mgr.get_handle(_kwargs()) is rt and rt.fleet.log == log  # once per runtime

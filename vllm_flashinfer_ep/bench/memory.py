@@ -1,17 +1,17 @@
 """GPU memory of the LL fleet and its handle pool, device-wide, as vLLM would build them.
 
-For each hidden size: a fleet sized for `--capacity` tokens per rank, and a pool of the
-sizes a served engine warms (vLLM's default CUDA-graph capture sizes up to the capacity,
-plus the eager buckets above them, pool_sizes.bucket_sizes). Memory is read
-device-wide (`torch.cuda.mem_get_info`: everything NCCL-EP allocates, natively or
-through torch) and in torch's allocator at four points:
-  before      no fleet yet
-  first       after the first handle: includes NCCL-EP's lazy fleet buffers
-  handles     after every handle is created and warmed (one eager update each)
-  rounds      after one dispatch + combine on every handle (anything allocated lazily
-              at a handle's first round)
-Reported: fleet buffers (first - before), all handles (handles - first), average per
-further handle ((handles - first) / (N - 1)), round growth (rounds - handles), total.
+For each hidden size and capacity, in a process of its own (NCCL-EP's first fleet of a
+process also loads its group and kernels, which a served engine's worker pays once): the
+runtime an engine's manager builds (`build_runtime` with the served pool and its first
+round at load), then one round on every other pooled size. Memory is read device-wide
+(`torch.cuda.mem_get_info`: everything NCCL-EP allocates, natively or through torch) and
+in torch's allocator. Reported side by side:
+  fleet + 1st handle  growth up to the first handle (NCCL-EP's fleet buffers)
+  further handles     growth from the first handle to the last (average per handle too)
+  rounds              growth in the first round at load and in the later rounds
+  total               everything, device-wide (torch allocator: "torch total")
+  log says            what the engine's load log reports (the build, measured device-wide)
+  estimate            doctor's and the config check's estimate (runtime/buffer_sizes.py)
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 
 from vllm_flashinfer_ep.bench.run import refuse_without_gpu
@@ -38,13 +40,14 @@ class MemoryRow:
     hidden: int
     capacity: int
     handles: int
-    fleet_mb: float  # device-wide growth at the first handle (NCCL-EP's fleet buffers)
+    fleet_mb: float  # device-wide growth up to the first handle (NCCL-EP's fleet buffers)
     handles_mb: float  # device-wide growth from the first handle to the last
     per_handle_mb: float  # handles_mb / (handles - 1)
-    rounds_mb: float  # device-wide growth when every handle ran its first round
+    rounds_mb: float  # device-wide growth in the first round at load and the later rounds
     total_mb: float  # device-wide, before the fleet to after the rounds
     torch_total_mb: float  # the same in torch's allocator (allocated bytes)
-    pool_reported_mb: float  # what HandlePool.memory_bytes says (the engine log's figure)
+    log_mb: float  # what the engine's load log reports (EPRuntime.memory_bytes)
+    estimate_mb: float  # buffer_sizes.ll_memory_bytes: doctor's and the config check's figure
 
 
 def measure(
@@ -54,39 +57,43 @@ def measure(
 
     from vllm_flashinfer_ep.backends import Algorithm
     from vllm_flashinfer_ep.bench.reference import random_routing
+    from vllm_flashinfer_ep.runtime import buffer_sizes
     from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
     from vllm_flashinfer_ep.runtime.fleet import FleetSpec
     from vllm_flashinfer_ep.runtime.memory import memory_snapshot
 
     spec = FleetSpec(Algorithm.LOW_LATENCY, num_experts, capacity, hidden)
     before = memory_snapshot(device)
-    rt = build_runtime(fleets, spec, top_k, device, [])
-    rt.pool.warm(sizes[:1])
-    first = memory_snapshot(device)
-    rt.pool.warm(sizes)
-    handles = memory_snapshot(device)
+    rt = build_runtime(fleets, spec, top_k, device, sizes, warm_round=True)
+    built = memory_snapshot(device)
+    pool = rt.pool
+    warm_before = pool.warm_before or before
+    warm_after = pool.warm_after or built
     gen = torch.Generator(device=device).manual_seed(0)
     x_all = torch.randn(capacity, hidden, device=device, generator=gen).to(torch.bfloat16)
     out_all = torch.empty_like(x_all)
-    after_inputs = memory_snapshot(device)  # the round's own inputs are not the pool's
-    for size in rt.pool.sizes:
+    after_inputs = memory_snapshot(device)  # the rounds' own inputs are not the runtime's
+    for size in pool.sizes[1:]:  # the smallest ran its round at load
         ids, weights = random_routing(size, num_experts, top_k, device, gen)
         d = rt.round.dispatch(x_all[:size], ids, weights)
         rt.round.combine(d.expert_x, out_all[:size])
     rounds = memory_snapshot(device)
-    n = len(rt.pool.sizes)
+    n = len(pool.sizes)
     dev = 1  # index of the device-wide figure in a snapshot
+    fleet = warm_before[dev] - before[dev] + pool.first_handle_bytes
+    later = rounds[dev] - after_inputs[dev]
     row = MemoryRow(
         hidden=hidden,
         capacity=capacity,
         handles=n,
-        fleet_mb=(first[dev] - before[dev]) / MB,
-        handles_mb=(handles[dev] - first[dev]) / MB,
-        per_handle_mb=(handles[dev] - first[dev]) / MB / max(1, n - 1),
-        rounds_mb=(rounds[dev] - after_inputs[dev]) / MB,
-        total_mb=(rounds[dev] - after_inputs[dev] + handles[dev] - before[dev]) / MB,
-        torch_total_mb=(rounds[0] - after_inputs[0] + handles[0] - before[0]) / MB,
-        pool_reported_mb=rt.pool.memory_bytes / MB,
+        fleet_mb=fleet / MB,
+        handles_mb=(warm_after[dev] - before[dev] - fleet) / MB,
+        per_handle_mb=(warm_after[dev] - before[dev] - fleet) / MB / max(1, n - 1),
+        rounds_mb=(built[dev] - warm_after[dev] + later) / MB,
+        total_mb=(built[dev] - before[dev] + later) / MB,
+        torch_total_mb=(built[0] - before[0] + rounds[0] - after_inputs[0]) / MB,
+        log_mb=rt.memory_bytes / MB,
+        estimate_mb=buffer_sizes.ll_memory_bytes(capacity, hidden, num_experts, top_k, n) / MB,
     )
     rt.destroy()
     fleets.destroy()
@@ -102,13 +109,16 @@ def format_table(rows: list[MemoryRow], args: argparse.Namespace) -> str:
         "hidden",
         "capacity",
         "handles",
-        "fleet buffers",
-        "all handles",
+        "fleet + 1st handle",
+        "further handles",
         "per handle",
-        "first rounds",
+        "rounds",
         "total",
         "torch total",
-        "pool log says",
+        "log says",
+        "log / total",
+        "estimate",
+        "estimate / total",
     ]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
@@ -122,7 +132,10 @@ def format_table(rows: list[MemoryRow], args: argparse.Namespace) -> str:
             r.rounds_mb,
             r.total_mb,
             r.torch_total_mb,
-            r.pool_reported_mb,
+            r.log_mb,
+            f"{r.log_mb / r.total_mb:.3f}" if r.total_mb else "-",
+            r.estimate_mb,
+            f"{r.estimate_mb / r.total_mb:.3f}" if r.total_mb else "-",
         ]
         lines.append(
             "| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in vals) + " |"
@@ -146,6 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", dest="num_experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--json", dest="json_path", help="write the rows as JSON here")
+    # One row in this process, written to PATH (the parent runs each row in a child).
+    parser.add_argument("--one-row", metavar="PATH", help=argparse.SUPPRESS)
 
 
 def validate_arguments(args: argparse.Namespace) -> None:
@@ -156,6 +171,8 @@ def validate_arguments(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"bench-memory: --hidden {bad} not NCCL-EP LL sizes {list(SUPPORTED_HIDDEN_SIZES)}"
         )
+    if getattr(args, "one_row", None) and (len(args.hidden) != 1 or len(args.capacity) != 1):
+        raise SystemExit("bench-memory: --one-row measures one --hidden and one --capacity")
     if any(c < 1 for c in args.capacity):
         raise SystemExit("bench-memory: --capacity must be positive")
     if not 1 <= args.top_k <= min(MAX_TOPK_LL, args.num_experts):
@@ -168,34 +185,69 @@ def main(args: argparse.Namespace) -> int:
     validate_arguments(args)
     if refuse_without_gpu("bench-memory", "vllm_flashinfer_ep.bench.memory"):
         return 2
-    from vllm_flashinfer_ep.bench.harness import torchrun_fleets
-
+    if args.one_row:
+        return _measure_one(args)
     rows = []
     for capacity in args.capacity:
         for hidden in args.hidden:
-            fleets, device = torchrun_fleets()
-            rows.append(
-                measure(
-                    hidden,
-                    capacity,
-                    args.num_experts,
-                    args.top_k,
-                    served_pool_sizes(capacity),
-                    fleets,
-                    device,
-                )
-            )
+            rows.append(_row_in_own_process(hidden, capacity, args))
     print(format_table(rows, args))
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as fh:
             json.dump(
                 {
-                    "args": {k: v for k, v in vars(args).items() if k not in ("json_path", "func")},
+                    "args": {
+                        k: v
+                        for k, v in vars(args).items()
+                        if k not in ("json_path", "func", "one_row")
+                    },
                     "rows": [asdict(r) for r in rows],
                 },
                 fh,
                 indent=2,
             )
+    return 0
+
+
+def _row_in_own_process(hidden: int, capacity: int, args: argparse.Namespace) -> MemoryRow:
+    """One row measured by a child process, as an engine worker builds its first fleet."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "row.json")
+        command = [
+            sys.executable,
+            "-m",
+            "vllm_flashinfer_ep.bench.memory",
+            "--hidden",
+            str(hidden),
+            "--capacity",
+            str(capacity),
+            "--experts",
+            str(args.num_experts),
+            "--top-k",
+            str(args.top_k),
+            "--one-row",
+            path,
+        ]
+        done = subprocess.run(command, check=False)
+        if done.returncode != 0 or not os.path.exists(path):
+            raise SystemExit(
+                f"bench-memory: measuring hidden {hidden}, capacity {capacity} failed "
+                f"(exit status {done.returncode}; its output is above)"
+            )
+        with open(path, encoding="utf-8") as fh:
+            return MemoryRow(**json.load(fh))
+
+
+def _measure_one(args: argparse.Namespace) -> int:
+    from vllm_flashinfer_ep.bench.harness import torchrun_fleets
+
+    (hidden,), (capacity,) = args.hidden, args.capacity
+    fleets, device = torchrun_fleets()
+    row = measure(
+        hidden, capacity, args.num_experts, args.top_k, served_pool_sizes(capacity), fleets, device
+    )
+    with open(args.one_row, "w", encoding="utf-8") as fh:
+        json.dump(asdict(row), fh)
     return 0
 
 

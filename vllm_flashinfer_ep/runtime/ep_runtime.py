@@ -13,10 +13,11 @@ import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import buffer_sizes, fp8_wire
+from vllm_flashinfer_ep.runtime import fp8_wire
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.fp8_wire import Fp8Wire, HtFp8Wire, Quantizer
 from vllm_flashinfer_ep.runtime.handle_pool import HandlePool
+from vllm_flashinfer_ep.runtime.memory import memory_growth, memory_snapshot
 from vllm_flashinfer_ep.runtime.rounds import Round, make_round
 
 logger = get_logger(__name__)
@@ -31,6 +32,9 @@ class EPRuntime:
     world_size: int
     round: Round = field(init=False)  # one per runtime: layers share its staging
     fp8_wire: Fp8Wire | HtFp8Wire | None = field(init=False, default=None)  # see enable_fp8_wire
+    # GPU memory the build took, device-wide (build_runtime): the fleet when this runtime
+    # created it, the pool, and its first round (FlashInfer's receive buffer); 0 unbuilt.
+    memory_bytes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.round = make_round(self)
@@ -77,6 +81,22 @@ class EPRuntime:
             )
         return self.fp8_wire
 
+    def warm_round(self) -> None:
+        """One dispatch + combine on the smallest pooled handle, at model load: FlashInfer
+        allocates its receive buffer at a runtime's first dispatch, so after this the
+        runtime holds all it will hold (and the load log can say so). Zero rows routed to
+        this rank's own experts (the pad routing) with weight 0; collective, like the
+        pool's warm-up, and run by every EP rank at the same point of model load."""
+        pool = self.pool
+        size = min(pool.sizes)
+        x = torch.zeros(size, self.spec.hidden_size, dtype=torch.bfloat16, device=pool.device)
+        weights = torch.zeros(size, pool.top_k, dtype=torch.float32, device=pool.device)
+        received = self.round.dispatch(x, pool.pad_ids[:size].contiguous(), weights)
+        if self.spec.algorithm == Algorithm.HIGH_THROUGHPUT:
+            self.round.combine(None)
+        else:
+            self.round.combine(received.expert_x, None)
+
     @property
     def num_local_experts(self) -> int:
         return self.spec.num_experts // self.world_size
@@ -96,30 +116,44 @@ def build_runtime(
     top_k: int,
     device: torch.device | int | str,
     pool_sizes: list[int],
+    *,
+    warm_round: bool = False,
 ) -> EPRuntime:
-    """Create (or reuse) the fleet, build the pool and warm it with `pool_sizes`."""
+    """Create (or reuse) the fleet, build the pool and warm it with `pool_sizes`; with
+    `warm_round` (the engine's managers) also run the first round, so that everything the
+    runtime will allocate is allocated at model load and its log line is the GPU memory
+    the build took, measured device-wide."""
     if spec.num_experts % fleets.world_size != 0:
         raise ValueError(
             f"{spec.num_experts} experts cannot be split evenly over {fleets.world_size} EP ranks"
         )
+    torch_device = torch.device(device)
+    before = memory_snapshot(torch_device)
     fleet = fleets.get(spec)
     pool = HandlePool(fleet, spec, top_k, device, rank=fleets.rank, world_size=fleets.world_size)
-    if pool_sizes:
-        pool.warm(pool_sizes)
-        receive = buffer_sizes.ll_receive_buffer_bytes(
-            spec.effective_max_tokens_per_rank, spec.hidden_size, spec.num_experts
-        )
-        logger.info(
-            "flashinfer_ep: %s handle pool warmed for token counts %s: %s; FlashInfer adds its "
-            "receive buffer (%.1f MB) at the first dispatch",
-            spec.algorithm,
-            _compact(pool.sizes),
-            pool.memory_summary(),
-            receive / 1e6,
-        )
-    return EPRuntime(
+    runtime = EPRuntime(
         spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size
     )
+    if pool_sizes:
+        pool.warm(pool_sizes)
+        if warm_round and pool.sizes:
+            runtime.warm_round()
+        runtime.memory_bytes = memory_growth(torch_device, before)
+        first = "" if warm_round else "; FlashInfer adds its receive buffer at the first dispatch"
+        logger.info(
+            "flashinfer_ep: %s runtime (hidden %d, %d tokens per rank) built: %.2f GB of GPU "
+            "memory device-wide (fleet, %d pooled handles for token counts %s%s)%s; pool: %s",
+            spec.algorithm,
+            spec.hidden_size,
+            spec.effective_max_tokens_per_rank,
+            runtime.memory_bytes / 1e9,
+            len(pool.sizes),
+            _compact(pool.sizes),
+            ", first round" if warm_round else "",
+            first,
+            pool.memory_summary(),
+        )
+    return runtime
 
 
 def _compact(sizes: list[int]) -> str:

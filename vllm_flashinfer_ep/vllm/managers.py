@@ -91,7 +91,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         if runtime is None:
             sizes = self._pool_sizes(spec.effective_max_tokens_per_rank)
             self._require_ranks_agree(spec, top_k, sizes)
-            runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes)
+            runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes, warm_round=True)
             if self._exchange is not None:
                 runtime.pool.agree = self._agree_on
             self._runtimes[key] = runtime
