@@ -6,13 +6,18 @@
 #   1. two or more GPUs (nvidia-smi; CUDA_VISIBLE_DEVICES if set), before anything is installed;
 #   2. the virtualenv (SERVE_VENV, default .venv): created if missing; the package installed
 #      only when missing or its sources changed since the last install here (built from a
-#      temporary copy: nothing is left in the source tree);
+#      temporary copy: nothing is left in the source tree), and left alone when it is the
+#      editable install of this checkout that scripts/test.sh makes;
 #   3. `vllm-flashinfer-ep doctor` with the same serve arguments vllm serve gets;
 #   4. vllm serve --data-parallel-size <GPUs> --enable-expert-parallel
 #      --all2all-backend flashinfer_ep_low_latency [extra args] (later arguments win).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
+if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then
+  sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p;}' "$0"
+  exit 0
+fi
 model="Qwen/Qwen3-30B-A3B"
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
   model="$1"
@@ -45,22 +50,37 @@ sources_digest() {
   { find pyproject.toml README.md vllm_flashinfer_ep -type f ! -name '*.pyc' -print0 |
       LC_ALL=C sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1
 }
+# The editable install scripts/test.sh makes reads this checkout's sources directly.
+editable_here() {
+  local record
+  for record in "$venv"/lib/python*/site-packages/vllm_flashinfer_ep-*.dist-info/direct_url.json; do
+    if [ -f "$record" ] && grep -q '"editable": *true' "$record" &&
+      grep -q "\"file://$repo\"" "$record"; then
+      return 0
+    fi
+  done
+  return 1
+}
 digest="$(sources_digest)"
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv" || fail "could not create the virtualenv $venv (python3 -m venv)."
-fi
-if [ ! -x "$venv/bin/vllm" ] || [ ! -x "$venv/bin/vllm-flashinfer-ep" ] ||
-  [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$digest" ]; then
-  echo "serve.sh: installing vllm-flashinfer-ep and vLLM 0.33.0 into $venv" >&2
-  staging="$(mktemp -d)"
-  trap 'rm -rf "$staging"' EXIT
-  cp -R pyproject.toml README.md vllm_flashinfer_ep "$staging/"
-  "$venv/bin/python" -m pip install -q --upgrade pip &&
-    "$venv/bin/python" -m pip install -q "$staging" ||
-    fail "pip install failed (output above); nothing was started."
-  rm -rf "$staging"
-  trap - EXIT
-  printf '%s\n' "$digest" >"$stamp_file"
+if [ -x "$venv/bin/vllm" ] && [ -x "$venv/bin/vllm-flashinfer-ep" ] && editable_here; then
+  echo "serve.sh: using the editable install of this checkout in $venv (made by scripts/test.sh)" >&2
+else
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv" || fail "could not create the virtualenv $venv (python3 -m venv)."
+  fi
+  if [ ! -x "$venv/bin/vllm" ] || [ ! -x "$venv/bin/vllm-flashinfer-ep" ] ||
+    [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$digest" ]; then
+    echo "serve.sh: installing vllm-flashinfer-ep and vLLM 0.33.0 into $venv" >&2
+    staging="$(mktemp -d)"
+    trap 'rm -rf "$staging"' EXIT
+    cp -R pyproject.toml README.md vllm_flashinfer_ep "$staging/"
+    "$venv/bin/python" -m pip install -q --upgrade pip &&
+      "$venv/bin/python" -m pip install -q "$staging" ||
+      fail "pip install failed (output above); nothing was started."
+    rm -rf "$staging"
+    trap - EXIT
+    printf '%s\n' "$digest" >"$stamp_file"
+  fi
 fi
 
 # 3. doctor with the arguments vllm serve gets.

@@ -31,6 +31,7 @@ TOOLS = (
     "cp",
     "rm",
     "dirname",
+    "sed",
 )
 MODEL = "org/some-moe"
 SERVE_FLAGS = [
@@ -239,3 +240,47 @@ def test_a_failing_doctor_stops_before_serve(host):
         "--enable-expert-parallel --all2all-backend flashinfer_ep_low_latency --max-model-len 4096"
     )
     assert not any(c.startswith("vllm serve") for c in calls)
+
+
+def _editable_venv(host, checkout: Path) -> None:
+    """A virtualenv holding pip's record of an editable install of `checkout` (what
+    scripts/test.sh's `pip install -e` leaves), with the tools serve.sh runs."""
+    bin_dir = host.venv / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, text in (("python", VENV_PYTHON), ("vllm", STUB), ("vllm-flashinfer-ep", DOCTOR)):
+        _write(bin_dir / name, text)
+    info = host.venv / "lib" / "python3.12" / "site-packages" / "vllm_flashinfer_ep-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "direct_url.json").write_text(
+        f'{{"dir_info": {{"editable": true}}, "url": "file://{checkout}"}}'
+    )
+
+
+def test_the_editable_install_of_this_checkout_is_used_as_it_is(host):
+    """scripts/test.sh installs the checkout editable into .venv: serve.sh serves from it
+    without replacing it by a regular install."""
+    host.gpus(2)
+    _editable_venv(host, host.repo)
+    result = host.serve(MODEL)
+    assert result.returncode == 0, result.stderr
+    calls = host.calls()
+    assert not any("pip" in c or "venv" in c for c in calls)
+    assert calls[-1] == f"vllm serve {MODEL} {' '.join(SERVE_FLAGS)}"
+    assert "using the editable install of this checkout" in result.stderr
+
+
+def test_an_editable_install_of_another_checkout_is_replaced(host):
+    host.gpus(2)
+    _editable_venv(host, host.repo.parent / "elsewhere")
+    assert host.serve(MODEL).returncode == 0
+    assert sum(c.startswith("python -m pip install -q /") for c in host.calls()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_usage_and_touches_nothing(host, flag):
+    host.gpus(None)
+    result = host.serve(flag)
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.splitlines()[0].startswith("Serve an MoE model with expert parallelism")
+    assert "bash scripts/serve.sh [MODEL] [extra vllm serve args...]" in result.stdout
+    assert host.calls() == [] and not host.venv.exists()
