@@ -7,6 +7,7 @@
 #          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
+#          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -65,8 +66,13 @@ for step in "${steps[@]}"; do
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-padding.txt" 2>&1 || rc=1
       grep -E "POOL_MEMORY|passed|failed|Error" "$out/pytest-padding.txt" | tail -12 ;;
     memory)  # device-wide memory of the LL fleet + served pool (capture sizes + eager buckets)
-      python3 -m vllm_flashinfer_ep.bench.memory --capacity 512,4096 \
+      python3 -m vllm_flashinfer_ep.bench.memory --hidden 2048,7168 --capacity 256,512,4096 \
         --json "$out/bench_memory_world1.json" 2>&1 | tail -12 || rc=1 ;;
+    serve-bench-ll|serve-bench-noep)  # vllm serve + vllm bench serve, concurrency 1-128 (one call each)
+      cfg=ll; [ "$step" = serve-bench-noep ] && cfg=no_ep
+      python3 tests/engine/serve_bench.py --config "$cfg" --out "$out/serve_$cfg.json" \
+        --log "$out/elogs/serve-bench-$cfg.log" > "$out/serve-bench-$cfg.txt" 2>&1 || rc=1
+      grep -E "server up|c=|PROBLEM|failed" "$out/serve-bench-$cfg.txt" | cut -c1-300 | tail -12 ;;
     fp8-kernels)  # FP8 layers through both backends against vLLM without EP (kernel level)
       python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
@@ -128,7 +134,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
   esac
 done
 exit "$rc"

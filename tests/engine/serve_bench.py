@@ -1,0 +1,259 @@
+"""`vllm serve` under load, measured with vLLM's own `vllm bench serve` (EP world 1).
+
+    python tests/engine/serve_bench.py --config ll|no_ep --out serve_ll.json [--shape ...]
+    python tests/engine/serve_bench.py --table serve_no_ep.json serve_ll.json
+
+One configuration per invocation (an engine start at the 30B shape and four load levels fit
+one 600 s device call): the server runs vLLM's real multi-process layout through the
+world-1 harness (tests/engine/world1_harness.py, loaded by entry point in every process),
+with the same compilation settings as tests/engine/bench_engine.py (FULL_DECODE_ONLY
+graphs, no torch.compile). `ll` serves with --all2all-backend flashinfer_ep_low_latency,
+`no_ep` without expert parallelism. For each concurrency, `vllm bench serve` sends the
+random dataset (fixed input and output lengths, --ignore-eos) and saves vLLM's result
+JSON; this script keeps output tok/s, TTFT and TPOT medians and p99, and the request
+counts. It fails when a request failed, or when the server log shows a handle created
+after load (a per-forward handle or a refusal in capture).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from engine_models import QWEN3_30B_A3B, write_config_only, write_tiny_model  # noqa: E402
+from engine_runner import engine_env, write_plugin_dist  # noqa: E402
+
+LL = "flashinfer_ep_low_latency"
+CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": CAPTURE}
+# requests per concurrency: a few hundred where a step is short enough to afford them
+PROMPTS = {1: 64, 8: 256, 32: 384, 128: 512}
+KEYS = (
+    "completed",
+    "failed",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+)
+# What the server log says when a round could not run on a handle made at load.
+AFTER_LOAD = ("runs on a per-forward handle", "no warmed flashinfer_ep handle")
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def serve_command(config: str, model: str, port: int, shape: str) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "moe",
+        "--max-model-len",
+        "1024",
+        "--compilation-config",
+        json.dumps(COMPILATION),
+        "--gpu-memory-utilization",
+        "0.85" if shape != "tiny" else "0.4",
+    ]
+    if shape != "tiny":
+        cmd += ["--load-format", "dummy"]
+    if config == "ll":
+        cmd += ["--enable-expert-parallel", "--all2all-backend", LL]
+    return cmd
+
+
+def bench_command(model: str, port: int, concurrency: int, prompts: int, args, out: Path):
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        "moe",
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--ignore-eos",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--percentile-metrics",
+        "ttft,tpot",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+
+
+def keep(result: dict) -> dict:
+    """The figures the table shows, from vLLM's result JSON."""
+    return {k: result.get(k) for k in KEYS} | {"num_prompts": result.get("num_prompts")}
+
+
+def problems(rows: dict[str, dict], log_text: str) -> list[str]:
+    """Why this run does not count: failed requests, or rounds off the handles of load."""
+    found = [
+        f"concurrency {c}: {r['failed']} of {r['num_prompts']} requests failed"
+        for c, r in rows.items()
+        if r.get("failed") or r.get("completed") != r.get("num_prompts")
+    ]
+    found += [
+        f"server log: {line.strip()}"
+        for line in log_text.splitlines()
+        if any(m in line for m in AFTER_LOAD)
+    ]
+    return found
+
+
+def run(args) -> int:
+    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    if args.shape == "tiny":
+        model = write_tiny_model(work / "tiny-h2048", 2048)
+    else:
+        model = write_config_only(work / "qwen3-30b-a3b-shape", QWEN3_30B_A3B)
+    plugin = write_plugin_dist(work / "plugin")
+    env = engine_env(plugin, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    port = args.port
+    log_path = Path(args.log or work / f"serve-{args.config}.log")
+    rows: dict[str, dict] = {}
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            serve_command(args.config, model, port, args.shape),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            while not _healthy(port):
+                if proc.poll() is not None:
+                    print(log_path.read_text()[-4000:])
+                    return 1
+                if time.monotonic() - started > args.startup_s:
+                    print(f"server did not come up in {args.startup_s} s")
+                    return 1
+                time.sleep(2)
+            startup = time.monotonic() - started
+            print(f"{args.config}: server up in {startup:.0f} s", flush=True)
+            for c in args.concurrency:
+                out = work / f"bench-{args.config}-c{c}.json"
+                bench_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+                done = subprocess.run(
+                    bench_command(model, port, c, PROMPTS.get(c, 4 * c), args, out),
+                    env=bench_env,
+                    check=False,
+                )
+                if done.returncode != 0 or not out.exists():
+                    print(f"vllm bench serve failed at concurrency {c} (exit {done.returncode})")
+                    return 1
+                rows[str(c)] = keep(json.loads(out.read_text()))
+                print(f"{args.config} c={c}: {rows[str(c)]}", flush=True)
+                Path(args.out).write_text(
+                    json.dumps({"config": args.config, "shape": args.shape, "rows": rows}, indent=1)
+                )
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    bad = problems(rows, log_path.read_text(errors="replace"))
+    for line in bad:
+        print("PROBLEM", line)
+    return 1 if bad else 0
+
+
+def table(no_ep: dict, ll: dict) -> str:
+    """Markdown: each concurrency's figures for both configurations and LL over no-EP."""
+    head = (
+        "| concurrency | requests | no-EP out tok/s | LL out tok/s | LL / no-EP | "
+        "TTFT med / p99 ms (no-EP) | TTFT med / p99 ms (LL) | "
+        "TPOT med / p99 ms (no-EP) | TPOT med / p99 ms (LL) |"
+    )
+    lines = [head, "|" + " --- |" * 9]
+    for c in ll["rows"]:
+        a, b = no_ep["rows"].get(c), ll["rows"][c]
+        if a is None:
+            continue
+        lines.append(
+            f"| {c} | {b['num_prompts']} | {a['output_throughput']:.0f} | "
+            f"{b['output_throughput']:.0f} | {b['output_throughput'] / a['output_throughput']:.2f} | "
+            f"{a['median_ttft_ms']:.1f} / {a['p99_ttft_ms']:.1f} | "
+            f"{b['median_ttft_ms']:.1f} / {b['p99_ttft_ms']:.1f} | "
+            f"{a['median_tpot_ms']:.2f} / {a['p99_tpot_ms']:.2f} | "
+            f"{b['median_tpot_ms']:.2f} / {b['p99_tpot_ms']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=["ll", "no_ep"])
+    ap.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default="qwen3-30b-a3b")
+    ap.add_argument(
+        "--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 128]
+    )
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--startup-s", type=int, default=300)
+    ap.add_argument("--log", help="where the server's log goes (default: a temporary folder)")
+    ap.add_argument("--out", help="this configuration's rows as JSON")
+    ap.add_argument("--table", nargs=2, metavar=("NO_EP_JSON", "LL_JSON"))
+    args = ap.parse_args(argv)
+    if args.table:
+        no_ep, ll = (json.loads(Path(p).read_text()) for p in args.table)
+        print(table(no_ep, ll))
+        return 0
+    if not args.config or not args.out:
+        ap.error("--config and --out are needed (or --table NO_EP_JSON LL_JSON)")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
