@@ -26,11 +26,7 @@ ROOT = Path(vllm_flashinfer_ep.__file__).resolve().parent
 
 # Cycles through imports inside functions, owned elsewhere and on their way out. An entry
 # that is no longer a cycle fails the test too: remove it then (so it cannot come back).
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    # bench/fp8_run.py imports fp8_harness inside a function, fp8_harness imports
-    # fp8_run.modes at module level (the FP8 benchmark, owned by another change).
-    frozenset({"vllm_flashinfer_ep.bench.fp8_harness", "vllm_flashinfer_ep.bench.fp8_run"}),
-)
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 def _modules() -> dict[str, Path]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.backends import Algorithm
-from vllm_flashinfer_ep.bench.fp8_run import modes
+from vllm_flashinfer_ep.bench.fp8_modes import modes
 from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress
 from vllm_flashinfer_ep.bench.results import Row
 from vllm_flashinfer_ep.runtime import pool_sizes

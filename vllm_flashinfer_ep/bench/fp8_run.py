@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from vllm_flashinfer_ep.bench.fp8_modes import modes
 from vllm_flashinfer_ep.bench.results import Row
 from vllm_flashinfer_ep.bench.run import run_harness
 from vllm_flashinfer_ep.runtime.fp8_wire import bytes_per_row, hidden_reason
@@ -32,13 +33,7 @@ from vllm_flashinfer_ep.runtime.limits import SUPPORTED_HIDDEN_SIZES
 
 COMMAND = "bench-fp8"
 MODULE = "vllm_flashinfer_ep.bench.fp8_run"
-MODES = ("bf16_quant", "fp8_wire", "bf16_quant_eager", "fp8_wire_eager")
-HT_MODES = ("bf16_quant_eager", "fp8_wire_eager")  # HT is never captured
 DEFAULT_TOKENS = {"ll": [1, 8, 32, 128, 256], "ht": [256, 1024, 4096]}
-
-
-def modes(backend: str) -> tuple[str, ...]:
-    return HT_MODES if backend == "ht" else MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
