@@ -2,15 +2,20 @@
 
 Prints package versions, the NCCL-EP stack (libnccl_ep, loaded libnccl, nvcc for the
 runtime JIT), GPUs and their compute capability, the package's VLLM_FLASHINFER_EP_*
-variables, and for `--model` (a local dir or a Hugging Face id, config only) the
-engine's config-time verdicts on it: hidden size, top_k, dtype, quantization, the LL
-fleet's memory estimate against the GPU, a fixed RDMA buffer against the fleet. Those
-come from the engine's own rules (vllm/config_validation.py, through the one model-shape
-reader, model_shape.py): what the engine would refuse is [FAIL] with the engine's reason,
-what it would change or cannot check is [warn]. Pass the `vllm serve` arguments after
---model (scripts/serve.sh does): the ones that change a verdict are read, the others
-ignored. Exits 1 listing what to fix when anything would stop a server, the missing CUDA
-driver first. Runs on a machine without GPUs (and says that it cannot serve there).
+variables, the engine's verdicts on the `vllm serve` arguments (the --all2all-backend
+name, dual-batch overlap, fault tolerance, expert parallelism) and for `--model` (a local
+dir or a Hugging Face id, config only) its config-time verdicts on the model: hidden size,
+top_k, dtype, quantization, the HT per-rank step budget, the LL fleet's memory estimate
+against the GPU, a fixed RDMA buffer against the fleet. Those come from the engine's own
+rules (vllm/config_validation.py, vLLM's ParallelConfig properties, through the one
+model-shape reader, model_shape.py): what the engine would refuse is [FAIL] with the
+engine's reason, what it would change, warn about or cannot check is [warn]. Pass the
+`vllm serve` arguments after --model (scripts/serve.sh does): the ones that change a
+verdict are read, the others listed as not checked. Exits 1 listing what to fix when
+anything would stop a server, the missing CUDA driver first (what fails only because of
+it is not a second problem). Runs on a machine without GPUs (and says that it cannot
+serve there). Without network, pass a local model dir or set HF_HUB_OFFLINE=1 to read
+the Hugging Face cache.
 `--no-gpu` runs what an image build can check; `--link-runtime PREFIX` makes the stable
 NCCL/nvcc paths an image's ENV names.
 """
@@ -31,6 +36,7 @@ from vllm_flashinfer_ep.runtime import env_checks
 from vllm_flashinfer_ep.runtime.buffer_sizes import LL_BUFFER_BUDGET_FRACTION
 from vllm_flashinfer_ep.runtime.env_checks import Check
 from vllm_flashinfer_ep.runtime.limits import (
+    HT_MAX_TOKENS_PER_RANK,
     MAX_TOPK_HT,
     MAX_TOPK_LL,
     SUPPORTED_HIDDEN_SIZES,
@@ -127,17 +133,73 @@ def load_model_config(model: str) -> dict[str, Any]:
         )
     if _looks_like_path(model):
         raise FileNotFoundError(f"no such directory: {model} (nor a Hugging Face id: org/name)")
-    from huggingface_hub import hf_hub_download
-
-    cached = Path(hf_hub_download(model, "config.json"))
+    cached = _hub_config_json(model)
     return _read_config_json(
         cached, f"the cached download is damaged: delete {cached} and run again to fetch it anew"
     )
 
 
+OFFLINE_FIX = (
+    "pass a local model dir (--model /path/to/model), or fetch the model on a host with "
+    "network; once it is in the Hugging Face cache, HF_HUB_OFFLINE=1 reads it from there "
+    "without trying the network"
+)
+
+
+def _hub_config_json(model: str) -> Path:
+    """config.json of a Hugging Face id, as `hf_hub_download` gets it (the cache when
+    HF_HUB_OFFLINE=1, as vLLM does), but without its ~25 s of retries where no connection
+    to the Hub can be made at all: one HEAD without retries first (huggingface_hub's own
+    `get_hf_file_metadata`, its proxy and endpoint settings); where that cannot connect,
+    the cached copy or an error that says so. Online, the download is unchanged."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if constants.is_offline_mode():
+        try:
+            return Path(hf_hub_download(model, "config.json", local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise ModelConfigError(
+                f"{model}: config.json is not in the Hugging Face cache and HF_HUB_OFFLINE=1 "
+                "forbids downloading it",
+                "pass a local model dir (--model /path/to/model), or unset HF_HUB_OFFLINE "
+                "on a host with network to fetch it",
+            ) from None
+    if _hub_unreachable(model):
+        try:
+            return Path(hf_hub_download(model, "config.json", local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise ModelConfigError(
+                f"{model}: cannot connect to {constants.ENDPOINT} (no network?) and its "
+                "config.json is not in the Hugging Face cache",
+                OFFLINE_FIX,
+            ) from None
+    try:
+        return Path(hf_hub_download(model, "config.json"))
+    except LocalEntryNotFoundError as exc:  # the Hub stayed unreachable through the retries
+        raise ModelConfigError(f"{model}: {exc}", OFFLINE_FIX) from None
+
+
+def _hub_unreachable(model: str) -> bool:
+    """True when no connection to the Hub can be made (name resolution, refused, connect
+    timeout): what huggingface_hub itself takes for "the Internet connection is down"
+    before it retries. Any answer from the Hub, or any other error: False."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    try:
+        get_hf_file_metadata(hf_hub_url(model, "config.json"))
+    except Exception as exc:  # noqa: BLE001 - only a failed connection counts
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        return "ProxyError" not in names and bool(
+            names & {"ConnectError", "ConnectTimeout", "ConnectionError"}
+        )
+    return False
+
+
 @dataclass(frozen=True)
 class ServeSettings:
-    """The `vllm serve` arguments the model checks depend on; None: vLLM's default."""
+    """The `vllm serve` arguments doctor's checks depend on, under vLLM's names (its
+    ParallelConfig properties read them); None: vLLM's default."""
 
     backend: str = LOW_LATENCY
     dtype: str = "auto"
@@ -150,8 +212,13 @@ class ServeSettings:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: dict[str, Any] = field(default_factory=dict)
+    enable_dbo: bool = False
+    ubatch_size: int = 0
+    enable_fault_tolerance: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
@@ -169,8 +236,15 @@ class ServeSettings:
             data_parallel_size=args.data_parallel_size,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            prefill_context_parallel_size=args.prefill_context_parallel_size,
+            enable_expert_parallel=bool(args.enable_expert_parallel),
             enable_eplb=bool(args.enable_eplb),
             eplb_config=eplb,
+            enable_dbo=bool(args.enable_dbo),
+            ubatch_size=args.ubatch_size,
+            # vLLM: --fault-tolerance-config turns fault tolerance on (EngineArgs.__post_init__)
+            enable_fault_tolerance=bool(args.enable_fault_tolerance)
+            or args.fault_tolerance_config is not None,
         )
 
     @property
@@ -181,8 +255,111 @@ class ServeSettings:
 
     @property
     def ep_world(self) -> int:
-        # vLLM's EP group: DP x TP ranks (config_validation.ep_world_size).
-        return self.data_parallel_size * self.tensor_parallel_size
+        # vLLM's EP group: DP x PCP x TP ranks (config_validation.ep_world_size).
+        from vllm_flashinfer_ep.vllm.config_validation import ep_world_size
+
+        return ep_world_size(self)
+
+    # vLLM 0.33.0's own ParallelConfig properties, evaluated on these arguments (the
+    # fields above carry vLLM's names): whether the all2all runs, and micro-batching.
+    @property
+    def all2all_backend(self) -> str:
+        return self.backend
+
+    @property
+    def use_sequence_parallel_moe(self) -> bool:
+        return _parallel_property("use_sequence_parallel_moe", self)
+
+    @property
+    def use_all2all(self) -> bool:
+        return _parallel_property("use_all2all", self)
+
+    @property
+    def use_ubatching(self) -> bool:
+        return _parallel_property("use_ubatching", self)
+
+
+def _parallel_property(name: str, settings: ServeSettings) -> bool:
+    """vLLM's `ParallelConfig.<name>` (the patched one where the plugin is registered)
+    computed from the serve arguments, without building (and validating) a ParallelConfig."""
+    from vllm.config.parallel import ParallelConfig
+
+    return bool(getattr(ParallelConfig, name).fget(settings))
+
+
+def accepted_backends() -> tuple[str, ...]:
+    """The --all2all-backend names `vllm serve` accepts with this plugin: vLLM's field
+    Literal as the plugin extends it (patches/platform.make_backend_literal), less the
+    passthrough backend vLLM's parser leaves out (bound from --moe-backend)."""
+    from typing import get_args
+
+    from vllm.config.kernel import PASSTHROUGH_ALL2ALL_BACKEND
+    from vllm.config.parallel import ParallelConfig
+
+    from vllm_flashinfer_ep.vllm.patches.platform import make_backend_literal
+
+    field_type = ParallelConfig.__dataclass_fields__["all2all_backend"].type
+    names = get_args(make_backend_literal(field_type))
+    return tuple(n for n in names if n != PASSTHROUGH_ALL2ALL_BACKEND)
+
+
+def _backend_check(name: str) -> Check:
+    """--all2all-backend: one of ours, another vLLM backend (the checks are then those of
+    low latency), or a name vLLM's parser refuses."""
+    if backends.is_ours(name):
+        return Check("all2all backend", True, name)
+    ours = " or ".join(f"--all2all-backend {b}" for b in backends.BACKENDS)
+    if name not in accepted_backends():
+        return Check(
+            "all2all backend",
+            False,
+            f"{name} is not a name vLLM accepts: `vllm serve` refuses it when it parses "
+            f"its arguments; the checks below are those of {LOW_LATENCY}",
+            f"pass {ours}",
+        )
+    return Check(
+        "all2all backend",
+        True,
+        f"{name} is not a flashinfer_ep backend; the checks below are those of {LOW_LATENCY}",
+        f"pass {ours} to use NCCL-EP",
+        warn=True,
+    )
+
+
+def _checked_backend(name: str) -> str:
+    return name if backends.is_ours(name) else LOW_LATENCY
+
+
+def serve_checks(settings: ServeSettings) -> list[Check]:
+    """The engine's config-time verdicts on the parallel `vllm serve` arguments
+    (config_validation's rules on vLLM's ParallelConfig properties), as doctor lines."""
+    from vllm_flashinfer_ep.vllm import config_validation as rules
+
+    checks = [_backend_check(settings.backend)]
+    backend = _checked_backend(settings.backend)
+    flag = f"--all2all-backend {backend}"
+    if settings.use_ubatching:
+        reason = rules.ubatching_reason(flag, settings.use_ubatching)
+        asked = ["--enable-dbo"] if settings.enable_dbo else []
+        if settings.ubatch_size > 1:
+            asked.append(f"--ubatch-size {settings.ubatch_size}")
+        checks.append(Check("micro-batching", reason is None, " ".join(asked), reason or ""))
+    if settings.enable_fault_tolerance:
+        reason = rules.fault_tolerance_reason(flag, backend, settings.enable_fault_tolerance)
+        detail = f"--enable-fault-tolerance with {backend}"
+        checks.append(Check("fault tolerance", reason is None, detail, reason or ""))
+    warning = rules.unused_backend_warning(
+        backend, settings.use_all2all, settings.enable_expert_parallel
+    )
+    sizes = [f"--data-parallel-size {settings.data_parallel_size}"]
+    if settings.prefill_context_parallel_size > 1:
+        sizes.append(f"--prefill-context-parallel-size {settings.prefill_context_parallel_size}")
+    sizes.append(f"--tensor-parallel-size {settings.tensor_parallel_size}")
+    detail = f"EP world {settings.ep_world} ({' x '.join(sizes)}), " + (
+        "--enable-expert-parallel" if settings.enable_expert_parallel else "expert parallel off"
+    )
+    checks.append(Check("expert parallel", True, detail, warning or "", warn=warning is not None))
+    return checks
 
 
 def model_checks(
@@ -208,18 +385,8 @@ def model_checks(
         redundant_experts=model_shape.redundant_experts(settings.enable_eplb, settings.eplb_config),
     )
     checks = []
-    backend = settings.backend
-    if not backends.is_ours(backend):
-        checks.append(
-            Check(
-                "all2all backend",
-                True,
-                f"{backend} is not a flashinfer_ep backend; the checks below "
-                f"are those of {LOW_LATENCY}",
-                warn=True,
-            )
-        )
-        backend = LOW_LATENCY
+    # Another backend's name is reported by serve_checks; the checks are those of LL.
+    backend = _checked_backend(settings.backend)
     flag = f"--all2all-backend {backend}"
     low_latency = backend == LOW_LATENCY
     hidden = shape.hidden_size
@@ -276,6 +443,8 @@ def model_checks(
             reason or "",
         )
     )
+    if not low_latency:
+        checks.append(_ht_tokens_check(rules, flag, shape, settings))
     fleet = shape.ll_fleet_shape() if low_latency else None
     if fleet is not None:
         total = rules.device_memory_bytes()
@@ -321,6 +490,68 @@ def _vllm_defaults(settings: ServeSettings) -> tuple[float, int, bool]:
         )
     chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
     return gmu, seqs, chunked
+
+
+def _ht_tokens_check(
+    rules, flag: str, shape: model_shape.ModelShape, settings: ServeSettings
+) -> Check:
+    """--max-num-batched-tokens against NCCL-EP's HT limit per rank, the engine's verdict
+    (config_validation.ht_tokens_verdict: fits, lowered, or refused)."""
+    name = f"HT tokens per rank (at most {HT_MAX_TOKENS_PER_RANK})"
+    chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
+    max_model_len = settings.max_model_len or shape.max_position_embeddings
+    tokens, source = settings.max_num_batched_tokens, ""
+    if tokens is None:
+        tokens = _vllm_default_tokens(settings)
+        source = " (vLLM's default for `vllm serve` on this GPU)"
+        if not chunked and max_model_len is not None:
+            # vLLM: without chunked prefill the default step budget is at least a prompt
+            tokens = max(max_model_len, tokens or 0)
+            source = " (vLLM's default with chunked prefill off: --max-model-len)"
+    if tokens is None:
+        return Check(
+            name,
+            True,
+            "--max-num-batched-tokens unset: vLLM's default depends on the GPU "
+            "(16384 on GPUs of 160 GiB or more); not checked: no GPU visible here",
+            "run doctor on the GPU host, or pass --max-num-batched-tokens "
+            f"<= {HT_MAX_TOKENS_PER_RANK}",
+            warn=True,
+        )
+    verdict = rules.ht_tokens_verdict(
+        flag, tokens, chunked_prefill=chunked, max_model_len=max_model_len
+    )
+    detail = f"--max-num-batched-tokens {tokens}{source}"
+    if verdict.refusal is not None:
+        return Check(name, False, detail, verdict.refusal)
+    if verdict.lowered_to is not None:
+        return Check(
+            name,
+            True,
+            detail,
+            f"the engine lowers --max-num-batched-tokens from {tokens} to "
+            f"{verdict.lowered_to}: {verdict.why} (pass a value <= {verdict.lowered_to} "
+            "to silence this)",
+            warn=True,
+        )
+    return Check(name, True, detail)
+
+
+def _vllm_default_tokens(settings: ServeSettings) -> int | None:
+    """vLLM 0.33.0's default --max-num-batched-tokens for `vllm serve` where the step is not
+    batched DP MoE (HT), which depends on the GPU; None where no GPU is visible."""
+    from vllm_flashinfer_ep.vllm.config_validation import device_memory_bytes
+
+    if device_memory_bytes() is None:
+        return None
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    world = settings.tensor_parallel_size * settings.pipeline_parallel_size
+    return EngineArgs.get_batch_defaults(world)[0].get(
+        UsageContext.OPENAI_API_SERVER, SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
 
 
 def _ll_memory_check(
@@ -400,6 +631,28 @@ def _rdma_check(
     return Check("RDMA buffer", reason is None, f"{envs.RDMA_BUFFER_BYTES}={rdma}", reason or "")
 
 
+def driver_consequences(checks: list[Check]) -> list[Check]:
+    """Without the CUDA driver, libnccl_ep cannot be dlopened either (it links libcuda.so.1):
+    one problem, one fix. That failure becomes a [warn] naming the driver, not a second
+    [FAIL] with a reinstall hint; a libnccl_ep failure for any other reason stays."""
+    driver = next((c for c in checks if c.name == "CUDA driver"), None)
+    if driver is None or driver.ok:
+        return checks
+    return [
+        Check(
+            c.name,
+            True,
+            "not checked: loading it needs the CUDA driver (libcuda.so.1), which does not "
+            "load here (see CUDA driver)",
+            "fix the CUDA driver, then run doctor again",
+            warn=True,
+        )
+        if c.name == "libnccl_ep" and not c.ok and "libcuda" in c.detail
+        else c
+        for c in checks
+    ]
+
+
 def variables_check() -> Check:
     """The package's VLLM_FLASHINFER_EP_* variables, as config time parses them."""
     try:
@@ -428,10 +681,27 @@ def run(args: argparse.Namespace) -> int:
         ]
     else:
         # The driver first: without it every GPU check fails, and it is the thing to fix.
-        sections = [("GPU stack", env_checks.runtime_checks()), ("packages", package_checks())]
+        sections = [
+            ("GPU stack", driver_consequences(env_checks.runtime_checks())),
+            ("packages", package_checks()),
+        ]
     sections.append(("package settings", [variables_check()]))
+    settings = ServeSettings.from_args(args)
+    if args.model or settings != ServeSettings():
+        try:
+            serve = serve_checks(settings)
+        except ImportError as exc:  # vLLM missing or broken: the packages section says so
+            serve = [
+                Check(
+                    "vllm serve arguments",
+                    True,
+                    f"not checked: vLLM does not import ({exc})",
+                    "see packages",
+                    warn=True,
+                )
+            ]
+        sections.append(("vllm serve arguments", serve))
     if args.model:
-        settings = ServeSettings.from_args(args)
         sections.append((f"model {args.model}", model_checks(args.model, settings=settings)))
     failed = []
     for title, checks in sections:
@@ -458,6 +728,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -541,8 +821,8 @@ def add_parser(subparsers) -> None:
     )
     serve = parser.add_argument_group(
         "vllm serve arguments",
-        "as given to `vllm serve` (the model checks use them; any other "
-        "serve argument is accepted and ignored)",
+        "as given to `vllm serve` (the checks use them; any other serve "
+        "argument is accepted and listed as not checked)",
     )
     serve.add_argument(
         "--all2all-backend",
@@ -561,14 +841,16 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--quantization", "-q", default=None)
     serve.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F")
-    serve.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None
-    )
+    _switch(serve, "--enable-chunked-prefill", default=None)
     serve.add_argument("--max-model-len", type=_model_len, default=None, metavar="N")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N")
     serve.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N")
     serve.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, metavar="N")
-    serve.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=False)
+    serve.add_argument(
+        "--prefill-context-parallel-size", "-pcp", type=_positive, default=1, metavar="N"
+    )
+    _switch(serve, "--enable-expert-parallel", "-ep")
+    _switch(serve, "--enable-eplb")
     serve.add_argument(
         "--eplb-config",
         type=_json_object,
@@ -576,4 +858,35 @@ def add_parser(subparsers) -> None:
         metavar="JSON",
         help="e.g. '{\"num_redundant_experts\": 32}' (or --eplb-config.num_redundant_experts 32)",
     )
+    _switch(serve, "--enable-dbo")
+    serve.add_argument("--ubatch-size", type=_non_negative, default=0, metavar="N")
+    _switch(serve, "--enable-fault-tolerance")
+    serve.add_argument(
+        "--fault-tolerance-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="turns fault tolerance on, as in vLLM",
+    )
     parser.set_defaults(func=run, accepts_serve_args=True)
+
+
+class _EnableDisable(argparse.Action):
+    """vLLM's boolean flags: --enable-X / --disable-X (and --no-enable-X)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negative = option_string.startswith(("--disable-", "--no-"))
+        setattr(namespace, self.dest, not negative)
+
+
+def _switch(group, flag: str, *aliases: str, default: bool | None = False) -> None:
+    stem = flag.removeprefix("--enable-")
+    group.add_argument(
+        flag,
+        *aliases,
+        f"--disable-{stem}",
+        f"--no-enable-{stem}",
+        action=_EnableDisable,
+        nargs=0,
+        default=default,
+    )

@@ -70,6 +70,68 @@ def test_doctor_without_driver_gives_the_driver_first(tmp_path, capsys, monkeypa
     assert "no such directory" in out
 
 
+DLOPEN_NO_DRIVER = (
+    "Failed to dlopen libnccl_ep (libcuda.so.1: cannot open shared object file: No such file "
+    "or directory); tried path '/site-packages/nccl/ep/lib/cu13/libnccl_ep.so'"
+)
+
+
+def _gpu_stack(monkeypatch, driver: bool, nccl_ep_error: str | None):
+    """Doctor's GPU stack with the driver present or not and libnccl_ep failing as given."""
+    import nccl.ep
+
+    from vllm_flashinfer_ep.runtime import env_checks
+
+    real_cdll = env_checks.ctypes.CDLL
+
+    def cdll(name, *args, **kwargs):
+        if "libcuda" in str(name):
+            if not driver:
+                raise OSError(f"{name}: cannot open shared object file")
+            return object()
+        return real_cdll(name, *args, **kwargs)
+
+    def lib_version():
+        if nccl_ep_error is not None:
+            raise RuntimeError(nccl_ep_error)
+        return "0.1.0"
+
+    monkeypatch.setattr(env_checks.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(nccl.ep, "get_lib_version", lib_version)
+
+
+def test_libnccl_ep_without_driver_is_the_driver_problem_not_a_reinstall(monkeypatch, capsys):
+    """One problem, one fix: the dlopen failure a missing libcuda.so.1 causes is no second
+    [FAIL] with a reinstall hint."""
+    _gpu_stack(monkeypatch, driver=False, nccl_ep_error=DLOPEN_NO_DRIVER)
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "  [warn] libnccl_ep: not checked: loading it needs the CUDA driver (libcuda.so.1), "
+        "which does not load here (see CUDA driver)  -> fix the CUDA driver, then run doctor "
+        "again"
+    ) in out
+    problems = out.split("problem(s)")[1]
+    assert "  - CUDA driver: run on a host with the NVIDIA driver" in problems
+    assert "libnccl_ep" not in problems and "reinstall" not in out
+
+
+def test_libnccl_ep_failing_for_another_reason_stays_a_failure(monkeypatch, capsys):
+    _gpu_stack(monkeypatch, driver=False, nccl_ep_error="undefined symbol: ncclEpCreateGroup")
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "[FAIL] libnccl_ep: cannot load: undefined symbol" in out
+    assert "  - libnccl_ep: reinstall 'nccl-extensions>=0.1.0'" in out
+
+
+def test_libnccl_ep_with_the_driver_present_stays_a_failure(monkeypatch, capsys):
+    _gpu_stack(monkeypatch, driver=True, nccl_ep_error=DLOPEN_NO_DRIVER)
+    cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert "[FAIL] libnccl_ep: cannot load: Failed to dlopen libnccl_ep" in out
+    assert "  - libnccl_ep: reinstall" in out
+
+
 def test_bench_refuses_without_gpu(capsys):
     assert cli.main(["bench", "--tokens", "1,8"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

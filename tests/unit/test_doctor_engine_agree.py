@@ -36,17 +36,22 @@ def _gpu(monkeypatch, total: int | None) -> None:
 
 
 def _doctor(monkeypatch, model: str, *serve_args: str):
-    """Run `vllm-flashinfer-ep doctor --model MODEL SERVE_ARGS...` and return its model checks."""
-    seen = {}
-    real = doctor.model_checks
-
-    def spy(*args, **kwargs):
-        seen["checks"] = real(*args, **kwargs)
-        return seen["checks"]
-
-    monkeypatch.setattr(doctor, "model_checks", spy)
+    """Run `vllm-flashinfer-ep doctor --model MODEL SERVE_ARGS...` and return its checks of
+    the serve arguments and the model, by name."""
+    seen = []
+    for name in ("serve_checks", "model_checks"):
+        monkeypatch.setattr(doctor, name, _recording(getattr(doctor, name), seen))
     rc = cli.main(["doctor", "--model", model, *serve_args])
-    return rc, {c.name: c for c in seen["checks"]}
+    return rc, {c.name: c for c in seen}
+
+
+def _recording(real, seen: list):
+    def checks(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.extend(result)
+        return result
+
+    return checks
 
 
 def _engine_refusal(model: str, backend: str = LOW_LATENCY, **kwargs) -> str:
@@ -248,11 +253,11 @@ def test_serve_arguments_doctor_does_not_read_are_listed_not_refused(big, monkey
         "512",
     )
     assert "at --max-num-batched-tokens 512" in checks["LL memory estimate"].detail
+    assert checks["expert parallel"].ok and not checks["expert parallel"].warn
     out = capsys.readouterr().out
     assert (
-        "(vllm serve arguments doctor does not check: --port 9000 --served-model-name a b "
-        "--enable-expert-parallel)"
-    ) in out
+        "(vllm serve arguments doctor does not check: --port 9000 --served-model-name a b)" in out
+    )
 
 
 def test_other_commands_still_refuse_unknown_arguments():
@@ -291,6 +296,7 @@ def test_damaged_hub_download_names_the_cached_file(tmp_path, monkeypatch):
     cached.write_text("not json")
     import huggingface_hub
 
+    monkeypatch.setattr(doctor, "_hub_unreachable", lambda model: False)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(cached))
     [check] = doctor.model_checks("org/model")
     assert check.detail.startswith(f"{cached} is not valid JSON")

@@ -6,11 +6,13 @@ FlashInferEPConfigError that names the flag to change. Checks that need a GPU or
 native library (libnccl version, libnccl_ep load, nvcc, compute capability) run in
 the worker, in the manager's constructor, before model load.
 
-The model rules are plain functions of the model's shape (model_shape.py, the one reader
-of Hugging Face configs) that return the refusal message or None (`quantization_reason`,
-`dtype_reason`, `top_k_reason`, `hidden_reason`, `ll_memory_verdict`,
-`rdma_buffer_reason`): `vllm-flashinfer-ep doctor` applies the same functions to a
-config.json and the `vllm serve` arguments, so it gives the engine's verdicts.
+The rules are plain functions of the model's shape (model_shape.py, the one reader of
+Hugging Face configs) and of the parallel settings that return the refusal or warning
+message or None (`ubatching_reason`, `fault_tolerance_reason`, `unused_backend_warning`,
+`quantization_reason`, `dtype_reason`, `top_k_reason`, `hidden_reason`,
+`ht_tokens_verdict`, `ll_memory_verdict`, `rdma_buffer_reason`): `vllm-flashinfer-ep
+doctor` applies the same functions to a config.json and the `vllm serve` arguments, so it
+gives the engine's verdicts.
 """
 
 from __future__ import annotations
@@ -42,17 +44,12 @@ def validate(vllm_config: Any) -> None:
     envs.validate_all()
     _check_transport_built()
 
-    if par.use_ubatching:
-        raise FlashInferEPConfigError(
-            f"{flag} does not support micro-batching (dual-batch overlap): NCCL-EP's receive "
-            "buffers are shared by all handles of a fleet, so two micro-batches would overwrite "
-            "each other. Remove --enable-dbo (and --ubatch-size)."
-        )
-    if par.enable_fault_tolerance and not backends.supports_fault_tolerance(backend):
-        raise FlashInferEPConfigError(
-            f"{flag} has no fault tolerance (NCCL-EP supports it for low latency only): use "
-            "--all2all-backend flashinfer_ep_low_latency or remove --enable-fault-tolerance."
-        )
+    for reason in (
+        ubatching_reason(flag, par.use_ubatching),
+        fault_tolerance_reason(flag, backend, par.enable_fault_tolerance),
+    ):
+        if reason is not None:
+            raise FlashInferEPConfigError(reason)
     # The host probes the worker and `doctor` use; these two need no GPU.
     for check in (env_checks.check_nccl_ep_installed(), env_checks.check_torch_cuda()):
         if not check.ok:
@@ -78,18 +75,51 @@ def validate(vllm_config: Any) -> None:
         _check_rdma_buffer(vllm_config, backend, flag)
         _log_parallel_layout(par, flag)
 
-    if not par.use_all2all:
-        logger.warning(
-            "%s is selected but does nothing here: the MoE all2all only runs with "
-            "--data-parallel-size > 1 and --enable-expert-parallel.",
-            backend,
+    unused = unused_backend_warning(backend, par.use_all2all, par.enable_expert_parallel)
+    if unused is not None:
+        logger.warning("%s", unused)
+
+
+def ubatching_reason(flag: str, use_ubatching: bool) -> str | None:
+    """Why micro-batching (vLLM's `ParallelConfig.use_ubatching`: --enable-dbo or
+    --ubatch-size > 1) is refused, or None."""
+    if not use_ubatching:
+        return None
+    return (
+        f"{flag} does not support micro-batching (dual-batch overlap): NCCL-EP's receive "
+        "buffers are shared by all handles of a fleet, so two micro-batches would overwrite "
+        "each other. Remove --enable-dbo (and --ubatch-size)."
+    )
+
+
+def fault_tolerance_reason(flag: str, backend: str, enable_fault_tolerance: bool) -> str | None:
+    """Why --enable-fault-tolerance is refused with `backend`, or None."""
+    if not enable_fault_tolerance or backends.supports_fault_tolerance(backend):
+        return None
+    return (
+        f"{flag} has no fault tolerance (NCCL-EP supports it for low latency only): use "
+        "--all2all-backend flashinfer_ep_low_latency or remove --enable-fault-tolerance."
+    )
+
+
+def unused_backend_warning(
+    backend: str, use_all2all: bool, enable_expert_parallel: bool
+) -> str | None:
+    """The warning config time logs when `backend` is selected but NCCL-EP will not run,
+    or None. `use_all2all`: vLLM's `ParallelConfig.use_all2all` (off at
+    --data-parallel-size 1); without --enable-expert-parallel vLLM's MoE layers take its
+    all-gather/reduce-scatter path (no all2all kernels: `use_all2all_kernels` needs EP)."""
+    if not use_all2all:
+        return (
+            f"{backend} is selected but does nothing here: the MoE all2all only runs with "
+            "--data-parallel-size > 1 and --enable-expert-parallel."
         )
-    elif not par.enable_expert_parallel:
-        logger.warning(
-            "%s is selected without --enable-expert-parallel: vLLM will use its "
-            "all-gather/reduce-scatter path, not NCCL-EP.",
-            backend,
+    if not enable_expert_parallel:
+        return (
+            f"{backend} is selected without --enable-expert-parallel: vLLM will use its "
+            "all-gather/reduce-scatter path, not NCCL-EP."
         )
+    return None
 
 
 def _check_transport_built() -> None:
@@ -111,27 +141,54 @@ def _check_transport_built() -> None:
 
 
 def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
-    """Keep each step within NCCL-EP's high-throughput limit of tokens per rank.
+    """Keep each step within NCCL-EP's high-throughput limit of tokens per rank
+    (`ht_tokens_verdict`, which `doctor` prints): lowered with a warning, or refused."""
+    sched, model = vllm_config.scheduler_config, vllm_config.model_config
+    if sched is None:
+        return
+    verdict = ht_tokens_verdict(
+        flag,
+        sched.max_num_batched_tokens,
+        chunked_prefill=sched.enable_chunked_prefill,
+        max_model_len=None if model is None else model.max_model_len,
+    )
+    if verdict.refusal is not None:
+        raise FlashInferEPConfigError(verdict.refusal)
+    if verdict.lowered_to is not None:
+        _lower_step_budget(vllm_config, flag, verdict.lowered_to, verdict.why)
+
+
+class StepBudgetVerdict(NamedTuple):
+    """What config time does with --max-num-batched-tokens against a per-rank limit."""
+
+    lowered_to: int | None  # config time lowers --max-num-batched-tokens to this
+    refusal: str | None  # config time refuses with this message
+    why: str | None  # why the budget does not fit (None: it fits)
+
+
+def ht_tokens_verdict(
+    flag: str, tokens: int, *, chunked_prefill: bool, max_model_len: int | None
+) -> StepBudgetVerdict:
+    """The HT step-budget rule, for the engine (`_clamp_ht_tokens`) and `doctor` alike.
 
     The HT fleet cannot take more than HT_MAX_TOKENS_PER_RANK tokens per rank, and vLLM's
     profile run sends --max-num-batched-tokens tokens through every MoE layer at start-up,
-    so a larger budget would fail there. Chunked prefill keeps any prompt length servable.
+    so a larger budget would fail there: it is lowered to the limit. Chunked prefill keeps
+    any prompt length servable; without it a --max-model-len above the limit is refused.
     """
-    sched = vllm_config.scheduler_config
-    if sched is None or sched.max_num_batched_tokens <= HT_MAX_TOKENS_PER_RANK:
-        return
-    _refuse_unchunked(
-        vllm_config,
+    limit = HT_MAX_TOKENS_PER_RANK
+    if tokens <= limit:
+        return StepBudgetVerdict(None, None, None)
+    refusal = _unchunked_reason(
         flag,
-        HT_MAX_TOKENS_PER_RANK,
-        f"takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
+        limit,
+        f"takes at most {limit} tokens per rank and step",
+        tokens,
+        chunked_prefill,
+        max_model_len,
     )
-    _lower_step_budget(
-        vllm_config,
-        flag,
-        HT_MAX_TOKENS_PER_RANK,
-        f"NCCL-EP high throughput takes at most {HT_MAX_TOKENS_PER_RANK} tokens per rank and step",
-    )
+    why = f"NCCL-EP high throughput takes at most {limit} tokens per rank and step"
+    return StepBudgetVerdict(None if refusal else limit, refusal, why)
 
 
 def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
@@ -351,15 +408,22 @@ def device_memory_bytes() -> int | None:
         return None
 
 
-def _refuse_unchunked(vllm_config: Any, flag: str, limit: int, why: str) -> None:
+def _unchunked_reason(
+    flag: str,
+    limit: int,
+    why: str,
+    tokens: int,
+    chunked_prefill: bool,
+    max_model_len: int | None,
+) -> str | None:
     """Lowering the step budget below --max-model-len needs chunked prefill."""
-    sched, model = vllm_config.scheduler_config, vllm_config.model_config
-    if not sched.enable_chunked_prefill and model is not None and model.max_model_len > limit:
-        raise FlashInferEPConfigError(
-            f"{flag} {why}, but --max-num-batched-tokens is {sched.max_num_batched_tokens} with "
-            f"chunked prefill off and --max-model-len {model.max_model_len}. Enable chunked "
-            f"prefill or pass --max-model-len <= {limit}."
-        )
+    if chunked_prefill or max_model_len is None or max_model_len <= limit:
+        return None
+    return (
+        f"{flag} {why}, but --max-num-batched-tokens is {tokens} with chunked prefill off "
+        f"and --max-model-len {max_model_len}. Enable chunked prefill or pass "
+        f"--max-model-len <= {limit}."
+    )
 
 
 def _lower_step_budget(vllm_config: Any, flag: str, limit: int, log_why: str) -> None:
