@@ -236,7 +236,8 @@ def test_dp_ranks_with_different_loads_agree_through_vllm_and_match_the_referenc
             _count(loads[rank]) < min(s for s in sizes if s >= max(map(_count, loads)))
             for loads in STEPS[world]
         )
-        assert (counters.fresh_created, counters.pooled_rounds) == (0, len(STEPS[world]))
+        # every step pooled, plus the first round at load (a BF16 first layer)
+        assert (counters.fresh_created, counters.pooled_rounds) == (0, len(STEPS[world]) + 1)
         assert counters.padded_rounds == padded
 
 

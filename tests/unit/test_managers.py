@@ -333,21 +333,35 @@ def test_every_ep_rank_takes_the_wire_or_none_does(build, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("backend", list(managers.MANAGERS))
-def test_the_first_round_runs_at_load_on_the_smallest_pooled_handle(build, backend):
-    """FlashInfer allocates its receive buffer at a runtime's first dispatch: the manager
-    runs that round at load (every rank alike), so the load log's device-wide figure is
-    what the runtime holds. Zero rows, weight 0, routed to this rank's own experts."""
+def test_a_bf16_first_layer_runs_the_first_round_at_load(build, backend):
+    """FlashInfer allocates its BF16 receive buffer at a runtime's first dispatch: the
+    manager runs that round after the runtime's first layer (every rank alike), so the
+    load log's device-wide figure is what the runtime holds. Zero rows, weight 0, routed to
+    this rank's own experts, on the smallest pooled handle; once per runtime."""
     mgr = build(backend, _vllm_config())
-    rt = mgr.get_handle(_kwargs())
-    log = rt.fleet.log
+    mgr.make_prepare_finalize(_moe(), None)
+    (rt,) = mgr.runtimes
+    log = list(rt.fleet.log)
     created = [c for c in log if c.op == "create_handle"]
     after = log[log.index(created[-1]) + 1 :]
     smallest = min(rt.pool.sizes)
-    assert [(c.op, c.tokens) for c in after if c.op != "update"][:2] == [
+    assert [(c.op, c.tokens) for c in after if c.op != "update"] == [
         ("dispatch", smallest),
         ("combine", smallest),
     ]
-    assert rt.round.in_flight is None and rt.pool.counters.fresh_created == 0
+    assert rt.loaded and rt.round.in_flight is None and rt.pool.counters.fresh_created == 0
     if backend == backends.Algorithm.LOW_LATENCY.backend:
         assert rt.round.planner.native.recv is not None  # direct rounds from the first step
-    assert mgr.get_handle(_kwargs()) is rt and rt.fleet.log == log  # once per runtime
+    mgr.make_prepare_finalize(_moe(), None)  # the second layer of the shape
+    assert rt.fleet.log == log
+
+
+@pytest.mark.parametrize("backend", list(managers.MANAGERS))
+def test_an_fp8_first_layer_allocates_no_bf16_receive_buffer_at_load(build, backend):
+    """A runtime whose first layer sends FP8 on the wire runs no BF16 round at load:
+    FlashInfer's BF16 receive buffer would be memory no FP8 layer uses."""
+    mgr = build(backend, _vllm_config())
+    pf = mgr.make_prepare_finalize(_moe(), _block_qc())
+    assert pf._fp8
+    (rt,) = mgr.runtimes
+    assert rt.loaded and not any(c.op in ("dispatch", "combine") for c in rt.fleet.log)

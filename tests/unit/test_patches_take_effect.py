@@ -122,7 +122,10 @@ def _manager(backend: str = LOW_LATENCY):
         def get_handle(self, kwargs):
             self.calls.append(kwargs)
             return SimpleNamespace(
-                world_size=2, capacity=kwargs["max_num_tokens_per_rank"], round=None
+                world_size=2,
+                capacity=kwargs["max_num_tokens_per_rank"],
+                round=None,
+                finish_load=lambda first_round: None,
             )
 
     return _Manager()

@@ -165,3 +165,78 @@ def test_every_call_of_a_round_goes_through_its_one_issuer(case):
     update = {} if agreed is None else {f"{base} update": 1}  # a fresh handle binds at creation
     dispatch = {"wire dispatch": 1} if wire else {f"{base} dispatch": 1}
     assert took == {**update, **dispatch, f"{base} combine": 1}
+
+
+def test_only_a_pooled_eager_round_through_flashinfer_tells_the_direct_calls_the_buffer():
+    """Padded (and captured, joined, fresh) rounds leave the direct calls unaware of
+    FlashInfer's receive buffer; the first pooled eager round of exactly its size goes
+    through FlashInfer's methods and records it, the next one goes direct."""
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=(4, 8),
+    )
+    rnd, planner = rt.round, rt.round.planner
+
+    def step(n: int, seed: int):
+        x, ids, w, s = _layer(n, seed)
+        d = rnd.dispatch(x, ids, w)
+        issuer = rnd.in_flight.issuer
+        rnd.combine(scale_expert_rows(d.expert_x, s), torch.empty_like(x))
+        return issuer
+
+    assert step(5, 1) is planner.flashinfer and planner.native.recv is None  # padded
+    assert step(8, 2) is not planner.native and planner.native.recv is not None
+    assert step(8, 3) is planner.native
+
+
+def test_a_side_stream_round_joins_each_call_with_torch_s_stream(monkeypatch):
+    """Handle work off torch's current stream is joined around update, dispatch and
+    combine: the handle stream waits for torch's before each call, torch's for the handle
+    stream after it (runtime/streams.py), through JoinedIssuer."""
+    from vllm_flashinfer_ep.runtime import streams as streams_mod
+    from vllm_flashinfer_ep.runtime.issuers import JoinedIssuer
+
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=(4, 8),
+    )
+    events: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            events.append(f"{self.name} waits {other.name}")
+
+    handle_stream, torch_stream = Stream("handle"), Stream("torch")
+    streams = rt.pool.streams
+    monkeypatch.setattr(streams, "stream", handle_stream)
+    monkeypatch.setattr(streams, "state", lambda: (False, True))  # a side stream, not captured
+    monkeypatch.setattr(streams_mod.torch.cuda, "current_stream", lambda: torch_stream)
+    for op in ("update", "dispatch", "combine"):
+        real = getattr(rt.fleet.handles[-1].__class__, op)
+
+        def logged(self, *args, _op=op, _real=real, **kwargs):
+            events.append(_op)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(rt.fleet.handles[-1].__class__, op, logged)
+
+    x, ids, w, s = _layer(5, seed=4)  # padded: the general path decides the join
+    d = rt.round.dispatch(x, ids, w)
+    assert isinstance(rt.round.in_flight.issuer, JoinedIssuer)
+    out = rt.round.combine(scale_expert_rows(d.expert_x, s), torch.empty_like(x))
+    torch.testing.assert_close(out, reference_moe(x, ids, w, s), atol=2e-2, rtol=2e-2)
+    joined = [
+        ["handle waits torch", op, "torch waits handle"] for op in ("update", "dispatch", "combine")
+    ]
+    assert events == [e for triple in joined for e in triple]

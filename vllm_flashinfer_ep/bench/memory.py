@@ -64,7 +64,8 @@ def measure(
 
     spec = FleetSpec(Algorithm.LOW_LATENCY, num_experts, capacity, hidden)
     before = memory_snapshot(device)
-    rt = build_runtime(fleets, spec, top_k, device, sizes, warm_round=True)
+    rt = build_runtime(fleets, spec, top_k, device, sizes)
+    rt.finish_load(first_round=True)  # as the managers, for a BF16 layer
     built = memory_snapshot(device)
     pool = rt.pool
     warm_before = pool.warm_before or before

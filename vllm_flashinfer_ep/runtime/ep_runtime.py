@@ -32,9 +32,13 @@ class EPRuntime:
     world_size: int
     round: Round = field(init=False)  # one per runtime: layers share its staging
     fp8_wire: Fp8Wire | HtFp8Wire | None = field(init=False, default=None)  # see enable_fp8_wire
-    # GPU memory the build took, device-wide (build_runtime): the fleet when this runtime
-    # created it, the pool, and its first round (FlashInfer's receive buffer); 0 unbuilt.
+    # GPU memory the runtime took at load, device-wide (`finish_load`): the fleet when
+    # this runtime created it, the pool, FP8 wire buffers, and FlashInfer's BF16 receive
+    # buffer when the first round ran at load; 0 before `finish_load`.
     memory_bytes: int = field(init=False, default=0)
+    loaded: bool = field(init=False, default=False)  # finish_load ran
+    # Use before the build (build_runtime's memory_snapshot), what `memory_bytes` counts from.
+    before_build: tuple[int, int] = field(init=False, default=(0, 0))
 
     def __post_init__(self) -> None:
         self.round = make_round(self)
@@ -81,12 +85,38 @@ class EPRuntime:
             )
         return self.fp8_wire
 
+    def finish_load(self, first_round: bool) -> None:
+        """End of this runtime's load, after its first layer's prepare/finalize: with
+        `first_round` (that layer dispatches BF16), run the first round now, then log the
+        GPU memory the runtime took, measured device-wide. Runs once; every EP rank makes
+        the same call at the same point (the FP8 decision is agreed by every rank)."""
+        if self.loaded:
+            return
+        self.loaded = True
+        pool = self.pool
+        if not pool.sizes:
+            return
+        if first_round:
+            self.warm_round()
+        self.memory_bytes = memory_growth(pool.device, self.before_build)
+        logger.info(
+            "flashinfer_ep: %s runtime (hidden %d, %d tokens per rank) loaded: %.2f GB of GPU "
+            "memory device-wide (fleet, %d pooled handles for token counts %s%s); pool: %s",
+            self.spec.algorithm,
+            self.spec.hidden_size,
+            self.capacity,
+            self.memory_bytes / 1e9,
+            len(pool.sizes),
+            _compact(pool.sizes),
+            ", FP8 wire buffers" if self.fp8_wire is not None else "",
+            pool.memory_summary(),
+        )
+
     def warm_round(self) -> None:
-        """One dispatch + combine on the smallest pooled handle, at model load: FlashInfer
-        allocates its receive buffer at a runtime's first dispatch, so after this the
-        runtime holds all it will hold (and the load log can say so). Zero rows routed to
-        this rank's own experts (the pad routing) with weight 0; collective, like the
-        pool's warm-up, and run by every EP rank at the same point of model load."""
+        """One BF16 dispatch + combine on the smallest pooled handle: FlashInfer allocates
+        its receive buffer at a runtime's first dispatch, so after this the runtime holds
+        what its BF16 layers need. Zero rows routed to this rank's own experts (the pad
+        routing) with weight 0; collective, like the pool's warm-up."""
         pool = self.pool
         size = min(pool.sizes)
         x = torch.zeros(size, self.spec.hidden_size, dtype=torch.bfloat16, device=pool.device)
@@ -116,43 +146,22 @@ def build_runtime(
     top_k: int,
     device: torch.device | int | str,
     pool_sizes: list[int],
-    *,
-    warm_round: bool = False,
 ) -> EPRuntime:
-    """Create (or reuse) the fleet, build the pool and warm it with `pool_sizes`; with
-    `warm_round` (the engine's managers) also run the first round, so that everything the
-    runtime will allocate is allocated at model load and its log line is the GPU memory
-    the build took, measured device-wide."""
+    """Create (or reuse) the fleet, build the pool and warm it with `pool_sizes`. The
+    engine's managers call `finish_load` after the runtime's first layer."""
     if spec.num_experts % fleets.world_size != 0:
         raise ValueError(
             f"{spec.num_experts} experts cannot be split evenly over {fleets.world_size} EP ranks"
         )
-    torch_device = torch.device(device)
-    before = memory_snapshot(torch_device)
+    before = memory_snapshot(torch.device(device))
     fleet = fleets.get(spec)
     pool = HandlePool(fleet, spec, top_k, device, rank=fleets.rank, world_size=fleets.world_size)
     runtime = EPRuntime(
         spec=spec, fleet=fleet, pool=pool, rank=fleets.rank, world_size=fleets.world_size
     )
+    runtime.before_build = before
     if pool_sizes:
         pool.warm(pool_sizes)
-        if warm_round and pool.sizes:
-            runtime.warm_round()
-        runtime.memory_bytes = memory_growth(torch_device, before)
-        first = "" if warm_round else "; FlashInfer adds its receive buffer at the first dispatch"
-        logger.info(
-            "flashinfer_ep: %s runtime (hidden %d, %d tokens per rank) built: %.2f GB of GPU "
-            "memory device-wide (fleet, %d pooled handles for token counts %s%s)%s; pool: %s",
-            spec.algorithm,
-            spec.hidden_size,
-            spec.effective_max_tokens_per_rank,
-            runtime.memory_bytes / 1e9,
-            len(pool.sizes),
-            _compact(pool.sizes),
-            ", first round" if warm_round else "",
-            first,
-            pool.memory_summary(),
-        )
     return runtime
 
 

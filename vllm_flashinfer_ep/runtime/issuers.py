@@ -1,9 +1,10 @@
 """Who issues a round's transport calls: exactly one issuer per round.
 
-- `FlashInferIssuer`: FlashInfer's handle methods (captured rounds, padded rounds, fresh
-  handles, HT).
+- `FlashInferIssuer`: FlashInfer's handle methods: captured, padded, joined and fresh
+  rounds, HT, and pooled eager LL rounds when the direct calls are off or have no receive
+  buffer recorded yet.
 - `NativeEager` (runtime/native_handle.py): direct nccl.ep calls for pooled eager LL
-  rounds, which are host-bound.
+  rounds of exactly their size on the handles' stream, which are host-bound.
 - `WireIssuer`: FP8 on the wire (runtime/fp8_wire.py) dispatches; the BF16 update and
   combine go through the issuer it wraps.
 - `JoinedIssuer`: any of these, joined with torch's current stream around each call

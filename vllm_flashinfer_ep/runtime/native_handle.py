@@ -16,9 +16,10 @@ any later tensor at that address with that dtype and shape reuses it, whatever a
 churn happened in between, and the memo never pins memory. `NativeEager` issues update,
 dispatch and combine with those descriptors for pooled LL rounds on the handle's own
 stream outside capture (runtime/round_plan.py chooses it; runtime/issuers.py lists the
-issuers); captured rounds, padded ones, fresh handles, joins and HT stay FlashInfer's. It writes into the receive buffer
-and counters FlashInfer's own dispatch returned (recorded from the first FlashInfer
-dispatch), so captured and eager rounds share them as before.
+issuers); captured rounds, padded ones, fresh handles, joins and HT stay FlashInfer's.
+It writes into the receive buffer and counters FlashInfer's own dispatch returned
+(recorded from the pooled eager rounds that go through FlashInfer's methods, the first of
+them before any direct round), so captured and eager rounds share them.
 
 What it reads of FlashInfer's NcclEpHandle (flashinfer/moe_ep/backends/split/comm/
 nccl_ep/handle.py) is listed in runtime/flashinfer_internals.py and checked once per
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from vllm_flashinfer_ep.errors import HandlePoolError
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime import flashinfer_internals as internals
 
@@ -133,9 +135,9 @@ class NativeEager:
         self._logged = False
 
     def record(self, out: Any) -> None:
-        """Take FlashInfer's receive buffer and counts from one of its BF16 dispatches
-        (each one: FlashInfer replaces its buffer when a dispatch's shape or dtype
-        differs, and the direct rounds follow it)."""
+        """Take FlashInfer's receive buffer and counts from a pooled eager BF16 dispatch
+        through FlashInfer's methods (FlashInfer replaces its buffer when a dispatch's
+        shape or dtype differs, and the direct rounds follow it)."""
         self.recv, self.counts = out.expert_tensors, out.expert_counts
 
     def usable(self, handle: Any) -> bool:
@@ -168,6 +170,8 @@ class NativeEager:
         """Dispatch `x` (BF16; `scales` must be None) on `handle`'s routing into
         FlashInfer's receive buffer; returns (received rows, None, per-expert counts) like
         fp8_wire's (tokens, scales, counts)."""
+        if scales is not None:
+            raise HandlePoolError("the direct BF16 dispatch takes no scales (FP8: the wire)")
         ep, native, stream = handle._ep, handle._handle, self.stream
         configs = self._configs_for(ep)
         inputs = self.memo.bundle(ep.DispatchInputs, ep, tokens=x)

@@ -146,11 +146,23 @@ class Planner:
             if not pool.is_ht and envs.native_eager_enabled()
             else None
         )
-        self.flashinfer = FlashInferIssuer(
-            pool.fi, self.native.record if self.native is not None else None
+        self.flashinfer = FlashInferIssuer(pool.fi)
+        # The common eager round through FlashInfer's methods also tells the direct calls
+        # where FlashInfer's receive buffer and counts are (NativeEager.record): only that
+        # round, so the first direct round follows a pooled eager one, as it always did.
+        self._recording = (
+            FlashInferIssuer(pool.fi, self.native.record)
+            if self.native is not None
+            else self.flashinfer
         )
         self._issuers: dict[tuple, Issuer] = {}
         self._fresh_logged = False
+        # The handles' stream, read on every round (eager rounds are host-bound).
+        self._cuda, self._device_index, self._raw = (
+            pool.streams.cuda,
+            pool.streams.device_index,
+            pool.streams.raw,
+        )
 
     def plan(
         self,
@@ -168,7 +180,6 @@ class Planner:
         agreement is available (every rank then creates a fresh handle). Under CUDA-graph
         capture the count is uniform and must be pooled exactly."""
         pool = self.pool
-        streams = pool.streams
         num_tokens, top_k = topk_ids.shape
         handle = pool.handles.get(num_tokens)
         # The common eager round first, in few Python calls (host-bound): a pooled handle
@@ -180,9 +191,9 @@ class Planner:
             and pool.bind_ids
             and topk_ids.dtype == torch.int64
             and topk_ids.is_contiguous()
-            and topk_ids.get_device() == streams.device_index
+            and topk_ids.get_device() == self._device_index
             and x.shape[0] == num_tokens  # FlashInfer's dispatch refuses a mismatch; NCCL-EP not
-            and (not streams.cuda or current_raw_stream(streams.device_index) == streams.raw)
+            and (not self._cuda or current_raw_stream(self._device_index) == self._raw)
         ):
             weights = pool.weights_view(num_tokens)
             weights.copy_(topk_weights)
@@ -193,11 +204,11 @@ class Planner:
             direct = (
                 native is not None
                 and (wire is not None or native.recv is not None)
-                and (streams.cuda or not is_capturing())  # on a GPU: stream 0, never captured
+                and (self._cuda or not is_capturing())  # on a GPU: stream 0, never captured
                 and native.usable(handle)
             )
             if wire is None:
-                issuer = native if direct else self.flashinfer
+                issuer = native if direct else self._recording
             else:
                 issuer = self.issuer(direct, False, wire)
             return RoundPlan(pool, handle, issuer, topk_ids, weights, num_tokens, num_tokens, False)

@@ -91,7 +91,7 @@ class _FlashInferEPManager(All2AllManagerBase):
         if runtime is None:
             sizes = self._pool_sizes(spec.effective_max_tokens_per_rank)
             self._require_ranks_agree(spec, top_k, sizes)
-            runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes, warm_round=True)
+            runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes)
             if self._exchange is not None:
                 runtime.pool.agree = self._agree_on
             self._runtimes[key] = runtime
@@ -157,7 +157,11 @@ class _FlashInferEPManager(All2AllManagerBase):
             agreement = partial(
                 agreed_token_count, max_spread=pool_sizes.HT_MAX_PAD, capacity=runtime.capacity
             )
-        return cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
+        prepare_finalize = cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
+        # The runtime's first layer: its first round now if that layer dispatches BF16
+        # (FlashInfer's receive buffer; FP8 layers never allocate it), then the memory log.
+        runtime.finish_load(first_round=not fp8)
+        return prepare_finalize
 
     def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:
         """Whether this layer sends FP8 on the wire (runtime/fp8_wire.py), decided at
