@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(config, items):
             reason, checked = engine_skip_reason(), True
         if reason:
             mark_missing(item, reason)
+        elif "multigpu" in item.keywords and torch.cuda.device_count() < 2:
+            mark_missing(item, "needs >= 2 GPUs")
 
 
 @pytest.fixture(scope="session")

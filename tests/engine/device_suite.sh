@@ -8,6 +8,7 @@
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
+#          multigpu (two or more GPUs: multi-rank transport and FT, dp=2 engines; may need two calls)
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -68,6 +69,13 @@ for step in "${steps[@]}"; do
     memory)  # device-wide memory of the LL fleet + served pool (capture sizes + eager buckets)
       python3 -m vllm_flashinfer_ep.bench.memory --hidden 2048,7168 --capacity 256,512,4096 \
         --json "$out/bench_memory_world1.json" 2>&1 | tail -12 || rc=1 ;;
+    multigpu)  # two or more GPUs: transport across ranks, FT across ranks, dp=2 engines (DP padding, EPLB)
+      python3 -m pytest tests/kernels/test_transport_multigpu.py tests/kernels/test_fault_tolerance_multigpu.py \
+        -m multigpu -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-multigpu-kernels.txt" 2>&1 || rc=1
+      grep -E "passed|failed|Error" "$out/pytest-multigpu-kernels.txt" | tail -8
+      python3 -m pytest tests/engine/test_engine_multigpu.py tests/fault_tolerance \
+        -m multigpu -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-multigpu-engine.txt" 2>&1 || rc=1
+      grep -E "vs no EP|floor|passed|failed|Error" "$out/pytest-multigpu-engine.txt" | tail -12 ;;
     serve-bench-ll|serve-bench-noep)  # vllm serve + vllm bench serve, concurrency 1-128 (one call each)
       cfg=ll; [ "$step" = serve-bench-noep ] && cfg=no_ep
       python3 tests/engine/serve_bench.py --config "$cfg" --out "$out/serve_$cfg.json" \
@@ -134,7 +142,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import serve_process  # noqa: E402
 from engine_models import QWEN3_30B_A3B, write_config_only, write_tiny_model  # noqa: E402
 from engine_runner import engine_env, write_plugin_dist  # noqa: E402
 
@@ -53,25 +50,8 @@ KEYS = (
 AFTER_LOAD = ("runs on a per-forward handle", "no warmed flashinfer_ep handle")
 
 
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
 def serve_command(config: str, model: str, port: int, shape: str) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    args = [
         "--served-model-name",
         "moe",
         "--max-model-len",
@@ -82,10 +62,10 @@ def serve_command(config: str, model: str, port: int, shape: str) -> list[str]:
         "0.85" if shape != "tiny" else "0.4",
     ]
     if shape != "tiny":
-        cmd += ["--load-format", "dummy"]
+        args += ["--load-format", "dummy"]
     if config == "ll":
-        cmd += ["--enable-expert-parallel", "--all2all-backend", LL]
-    return cmd
+        args += ["--enable-expert-parallel", "--all2all-backend", LL]
+    return serve_process.serve_command(model, port, *args)
 
 
 def bench_command(model: str, port: int, concurrency: int, prompts: int, args, out: Path):
@@ -161,25 +141,10 @@ def run(args) -> int:
     log_path = Path(args.log or work / f"serve-{args.config}.log")
     rows: dict[str, dict] = {}
     started = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            serve_command(args.config, model, port, args.shape),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            while not _healthy(port):
-                if proc.poll() is not None:
-                    print(log_path.read_text()[-4000:])
-                    return 1
-                if time.monotonic() - started > args.startup_s:
-                    print(f"server did not come up in {args.startup_s} s")
-                    return 1
-                time.sleep(2)
-            startup = time.monotonic() - started
-            print(f"{args.config}: server up in {startup:.0f} s", flush=True)
+    command = serve_command(args.config, model, port, args.shape)
+    try:
+        with serve_process.served(command, env, log_path, port, args.startup_s):
+            print(f"{args.config}: server up in {time.monotonic() - started:.0f} s", flush=True)
             for c in args.concurrency:
                 out = work / f"bench-{args.config}-c{c}.json"
                 bench_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
@@ -196,12 +161,9 @@ def run(args) -> int:
                 Path(args.out).write_text(
                     json.dumps({"config": args.config, "shape": args.shape, "rows": rows}, indent=1)
                 )
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    except serve_process.ServerError as exc:
+        print(exc)
+        return 1
     bad = problems(rows, log_path.read_text(errors="replace"))
     for line in bad:
         print("PROBLEM", line)

@@ -1,0 +1,88 @@
+"""A `vllm serve` process for a test or benchmark: started, waited for, always stopped.
+
+The server runs vLLM's real multi-process layout; its log goes to a file the caller
+names (the device suite collects them). It listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def serve_command(model: str, port: int, *args: str) -> list[str]:
+    """vLLM's console script through this interpreter (the device's PATH need not hold it)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def post(port: int, path: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not come up; the message ends with its log's tail."""
+
+
+@contextmanager
+def served(
+    command: list[str], env: dict[str, str], log_path: Path, port: int, startup_s: float = 480
+) -> Iterator[subprocess.Popen]:
+    """Start `command`, wait until /health answers, yield the process; stop its whole
+    process group on the way out (SIGTERM, then SIGKILL)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + startup_s
+            while not healthy(port):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    why = "exited" if proc.poll() is not None else f"not up in {startup_s} s"
+                    tail = Path(log_path).read_text(errors="replace")[-4000:]
+                    raise ServerError(f"vllm serve {why}; log tail:\n{tail}")
+                time.sleep(2)
+            yield proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
