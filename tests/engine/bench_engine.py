@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                 "prompt_len": args.prompt_len,
             }
         if args.profile_batch:
-            spec["profile"] = {"batch": args.profile_batch, "output_len": 8}
+            layers = (QWEN3_30B_A3B if args.shape != "tiny" else qwen3_moe_config(2048))[
+                "num_hidden_layers"
+            ]
+            spec["profile"] = {"batch": args.profile_batch, "output_len": 8, "moe_layers": layers}
         try:
             res = runner.run(f"bench-{args.shape}-{name}", spec, env=env, timeout=900)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -103,9 +103,14 @@ for step in "${steps[@]}"; do
       python3 tests/engine/batched_tile_probe.py "${flag[@]}" > "$out/$step.txt" 2>&1 || rc=1
       grep "^|\|E=\|MISMATCH\|Error" "$out/$step.txt" ;;
     profile)
-      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs ll_graph \
-        --profile-batch 1 --no-bench > "$out/profile.txt" 2>&1 || rc=1
-      grep -h -A40 "engine_run: profile" "$out"/elogs/engine-bench-qwen3-30b-a3b-ll_*.log | head -90 ;;
+      for batch in 1 128; do  # issue 28's breakdown: LL and no EP, batch 1 and 128
+        FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs/profile-b$batch" \
+          python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs no_ep,ll_graph \
+          --profile-batch "$batch" --no-bench >> "$out/profile.txt" 2>&1 || rc=1
+      done
+      for f in "$out"/elogs/profile-b*/engine-bench-qwen3-30b-a3b-*.log; do
+        echo "== $f"; grep -h -A16 "engine_run: breakdown" "$f" | head -18
+      done ;;
     bench|bench-tiny|bench-30b)
       shapes=(tiny qwen3-30b-a3b)
       [ "$step" = bench-tiny ] && shapes=(tiny)

@@ -221,6 +221,15 @@ def _profile(llm: Any, p: dict[str, Any], vocab: int) -> str:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=p.get("rows", 30))
     print(f"engine_run: profile batch={p['batch']} {out['seconds']:.3f}s\n{table}", flush=True)
+    if p.get("moe_layers"):  # per MoE layer and decode step, by kind of kernel
+        from profile_breakdown import breakdown, from_profiler
+        from profile_breakdown import table as breakdown_table
+
+        steps = p.get("output_len", 8)
+        parts = breakdown(from_profiler(prof), p["moe_layers"], steps)
+        print(
+            f"engine_run: breakdown\n{breakdown_table(parts, p['moe_layers'], steps)}", flush=True
+        )
     return table
 
 

@@ -1,0 +1,66 @@
+"""The profile breakdown (tests/engine/profile_breakdown.py): kernels by kind, per MoE layer
+and decode step, unknown names kept visible."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+import profile_breakdown as pb  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [
+        ("ncclEpLowLatencyDispatchKernel<__nv_bfloat16, 8>", "transport"),
+        ("fused_moe_kernel", "experts GEMMs"),
+        ("batched_triton_kernel", "experts GEMMs"),
+        ("_block_list_kernel", "block list"),
+        ("void at::native::searchsorted_cuda_kernel<long>", "block list"),
+        ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "activation"),
+        ("_per_token_group_quant_fp8", "quantization"),
+        ("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_TNT", "dense GEMMs"),
+        ("void vllm::rms_norm_kernel<c10::BFloat16>", "norms and rotary"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>", "small torch kernels"),
+        ("something_new_kernel", "other"),
+    ],
+)
+def test_kernels_are_filed_by_kind(kernel, kind):
+    assert pb.category(kernel) == kind
+
+
+def test_per_layer_step_figures_and_shares():
+    kernels = [("fused_moe_kernel", 960.0, 96), ("ncclEpCombine", 480.0, 48), ("mystery", 480.0, 1)]
+    parts = pb.breakdown(kernels, layers=48, steps=2)
+    assert list(parts) == ["experts GEMMs", "transport", "other"]  # by time
+    assert parts["experts GEMMs"]["us_per_layer_step"] == pytest.approx(10.0)
+    assert parts["transport"]["share"] == pytest.approx(0.25)
+    text = pb.table(parts, 48, 2)
+    assert "| other | 5.0 | 25.0 % | mystery (5.0) |" in text
+
+
+def test_only_gpu_kernels_are_read_from_the_profiler():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    events = [
+        SimpleNamespace(
+            key="fused_moe_kernel",
+            self_device_time_total=50.0,
+            count=4,
+            device_type=DeviceType.CUDA,
+        ),
+        SimpleNamespace(
+            key="aten::mm", self_device_time_total=70.0, count=4, device_type=DeviceType.CPU
+        ),
+        SimpleNamespace(
+            key="idle", self_device_time_total=0.0, count=1, device_type=DeviceType.CUDA
+        ),
+    ]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert pb.from_profiler(prof) == [("fused_moe_kernel", 50.0, 4)]
