@@ -188,10 +188,7 @@ class Planner:
             handle is not None
             and top_k == pool.top_k
             and (agreed_tokens is LOCAL or agreed_tokens == num_tokens)
-            and pool.bind_ids
-            and topk_ids.dtype == torch.int64
-            and topk_ids.is_contiguous()
-            and topk_ids.get_device() == self._device_index
+            and self._binds(topk_ids)
             and x.shape[0] == num_tokens  # FlashInfer's dispatch refuses a mismatch; NCCL-EP not
             and (not self._cuda or current_raw_stream(self._device_index) == self._raw)
         ):
@@ -213,6 +210,16 @@ class Planner:
                 issuer = self.issuer(direct, False, wire)
             return RoundPlan(pool, handle, issuer, topk_ids, weights, num_tokens, num_tokens, False)
         return self._plan_general(topk_ids, topk_weights, agreed_tokens, wire)
+
+    def _binds(self, topk_ids: torch.Tensor) -> bool:
+        """Whether `update` may bind these ids as they are (contiguous int64 on the
+        handles' device), saving their copy into the pool's static buffer."""
+        return (
+            self.pool.bind_ids
+            and topk_ids.dtype == torch.int64
+            and topk_ids.is_contiguous()
+            and topk_ids.get_device() == self._device_index
+        )
 
     def issuer(self, direct: bool, join: bool, wire: Any) -> Issuer:
         """The issuer of a round: direct nccl.ep calls or FlashInfer's methods, joined with
@@ -263,13 +270,7 @@ class Planner:
         # bound per call, which saves one copy kernel per layer; other ids, and padded
         # rounds, use the static buffer.
         pool.weights_view(num_tokens).copy_(topk_weights)
-        if (
-            size == num_tokens
-            and pool.bind_ids
-            and topk_ids.dtype == torch.int64
-            and topk_ids.is_contiguous()
-            and topk_ids.get_device() == pool.streams.device_index
-        ):
+        if size == num_tokens and self._binds(topk_ids):
             ids = topk_ids
         else:
             pool.topk_ids[:num_tokens].copy_(topk_ids, non_blocking=True)
