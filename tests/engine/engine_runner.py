@@ -36,10 +36,11 @@ def write_plugin_dist(root: Path) -> Path:
     return root
 
 
-def engine_env(plugin_root: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of an engine process: harness plugin, tests/engine and the repo first."""
+def engine_env(plugin_root: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an engine process: harness plugin (None: a real multi-rank engine,
+    no harness), tests/engine and the repo first."""
     env = dict(os.environ)
-    paths = [str(plugin_root), str(HERE), str(REPO)]
+    paths = [str(p) for p in (plugin_root, HERE, REPO) if p is not None]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)

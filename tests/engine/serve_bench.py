@@ -29,12 +29,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import serve_process  # noqa: E402
+from bench_engine import COMPILATION, LL  # noqa: E402 - the engine benchmark's settings
 from engine_models import QWEN3_30B_A3B, write_config_only, write_tiny_model  # noqa: E402
 from engine_runner import engine_env, write_plugin_dist  # noqa: E402
 
-LL = "flashinfer_ep_low_latency"
-CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": CAPTURE}
 # requests per concurrency: a few hundred where a step is short enough to afford them
 PROMPTS = {1: 64, 8: 256, 32: 384, 128: 512}
 KEYS = (
@@ -46,8 +44,6 @@ KEYS = (
     "median_tpot_ms",
     "p99_tpot_ms",
 )
-# What the server log says when a round could not run on a handle made at load.
-AFTER_LOAD = ("runs on a per-forward handle", "no warmed flashinfer_ep handle")
 
 
 def serve_command(config: str, model: str, port: int, shape: str) -> list[str]:
@@ -121,11 +117,7 @@ def problems(rows: dict[str, dict], log_text: str) -> list[str]:
         for c, r in rows.items()
         if r.get("failed") or r.get("completed") != r.get("num_prompts")
     ]
-    found += [
-        f"server log: {line.strip()}"
-        for line in log_text.splitlines()
-        if any(m in line for m in AFTER_LOAD)
-    ]
+    found += [f"server log: {line}" for line in serve_process.off_the_pool(log_text)]
     return found
 
 

@@ -54,6 +54,15 @@ def post(port: int, path: str, body: dict, timeout: float = 300) -> dict:
         return json.loads(r.read())
 
 
+# What a server log says when a round could not run on a handle made at load.
+OFF_THE_POOL = ("runs on a per-forward handle", "no warmed flashinfer_ep handle")
+
+
+def off_the_pool(log_text: str) -> list[str]:
+    """The server log's lines that say a round ran off the handles made at load."""
+    return [line.strip() for line in log_text.splitlines() if any(m in line for m in OFF_THE_POOL)]
+
+
 class ServerError(RuntimeError):
     """The server exited or did not come up; the message ends with its log's tail."""
 

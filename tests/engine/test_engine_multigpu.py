@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 from engine_models import qwen3_moe_config, token_sequences
-from serve_process import post, serve_command, served
+from engine_runner import engine_env
+from serve_process import off_the_pool, post, serve_command, served
 from test_engine_world1 import MEAN_MIN, P95_MIN, _assert_close, _diff
 
 from tests.helpers import free_port
@@ -34,19 +35,7 @@ LL = "flashinfer_ep_low_latency"
 HT = "flashinfer_ep_high_throughput"
 VOCAB = qwen3_moe_config(2048)["vocab_size"]
 SEQUENCES = token_sequences(16, VOCAB)
-REPO = Path(__file__).resolve().parents[2]
-# What the server log says when a round could not run on a handle made at load.
-OFF_THE_POOL = ("runs on a per-forward handle", "no warmed flashinfer_ep handle")
 assert MEAN_MIN and P95_MIN  # the world-1 tolerance, shared
-
-
-def _env() -> dict[str, str]:
-    """The engine's environment: the installed plugin, no world-1 harness."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.pop("VLLM_TARGET_DEVICE", None)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
 
 
 def _log_path(tmp_path: Path, name: str) -> Path:
@@ -144,12 +133,13 @@ def _run_dp2(tmp_path, models, name: str, backend: str, *extra: str) -> tuple[li
         "0.5",
         *extra,
     )
-    with served(cmd, _env(), log, port):
+    env = engine_env(None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # no harness: dp=2
+    with served(cmd, env, log, port):
         _decode_uneven(port)
         rows = _prompt_logprobs(port, SEQUENCES)
         _decode_uneven(port)
     text = log.read_text(errors="replace")
-    off = [line for line in text.splitlines() if any(m in line for m in OFF_THE_POOL)]
+    off = off_the_pool(text)
     assert not off, off[:3]
     return rows, text
 
