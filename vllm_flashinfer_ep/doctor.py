@@ -155,25 +155,25 @@ def _hub_config_json(model: str) -> Path:
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    def cached(why: str, fix: str) -> Path:
+        try:
+            return Path(hf_hub_download(model, "config.json", local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise ModelConfigError(f"{model}: {why}", fix) from None
+
     if constants.is_offline_mode():
-        try:
-            return Path(hf_hub_download(model, "config.json", local_files_only=True))
-        except LocalEntryNotFoundError:
-            raise ModelConfigError(
-                f"{model}: config.json is not in the Hugging Face cache and HF_HUB_OFFLINE=1 "
-                "forbids downloading it",
-                "pass a local model dir (--model /path/to/model), or unset HF_HUB_OFFLINE "
-                "on a host with network to fetch it",
-            ) from None
+        return cached(
+            "config.json is not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids "
+            "downloading it",
+            "pass a local model dir (--model /path/to/model), or unset HF_HUB_OFFLINE "
+            "on a host with network to fetch it",
+        )
     if _hub_unreachable(model):
-        try:
-            return Path(hf_hub_download(model, "config.json", local_files_only=True))
-        except LocalEntryNotFoundError:
-            raise ModelConfigError(
-                f"{model}: cannot connect to {constants.ENDPOINT} (no network?) and its "
-                "config.json is not in the Hugging Face cache",
-                OFFLINE_FIX,
-            ) from None
+        return cached(
+            f"cannot connect to {constants.ENDPOINT} (no network?) and its config.json is "
+            "not in the Hugging Face cache",
+            OFFLINE_FIX,
+        )
     try:
         return Path(hf_hub_download(model, "config.json"))
     except LocalEntryNotFoundError as exc:  # the Hub stayed unreachable through the retries

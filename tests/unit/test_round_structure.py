@@ -91,6 +91,19 @@ def _layer(num_tokens: int, seed: int):
     return x, ids, weights, scales
 
 
+def _runtime():
+    """An LL runtime on the fake, sizes 4 and 8 pooled."""
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=CAP,
+        top_k=TOP_K,
+        sizes=(4, 8),
+    )
+    return rt
+
+
 def _paths(rt) -> dict[str, int]:
     """Transport calls so far, by the path they took (the fake's own counters)."""
     natives = [h._handle for h in rt.pool.handles.values()]
@@ -125,14 +138,7 @@ ROUNDS = {
 @pytest.mark.parametrize("case", list(ROUNDS))
 def test_every_call_of_a_round_goes_through_its_one_issuer(case):
     num_tokens, agreed, fp8, path = ROUNDS[case]
-    rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY,
-        hidden=HIDDEN,
-        num_experts=EXPERTS,
-        capacity=CAP,
-        top_k=TOP_K,
-        sizes=(4, 8),
-    )
+    rt = _runtime()
     if fp8:
         rt.enable_fp8_wire()
     rnd = rt.round
@@ -171,14 +177,7 @@ def test_only_a_pooled_eager_round_through_flashinfer_tells_the_direct_calls_the
     """Padded (and captured, joined, fresh) rounds leave the direct calls unaware of
     FlashInfer's receive buffer; the first pooled eager round of exactly its size goes
     through FlashInfer's methods and records it, the next one goes direct."""
-    rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY,
-        hidden=HIDDEN,
-        num_experts=EXPERTS,
-        capacity=CAP,
-        top_k=TOP_K,
-        sizes=(4, 8),
-    )
+    rt = _runtime()
     rnd, planner = rt.round, rt.round.planner
 
     def step(n: int, seed: int):
@@ -200,14 +199,7 @@ def test_a_side_stream_round_joins_each_call_with_torch_s_stream(monkeypatch):
     from vllm_flashinfer_ep.runtime import streams as streams_mod
     from vllm_flashinfer_ep.runtime.issuers import JoinedIssuer
 
-    rt, fleet = build_fake_runtime(
-        Algorithm.LOW_LATENCY,
-        hidden=HIDDEN,
-        num_experts=EXPERTS,
-        capacity=CAP,
-        top_k=TOP_K,
-        sizes=(4, 8),
-    )
+    rt = _runtime()
     events: list[str] = []
 
     class Stream:
