@@ -103,3 +103,43 @@ def reduce_received_rows(
     factor = (weights.float() * scales.float()[ids]).sum(dim=1, keepdim=True)
     out.copy_((x.float() * factor).to(out.dtype))
     return out
+
+
+def moe_config(
+    *,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    max_num_tokens: int,
+    backend: str | None = None,
+    device: str | torch.device = "cpu",
+):
+    """vLLM 0.33.0's FusedMoEConfig of one rank holding every expert (SiLU, BF16), under EP
+    with `backend` as its all2all backend, or without EP (None)."""
+    import dataclasses
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+
+    parallel = FusedMoEParallelConfig.make_no_parallel()
+    if backend is not None:
+        parallel = dataclasses.replace(parallel, use_ep=True, all2all_backend=backend)
+    return FusedMoEConfig(
+        num_experts=experts,
+        experts_per_token=top_k,
+        hidden_dim=hidden,
+        intermediate_size=inter,
+        num_local_experts=experts,
+        num_logical_experts=experts,
+        activation=MoEActivation.SILU,
+        device=device,
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=parallel,
+        in_dtype=torch.bfloat16,
+        max_num_tokens=max_num_tokens,
+    )

@@ -204,6 +204,7 @@ class ServeSettings:
     backend: str = LOW_LATENCY
     dtype: str = "auto"
     quantization: str | None = None
+    moe_backend: str = "auto"
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     gpu_memory_utilization: float | None = None
@@ -228,6 +229,7 @@ class ServeSettings:
             backend=args.all2all_backend,
             dtype=args.dtype,
             quantization=args.quantization,
+            moe_backend=args.moe_backend,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -443,6 +445,8 @@ def model_checks(
             reason or "",
         )
     )
+    if method in rules.FP8_METHODS and reason is None:
+        checks.append(_fp8_experts_check(rules, flag, backend, method, block, settings))
     if not low_latency:
         checks.append(_ht_tokens_check(rules, flag, shape, settings))
     fleet = shape.ll_fleet_shape() if low_latency else None
@@ -453,6 +457,20 @@ def model_checks(
         if rdma is not None:
             checks.append(rdma)
     return checks
+
+
+def _fp8_experts_check(
+    rules, flag: str, backend: str, method: str, block: Any, settings: ServeSettings
+) -> Check:
+    """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`)."""
+    asked = settings.moe_backend
+    tokens = settings.tokens if backend == LOW_LATENCY else None
+    reason = rules.fp8_experts_reason(
+        flag, backend, method, block, asked, tokens, settings.ep_world, os.environ
+    )
+    runs = "vLLM's DeepGEMM batched experts" if asked == "deep_gemm" else "vLLM's Triton experts"
+    shown = f"--moe-backend {asked}" + (" -> triton" if asked == "auto" else "")
+    return Check("FP8 experts", reason is None, f"{shown}: {runs}", reason or "")
 
 
 def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: str) -> Check:
@@ -839,6 +857,12 @@ def add_parser(subparsers) -> None:
     )
     serve.add_argument("--dtype", default="auto", choices=model_shape.DTYPE_CHOICES)
     serve.add_argument("--quantization", "-q", default=None)
+    serve.add_argument(
+        "--moe-backend",
+        default="auto",
+        metavar="NAME",
+        help="FP8 models: auto/triton, or deep_gemm (LL, 128x128 block FP8)",
+    )
     serve.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F")
     _switch(serve, "--enable-chunked-prefill", default=None)

@@ -1,6 +1,7 @@
 """End-to-end decode throughput of the engine at EP world size 1, three configurations side by side.
 
     python tests/engine/bench_engine.py --shape tiny|qwen3-30b-a3b --out results.json
+        [--quantization fp8_per_block --configs no_ep,ll_graph,ll_graph_deepgemm]
 
 Configurations (one engine process each, run one after the other in this command):
   no_ep     : the same engine without expert parallelism (vLLM's default MoE path)
@@ -43,6 +44,9 @@ CONFIGS = {
     # LL on vLLM's batched experts kernel with the package's per-batch tile (the
     # received-rows experts of vllm/compact_experts.py off); LL with vLLM's own
     # batched-experts path (both off); and that lookup fed a table whose tile does not spill.
+    # LL with vLLM's batched DeepGEMM experts (block-FP8 only: pass --quantization
+    # fp8_per_block); vllm/deep_gemm_experts.py.
+    "ll_graph_deepgemm": ({"backend": LL, "moe_backend": "deep_gemm"}, {}),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
     "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
@@ -65,6 +69,11 @@ NON_SPILLING_TILE = {
     "num_stages": 3,
 }
 DEFAULT_CONFIGS = "no_ep,ll_graph,ll_pooloff"
+# FP8 engines (--quantization): vLLM's own start-up switches, so each engine starts within
+# one device call: no DeepGEMM warm-up of every linear shape up front (kernels JIT at
+# first use, during the capture warm-up), no FlashInfer autotuning. Recorded in the JSON.
+FP8_STARTUP_ENV = {"VLLM_DEEP_GEMM_WARMUP": "skip"}
+FP8_STARTUP_SPEC = {"enable_flashinfer_autotune": False}
 
 
 def _tile_folder(work: Path, experts: int, intermediate: int) -> Path:
@@ -104,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     ap.add_argument(
+        "--quantization",
+        default=None,
+        help="vLLM's online quantization of the weights for every configuration "
+        "(e.g. fp8_per_block), with FP8_STARTUP_ENV / FP8_STARTUP_SPEC",
+    )
+    ap.add_argument(
         "--profile-batch",
         type=int,
         default=0,
@@ -111,7 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-bench", action="store_true", help="profile only")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: join these results files (one engine per device call, same shape "
+        "and quantization) into --out and print the table",
+    )
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     model, extra = _model(args.shape, work)
     runner = EngineRunner(work)
@@ -132,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             **extra,
             **base,
         }
+        if args.quantization:
+            spec.update(quantization=args.quantization, **FP8_STARTUP_SPEC)
+            env = {**FP8_STARTUP_ENV, **env}
         if not args.no_bench:
             spec["bench"] = {
                 "batch_sizes": batches,
@@ -162,14 +191,35 @@ def main(argv: list[str] | None = None) -> int:
             }
         print(f"{name}: {meta[name]} {results[name]}", flush=True)
         if args.out:  # after each engine, so a cut-short run keeps what it measured
-            args.out.write_text(
-                json.dumps({"shape": args.shape, "meta": meta, "results": results}, indent=1)
-            )
+            doc = {"shape": args.shape, "meta": meta, "results": results}
+            if args.quantization:
+                doc["quantization"] = args.quantization
+                doc["startup_switches"] = {**FP8_STARTUP_ENV, **FP8_STARTUP_SPEC}
+            args.out.write_text(json.dumps(doc, indent=1))
     if not args.no_bench and all(len(r) == len(batches) for r in results.values()):
         print(table(args.shape, batches, results))
     if failed:
         print(f"engines that failed (partial rows kept): {', '.join(failed)}", flush=True)
         return 1
+    return 0
+
+
+def merge(paths: list[Path], out: Path | None) -> int:
+    """Join results files of one shape and quantization (later files win per configuration)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    kinds = {(d["shape"], d.get("quantization")) for d in docs}
+    if len(kinds) != 1:
+        print(f"cannot merge different shapes or quantizations: {sorted(kinds, key=str)}")
+        return 2
+    joined = {k: v for d in docs for k, v in d.items() if k not in ("meta", "results")}
+    joined["meta"] = {n: m for d in docs for n, m in d["meta"].items()}
+    joined["results"] = {n: r for d in docs for n, r in d["results"].items()}
+    if out is not None:
+        out.write_text(json.dumps(joined, indent=1))
+    rows = list(joined["results"].values())
+    batches = [r["batch"] for r in rows[0]] if rows and rows[0] else []
+    if batches and all([r["batch"] for r in rs] == batches for rs in rows):
+        print(table(joined["shape"], batches, joined["results"]))
     return 0
 
 

@@ -7,6 +7,8 @@
 #          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
+#          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py)
+#          bench-30b-fp8-CONFIG (one FP8 engine per call: no_ep, ll_graph, ll_graph_deepgemm)
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 #          multigpu (two or more GPUs: multi-rank transport and FT, dp=2 engines; may need two calls)
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
@@ -62,6 +64,19 @@ for step in "${steps[@]}"; do
         tests/kernels/test_block_list_gpu.py \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
+    fp8-experts)  # issue 28: the block-FP8 LL experts (received rows, DeepGEMM) against vLLM's, then timed side by side
+      python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_deep_gemm_experts_gpu.py \
+        tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
+        > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
+      grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
+      python3 tests/engine/fp8_experts_probe.py --json "$out/fp8_experts_probe.json" \
+        > "$out/fp8-experts-probe.txt" 2>&1 || rc=1
+      grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe.txt" ;;
+    bench-30b-fp8-*)  # one FP8 engine per call (merge: bench_engine.py --merge a.json b.json --out all.json)
+      cfg=${step#bench-30b-fp8-}
+      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --quantization fp8_per_block \
+        --configs "$cfg" --out "$out/engine_qwen3-30b-a3b_fp8_$cfg.json" \
+        2>&1 | grep -v "^INFO\|^(EngineCore" | tail -6 || rc=1 ;;
     padding)  # eager rounds padded onto pooled handles, and the pool under graphs (real NCCL-EP)
       python3 -m pytest tests/kernels/test_transport_gpu.py -k "pad or pool_cuda_graph or unwarmed" \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-padding.txt" 2>&1 || rc=1
@@ -147,7 +162,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
   esac
 done
 exit "$rc"

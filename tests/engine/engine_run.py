@@ -125,6 +125,8 @@ def _build(spec: dict[str, Any]) -> Any:
     for key in ("quantization", "moe_backend"):
         if spec.get(key):
             kwargs[key] = spec[key]
+    if spec.get("enable_flashinfer_autotune") is not None:
+        kwargs["enable_flashinfer_autotune"] = bool(spec["enable_flashinfer_autotune"])
     if spec.get("backend"):
         kwargs.update(enable_expert_parallel=True, all2all_backend=spec["backend"])
     return LLM(**kwargs)

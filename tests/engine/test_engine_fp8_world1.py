@@ -176,3 +176,29 @@ def test_online_scheme_matches_the_engine_without_ep(
         fp8_floor,
         f"{name.upper()} FP8 (online {scheme}) vs no EP",
     )
+
+
+def test_ll_block_checkpoint_on_deep_gemm_matches_the_engine_without_ep(
+    engines, fp8_models, fp8_floor
+):
+    """`--moe-backend deep_gemm` (vllm/deep_gemm_experts.py): vLLM's batched DeepGEMM
+    experts over the LL buffer (scales re-laid MN-major by the prepare), against the
+    engine without EP on vLLM's DeepGEMM experts, which read the weights as prepared for
+    DeepGEMM too. What differs: the transport, and the activation scales (NCCL-EP's
+    amax/448 against vLLM's, which its E8M0 setting may round to powers of two)."""
+    model = fp8_models["block"]
+    reference = engines.run("noep-block-deepgemm", _spec(model, None, moe_backend="deep_gemm"))
+    assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
+    run = engines.run("ll-block-deepgemm", _spec(model, LL, moe_backend="deep_gemm"))
+    load = run["after_load"]
+    assert load["kernels"] == ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedDeepGemmExperts"]
+    assert load["num_kernels"] == LAYERS and load["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    [rt] = load["runtimes"]
+    assert rt["counters"]["created_during_capture"] == 0
+    _assert_wire(run, fp8=True)
+    _assert_close(
+        run["prompt_logprobs"],
+        reference["prompt_logprobs"],
+        fp8_floor,
+        "LL FP8 (block checkpoint, DeepGEMM experts) graphs vs no EP (DeepGEMM)",
+    )

@@ -126,6 +126,10 @@ class Problem:
         _, mk, act, *_ = _modules()
         if arrival == "fp8-wire":
             hidden, scales = self.wire_x, self.wire_scales
+        elif arrival == "fp8-wire-mn-major":  # what the LL prepare hands DeepGEMM experts
+            from vllm_flashinfer_ep.vllm.deep_gemm_experts import mn_major
+
+            hidden, scales = self.wire_x, mn_major(self.wire_scales)
         elif arrival == "bf16":
             hidden, scales = self.x, None
         else:  # "prepare-quantized": what the LL prepare hands vLLM's experts from BF16

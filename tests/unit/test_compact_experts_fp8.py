@@ -19,8 +19,6 @@ tests/unit/test_compact_experts_fp8_schemes.py.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import triton.language as tl
@@ -30,14 +28,13 @@ from vllm.model_executor.layers.fused_moe import utils as vllm_moe_utils
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
-    FusedMoEParallelConfig,
-    RoutingMethodType,
     fp8_w8a8_moe_quant_config,
 )
 from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
 from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import moe_config
 from tests.unit.test_prepare_finalize_cpu import reference_moe
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
@@ -214,22 +211,13 @@ class VllmBatchedExperts(fused_batched_moe.BatchedTritonExperts):
 
 
 def _moe_config(top_k: int) -> FusedMoEConfig:
-    parallel = dataclasses.replace(
-        FusedMoEParallelConfig.make_no_parallel(), use_ep=True, all2all_backend=LL_BACKEND
-    )
-    return FusedMoEConfig(
-        num_experts=EXPERTS,
-        experts_per_token=top_k,
-        hidden_dim=HIDDEN,
-        intermediate_size=INTER,
-        num_local_experts=EXPERTS,
-        num_logical_experts=EXPERTS,
-        activation=MoEActivation.SILU,
-        device="cpu",
-        routing_method=RoutingMethodType.Renormalize,
-        moe_parallel_config=parallel,
-        in_dtype=torch.bfloat16,
+    return moe_config(
+        experts=EXPERTS,
+        top_k=top_k,
+        hidden=HIDDEN,
+        inter=INTER,
         max_num_tokens=CAP,
+        backend=LL_BACKEND,
     )
 
 

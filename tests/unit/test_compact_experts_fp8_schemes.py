@@ -20,8 +20,6 @@ The real kernels are compared on the GPU (tests/kernels/test_compact_experts_fp8
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import triton.language as tl
@@ -31,9 +29,7 @@ from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
-    FusedMoEParallelConfig,
     FusedMoEQuantConfig,
-    RoutingMethodType,
     fp8_w8a8_moe_quant_config,
 )
 from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
@@ -44,6 +40,7 @@ from vllm.model_executor.layers.fused_moe.utils import (
 )
 
 from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import moe_config
 from tests.unit.test_prepare_finalize_cpu import reference_moe
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
@@ -261,22 +258,13 @@ class VllmExperts(fused_batched_moe.BatchedTritonExperts):
 
 
 def _moe_config(top_k: int) -> FusedMoEConfig:
-    parallel = dataclasses.replace(
-        FusedMoEParallelConfig.make_no_parallel(), use_ep=True, all2all_backend=LL_BACKEND
-    )
-    return FusedMoEConfig(
-        num_experts=EXPERTS,
-        experts_per_token=top_k,
-        hidden_dim=HIDDEN,
-        intermediate_size=INTER,
-        num_local_experts=EXPERTS,
-        num_logical_experts=EXPERTS,
-        activation=MoEActivation.SILU,
-        device="cpu",
-        routing_method=RoutingMethodType.Renormalize,
-        moe_parallel_config=parallel,
-        in_dtype=torch.bfloat16,
+    return moe_config(
+        experts=EXPERTS,
+        top_k=top_k,
+        hidden=HIDDEN,
+        inter=INTER,
         max_num_tokens=CAP,
+        backend=LL_BACKEND,
     )
 
 

@@ -32,3 +32,32 @@ def test_row_arithmetic():
     assert abs(row["decode_seconds"] - 7.878) < 1e-9
     assert abs(row["output_tokens_per_s"] - 8 * 128 / 7.878) < 1e-9
     assert abs(row["ms_per_step"] - 7878 / 128) < 1e-9
+
+
+def _doc(quantization, name, tps, **extra):
+    import json
+
+    rows = [bench_row(b, 128, 0.1, 0.1 + 128 * b / t) for b, t in zip((1, 8), tps)]
+    doc = {"shape": "qwen3-30b-a3b", "meta": {name: {}}, "results": {name: rows}, **extra}
+    if quantization:
+        doc["quantization"] = quantization
+    return json.dumps(doc)
+
+
+def test_one_engine_per_call_results_merge_into_one_file(tmp_path, capsys):
+    """FP8 engines run one per device call; their files join into one results file."""
+    import json
+
+    from bench_engine import main
+
+    a, b, c = (tmp_path / n for n in ("a.json", "b.json", "c.json"))
+    a.write_text(_doc("fp8_per_block", "no_ep", (100, 400), startup_switches={"s": 1}))
+    b.write_text(_doc("fp8_per_block", "ll_graph", (80, 360)))
+    c.write_text(_doc(None, "ll_graph", (80, 360)))
+    out = tmp_path / "fp8.json"
+    assert main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    joined = json.loads(out.read_text())
+    assert set(joined["results"]) == {"no_ep", "ll_graph"}
+    assert joined["quantization"] == "fp8_per_block" and joined["startup_switches"] == {"s": 1}
+    assert "| 8 | 400 | 360 | 0.90 |" in capsys.readouterr().out
+    assert main(["--merge", str(a), str(c)]) == 2  # a BF16 run never joins an FP8 one

@@ -113,7 +113,7 @@ BAD = [
         "Serve a BF16 or FP8 checkpoint",
     ),
     (
-        dict(quantization="fp8_per_block", moe_backend="deep_gemm"),
+        dict(quantization="fp8_per_block", moe_backend="cutlass"),
         LOW_LATENCY,
         "Pass --moe-backend triton",
     ),

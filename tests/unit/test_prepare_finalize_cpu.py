@@ -22,8 +22,6 @@ its torch equivalent where the Contiguous reduce is exercised.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,8 +31,6 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FUSED_MOE_UNQUANTIZED_CONFIG,
     FusedMoEConfig,
-    FusedMoEParallelConfig,
-    RoutingMethodType,
 )
 from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
@@ -43,6 +39,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 )
 
 from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import moe_config
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT as HT_BACKEND
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
@@ -68,22 +65,13 @@ def no_capture_probe(monkeypatch, fake):
 
 
 def _moe_config(top_k: int, backend: str) -> FusedMoEConfig:
-    parallel = dataclasses.replace(
-        FusedMoEParallelConfig.make_no_parallel(), use_ep=True, all2all_backend=backend
-    )
-    return FusedMoEConfig(
-        num_experts=NUM_EXPERTS,
-        experts_per_token=top_k,
-        hidden_dim=HIDDEN,
-        intermediate_size=INTER,
-        num_local_experts=NUM_EXPERTS,
-        num_logical_experts=NUM_EXPERTS,
-        activation=MoEActivation.SILU,
-        device="cpu",
-        routing_method=RoutingMethodType.Renormalize,
-        moe_parallel_config=parallel,
-        in_dtype=torch.bfloat16,
+    return moe_config(
+        experts=NUM_EXPERTS,
+        top_k=top_k,
+        hidden=HIDDEN,
+        inter=INTER,
         max_num_tokens=CAPACITY,
+        backend=backend,
     )
 
 

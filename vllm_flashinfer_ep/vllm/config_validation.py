@@ -10,13 +10,14 @@ The rules are plain functions of the model's shape (model_shape.py, the one read
 Hugging Face configs) and of the parallel settings that return the refusal or warning
 message or None (`ubatching_reason`, `fault_tolerance_reason`, `unused_backend_warning`,
 `quantization_reason`, `dtype_reason`, `top_k_reason`, `hidden_reason`,
-`ht_tokens_verdict`, `ll_memory_verdict`, `rdma_buffer_reason`): `vllm-flashinfer-ep
-doctor` applies the same functions to a config.json and the `vllm serve` arguments, so it
-gives the engine's verdicts.
+`fp8_experts_reason`, `ht_tokens_verdict`, `ll_memory_verdict`, `rdma_buffer_reason`):
+`vllm-flashinfer-ep doctor` applies the same functions to a config.json and the `vllm
+serve` arguments, so it gives the engine's verdicts.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 from vllm_flashinfer_ep import backends, envs, model_shape
@@ -29,6 +30,7 @@ from vllm_flashinfer_ep.runtime.limits import (
     SUPPORTED_HIDDEN_SIZES,
     max_top_k,
 )
+from vllm_flashinfer_ep.vllm import deep_gemm_experts as dg
 
 logger = get_logger(__name__)
 GIB = float(1 << 30)
@@ -65,12 +67,12 @@ def validate(vllm_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None:
         _validate_model(model, model_shape.from_vllm_config(vllm_config), backend, flag)
-        if par.use_all2all:
-            _pin_fp8_experts(vllm_config, flag)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)
     if backend == backends.LOW_LATENCY and par.use_all2all:
         _check_ll_capacity(vllm_config, flag)
+    if model is not None and par.use_all2all:  # after the capacity: DeepGEMM reads it
+        _pin_fp8_experts(vllm_config, backend, flag)
     if par.use_all2all:
         _check_rdma_buffer(vllm_config, backend, flag)
         _log_parallel_layout(par, flag)
@@ -510,24 +512,88 @@ def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
     )
 
 
-def _pin_fp8_experts(vllm_config: Any, flag: str) -> None:
-    """FP8 MoE layers run with vLLM's Triton experts (the activation scale layouts the
-    package quantizes into after receive): --moe-backend auto becomes triton, logged;
-    another explicit choice is refused."""
+def fp8_experts_reason(
+    flag: str,
+    backend: str,
+    method: str | None,
+    block: Any,
+    moe_backend: str,
+    tokens_per_rank: int | None,
+    ep_world: int,
+    environ: Any,
+) -> str | None:
+    """Why the FP8 MoE layers cannot run with the --moe-backend asked for (None: they can).
+
+    Their experts are vLLM's Triton experts (`auto` becomes triton: the scale layouts the
+    package hands them are theirs, vllm/receive_quant.py), or, under LL for 128x128
+    block-FP8 models, vLLM's batched DeepGEMM experts (vllm/deep_gemm_experts.py)."""
+    if moe_backend in ("auto", "triton"):
+        return None
+    deep_gemm = dg.MOE_BACKEND
+    if moe_backend != deep_gemm:
+        return (
+            f"{flag} runs FP8 MoE layers with vLLM's Triton experts (or, under "
+            f"{backends.LOW_LATENCY} with 128x128 block-FP8, --moe-backend {deep_gemm}); "
+            f"--moe-backend {moe_backend} quantizes or lays out activations otherwise. Pass "
+            "--moe-backend triton (or leave it at auto)."
+        )
+    if backend != backends.LOW_LATENCY:
+        return (
+            f"{flag}: --moe-backend {deep_gemm} runs under {backends.LOW_LATENCY} only (this "
+            "backend hands the experts flat rows). Pass --moe-backend triton, or "
+            f"--all2all-backend {backends.LOW_LATENCY}."
+        )
+    if not _is_block_128(method, block):
+        return (
+            f"{flag}: --moe-backend {deep_gemm} takes 128x128 block-FP8 layers only (vLLM's "
+            f"DeepGEMM experts); this model is quantized with {method}"
+            + (f", weight_block_size {block}" if block is not None else "")
+            + ". Pass --moe-backend triton."
+        )
+    reason = dg.switches_reason(flag, environ)
+    if reason is None and tokens_per_rank is not None:
+        reason = dg.rows_reason(flag, tokens_per_rank, ep_world)
+    return reason
+
+
+def _is_block_128(method: str | None, block: Any) -> bool:
+    if method == "fp8_per_block":
+        return True
+    return method == "fp8" and block is not None and list(block) == [128, 128]
+
+
+def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
+    """FP8 MoE layers: the --moe-backend asked for, checked (`fp8_experts_reason`);
+    auto becomes triton, logged."""
     model, kernel = vllm_config.model_config, getattr(vllm_config, "kernel_config", None)
-    if model is None or not getattr(model, "quantization", None) or kernel is None:
+    if not getattr(model, "quantization", None) or kernel is None:
         return
     if getattr(model, "is_moe", True) is False:
         return
-    asked = kernel.moe_backend
-    if asked == "triton":
-        return
-    if asked != "auto":
-        raise FlashInferEPConfigError(
-            f"{flag} runs FP8 MoE layers with vLLM's Triton experts; --moe-backend {asked} "
-            "quantizes or lays out activations otherwise. Pass --moe-backend triton (or leave "
-            "it at auto)."
+    shape = model_shape.from_vllm_config(vllm_config)
+    sched = vllm_config.scheduler_config
+    reason = fp8_experts_reason(
+        flag,
+        backend,
+        model.quantization,
+        shape.weight_block_size,
+        kernel.moe_backend,
+        sched.max_num_batched_tokens if sched is not None else None,
+        ep_world_size(vllm_config.parallel_config),
+        os.environ,
+    )
+    if reason is not None:
+        raise FlashInferEPConfigError(reason)
+    if kernel.moe_backend == dg.MOE_BACKEND:
+        logger.info(
+            "%s: FP8 MoE layers use vLLM's DeepGEMM batched experts (--moe-backend %s) over "
+            "the LL buffer, with MN-major activation scales.",
+            flag,
+            dg.MOE_BACKEND,
         )
+        return
+    if kernel.moe_backend == "triton":
+        return
     kernel.moe_backend = "triton"
     logger.info(
         "%s: FP8 MoE layers use vLLM's Triton experts (--moe-backend auto -> triton); "

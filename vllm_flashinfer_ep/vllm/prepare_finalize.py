@@ -36,7 +36,12 @@ from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
 from vllm_flashinfer_ep.runtime.fp8_wire import Quantizer
 from vllm_flashinfer_ep.runtime.round_plan import LOCAL
-from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, receive_quant
+from vllm_flashinfer_ep.vllm import (
+    batched_tiles,
+    compact_experts,
+    deep_gemm_experts,
+    receive_quant,
+)
 
 AgreementFn = Callable[[int], "int | str | None"]
 
@@ -110,6 +115,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     """Expert-major NCCL-EP low-latency dispatch/combine for BatchedExperts."""
 
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
+    # vLLM's DeepGEMM experts read MN-major scales (set by post_init_setup).
+    _scales_for_experts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
@@ -119,17 +126,24 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         per-tensor FP8 too, once compact_experts.FP8_ENABLED is on;
         vllm/compact_experts.py) and otherwise get
         their tile per batch (vllm/batched_tiles.py): instance patches of vllm/patches,
-        applied to this experts object."""
+        applied to this experts object. vLLM's batched DeepGEMM experts (block FP8,
+        --moe-backend deep_gemm) get their scales MN-major (vllm/deep_gemm_experts.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
                 "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
+        flag = "--all2all-backend flashinfer_ep_low_latency"
         compact_experts.refuse_biases(fused_experts)
-        receive_quant.check_experts(
-            fused_experts, "--all2all-backend flashinfer_ep_low_latency", True
-        )
+        receive_quant.check_experts(fused_experts, flag, True)
+        if deep_gemm_experts.is_deep_gemm(fused_experts):
+            reason = deep_gemm_experts.rows_reason(
+                flag, self.runtime.capacity, self.runtime.world_size
+            )
+            if reason is not None:
+                raise FlashInferEPConfigError(reason)
+            self._scales_for_experts = deep_gemm_experts.mn_major
         batched_tiles.install(fused_experts)
         rnd = self._round
         compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
@@ -141,11 +155,14 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         meta = mk.ExpertTokensMetadata(
             expert_num_tokens=out.expert_num_tokens, expert_num_tokens_cpu=None
         )
-        if out.expert_x_scale is not None:  # quantized on the wire, as the experts expect
-            return out.expert_x, out.expert_x_scale, meta, None, None
-        x, scales = receive_quant.quantize_expert_buffer(
-            out.expert_x, out.expert_num_tokens, quant_config, defer
-        )
+        if out.expert_x_scale is not None:  # quantized on the wire
+            x, scales = out.expert_x, out.expert_x_scale
+        else:
+            x, scales = receive_quant.quantize_expert_buffer(
+                out.expert_x, out.expert_num_tokens, quant_config, defer
+            )
+        if scales is not None and self._scales_for_experts is not None:
+            scales = self._scales_for_experts(scales)  # DeepGEMM's layout
         return x, scales, meta, None, None
 
     def finalize(

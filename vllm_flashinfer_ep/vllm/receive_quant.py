@@ -168,10 +168,16 @@ def _vllm_quantize(
 
 def check_experts(fused_experts: Any, flag: str, batched: bool) -> None:
     """FP8 layers run with vLLM's Triton experts (what `--moe-backend triton` selects): the
-    scale layouts above are theirs. Others (DeepGEMM, CUTLASS, FlashInfer) expect other
-    layouts or quantize themselves; refuse them at load rather than compute wrong."""
+    scale layouts above are theirs. LL also takes vLLM's batched DeepGEMM experts (the
+    prepare re-lays their scales, vllm/deep_gemm_experts.py). Others (CUTLASS, FlashInfer)
+    expect other layouts or quantize themselves; refuse them at load rather than compute
+    wrong."""
     qc = fused_experts.quant_config
     if qc is None or qc.quant_dtype is None:
+        return
+    from vllm_flashinfer_ep.vllm.deep_gemm_experts import is_deep_gemm
+
+    if batched and is_deep_gemm(fused_experts):
         return
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
         BatchedTritonExperts,

@@ -1,0 +1,199 @@
+"""Time the block-FP8 LL experts side by side at a real model's shape (GPU).
+
+    python tests/engine/fp8_experts_probe.py [--experts 128 --hidden 2048 --inter 768]
+        [--json out.json]
+
+For each batch (tokens on the rank, world 1, random routing over `--experts` local
+experts) one 128x128 block-FP8 MoE layer's experts run over the LL receive buffer as the
+FP8 wire delivers it (E4M3 rows, FP32 scales per 128 row-major, 256 rows per expert), as
+the engine runs them: vLLM 0.33.0 experts objects, whole `apply` calls.
+  batched_triton : vLLM's BatchedTritonExperts with the package's tile per batch (what
+                   --moe-backend triton runs today: compact_experts.FP8_ENABLED off)
+  received_rows  : the same object with the package's received-rows experts
+                   (vllm/compact_experts_fp8.py), block list built from the counts
+  deep_gemm      : vLLM's BatchedDeepGemmExperts (--moe-backend deep_gemm), the
+                   prepare's MN-major copy of the scales included
+  no_ep          : vLLM's fused_experts on the tokens themselves with the same FP8
+                   weights (Triton; routing, both GEMMs, activation, weighted sum): what
+                   the engine without EP runs per layer with --moe-backend triton
+All four read the weights vLLM prepares for DeepGEMM (on sm90 the block scales may be
+rounded to powers of two), so their outputs are compared on the received rows (relative
+L2 against batched_triton, printed). Median GPU microseconds per call from CUDA-event
+timings of a CUDA graph holding 10 calls (tests/engine/batched_tile_probe.py `_time`).
+Which path `--moe-backend auto` should take is read from this table (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+PATHS = ("batched_triton", "received_rows", "deep_gemm", "no_ep")
+
+
+def _block_weights(experts: int, hidden: int, inter: int):
+    """E4M3 weights with FP32 128x128 block scales, prepared as vLLM prepares them for
+    DeepGEMM; returns (w1, w2, scales as DeepGEMM reads them, scales row-major)."""
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        prepare_fp8_moe_layer_for_deepgemm,
+    )
+
+    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e, n, k = w.shape
+        blocks = w.float().view(e, n // 128, 128, k // 128, 128)
+        s = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
+        q = (blocks / s[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return q.view(e, n, k), s
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
+    (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
+    q1, q2, s1, s2 = prepare_fp8_moe_layer_for_deepgemm(q1, q2, s1, s2, (128, 128))
+    return q1, q2, (s1, s2), (s1.contiguous(), s2.contiguous())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=256, help="buffer rows per expert")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument("--json", default=None, help="write the table here")
+    args = ap.parse_args()
+
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+        BatchedTritonExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+    from tests.engine.batched_tile_probe import _time
+    from tests.helpers import moe_config
+    from vllm_flashinfer_ep.runtime import fp8_wire
+    from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, deep_gemm_experts
+
+    E, K, N, R, top_k = args.experts, args.hidden, args.inter, args.rows, args.top_k
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    q1, q2, dg_scales, rm_scales = _block_weights(E, K, N)
+    qc = fp8_w8a8_moe_quant_config(*rm_scales, block_shape=[128, 128])
+    dg_qc = fp8_w8a8_moe_quant_config(*dg_scales, block_shape=[128, 128])
+    moe = moe_config(
+        experts=E, top_k=top_k, hidden=K, inter=N, max_num_tokens=R, device=torch.device("cuda", 0)
+    )
+
+    compact_experts.FP8_ENABLED = True  # this probe measures the received-rows FP8 path
+    triton_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
+    batched_tiles.install(triton_experts)
+    rows_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
+    assert compact_experts.install(rows_experts), "received-rows experts refused these"
+    dg_experts = None
+    if is_deep_gemm_supported():
+        dg_experts = BatchedDeepGemmExperts(moe, dg_qc, max_num_tokens=R, num_dispatchers=1)
+    else:
+        print("deep_gemm: not supported in this runtime (VLLM_USE_DEEP_GEMM?); column left out")
+
+    x_bf16 = torch.randn(E * R, K, device=dev).bfloat16()
+    wire_x, wire_s = fp8_wire.group_quantize(x_bf16)
+    wire_x, wire_s = wire_x.view(E, R, K), wire_s.view(E, R, K // 128)
+    ws13 = torch.empty(E * R * max(2 * N, K), device=dev, dtype=torch.bfloat16)
+    ws2 = torch.empty(E * R * 2 * N, device=dev, dtype=torch.bfloat16)
+    outputs = {p: torch.zeros(E, R, K, device=dev, dtype=torch.bfloat16) for p in PATHS[:3]}
+    counts = torch.zeros(E, dtype=torch.int32, device=dev)
+
+    def apply(experts, out, tokens: int, scales: torch.Tensor) -> None:
+        experts.apply(
+            output=out,
+            hidden_states=wire_x,
+            w1=q1,
+            w2=q2,
+            topk_weights=torch.ones(tokens, top_k, device=dev),
+            topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64, device=dev),
+            activation=MoEActivation.SILU,
+            global_num_experts=E,
+            expert_map=None,
+            a1q_scale=scales,
+            a2_scale=None,
+            workspace13=ws13,
+            workspace2=ws2,
+            expert_tokens_meta=mk.ExpertTokensMetadata(
+                expert_num_tokens=counts, expert_num_tokens_cpu=None
+            ),
+            apply_router_weight_on_input=False,
+        )
+
+    print(
+        f"block-FP8 experts: E={E} hidden={K} inter={N} top_k={top_k} buffer rows={R} "
+        f"({torch.cuda.get_device_name()})"
+    )
+    head = " | ".join(f"{p} us" for p in PATHS)
+    print(f"| tokens | active experts | {head} | fastest LL path | rel L2 vs batched_triton |")
+    print("|---|---|" + "---|" * len(PATHS) + "---|---|")
+    rows_out = []
+    for tokens in (int(b) for b in args.batches.split(",")):
+        ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(tokens)])
+        counts.copy_(torch.bincount(ids.flatten(), minlength=E).to(torch.int32))
+        times: dict[str, float | None] = {}
+        times["batched_triton"] = _time(
+            lambda t=tokens: apply(triton_experts, outputs["batched_triton"], t, wire_s)
+        )
+        times["received_rows"] = _time(
+            lambda t=tokens: apply(rows_experts, outputs["received_rows"], t, wire_s)
+        )
+        times["deep_gemm"] = (
+            _time(
+                lambda t=tokens: apply(
+                    dg_experts,
+                    outputs["deep_gemm"],
+                    t,
+                    deep_gemm_experts.mn_major(wire_s),
+                )
+            )
+            if dg_experts is not None
+            else None
+        )
+        x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
+        weights = torch.rand(tokens, top_k, device=dev, dtype=torch.float32)
+        ids32 = ids.to(torch.int32)
+        times["no_ep"] = _time(
+            lambda x=x, wt=weights, i=ids32: fused_experts(x, q1, q2, wt, i, quant_config=qc)
+        )
+        valid = torch.arange(R, device=dev)[None, :] < counts[:, None]
+        ref = outputs["batched_triton"][valid].float()
+        rel = {
+            p: float((outputs[p][valid].float() - ref).norm() / ref.norm())
+            for p in ("received_rows", "deep_gemm")
+            if times[p] is not None
+        }
+        ll = {p: t for p, t in times.items() if p != "no_ep" and t is not None}
+        fastest = min(ll, key=ll.get)
+        cells = " | ".join("-" if times[p] is None else f"{times[p]:.1f}" for p in PATHS)
+        rels = ", ".join(f"{p} {v:.2g}" for p, v in rel.items())
+        print(
+            f"| {tokens} | {int((counts > 0).sum())} | {cells} | {fastest} | {rels} |",
+            flush=True,
+        )
+        rows_out.append(dict(tokens=tokens, us=times, fastest=fastest, rel_l2=rel))
+        if any(v > 5e-2 for v in rel.values()):
+            print(f"MISMATCH at {tokens} tokens: {rels}")
+            return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(shape=vars(args), gpu=torch.cuda.get_device_name(), rows=rows_out), f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
