@@ -2,8 +2,10 @@
 
 The block list is plain tensor code and is checked here against every routing property
 that matters (each received row once, in a block of its own expert, within the bound).
-The GEMM is vLLM's Triton fused-MoE kernel, absent on CPU: `emulate_fused_moe_kernel`
-follows its documented contract (and refuses the layouts its launcher refuses) so that
+The GEMM is vLLM's Triton fused-MoE kernel, absent on CPU: `fused_moe_kernel_standin`
+takes its launcher's place (its signature; it refuses quantization flags and scales for
+16-bit weights) and `emulate_fused_moe_kernel` computes what the kernel's documented
+contract says (and refuses the layouts its launcher refuses), so that
 the wiring (views, activation, which rows reach the output) runs through the real LL
 prepare/finalize and vLLM's FusedMoEKernel. The kernel itself is compared with vLLM's
 batched kernel on the GPU (tests/kernels/test_compact_experts_gpu.py).
@@ -158,10 +160,49 @@ def _kernel(top_k: int, quant_config=FUSED_MOE_UNQUANTIZED_CONFIG):
     return batched_tiles_kernel(rt, top_k, quant_config=quant_config)
 
 
+def fused_moe_kernel_standin(
+    A,
+    B,
+    C,
+    A_scale,
+    B_scale,
+    topk_weights,
+    sorted_token_ids,
+    expert_ids,
+    num_tokens_post_padded,
+    mul_routed_weight,
+    top_k,
+    config,
+    compute_type,
+    use_fp8_w8a8,
+    use_int8_w8a8,
+    use_int8_w8a16,
+    use_int4_w4a16,
+    per_channel_quant,
+    block_shape=None,
+    B_bias=None,
+):
+    """vLLM 0.33.0's `invoke_fused_moe_triton_kernel` (its signature) for 16-bit weights,
+    top_k 1 and no routing weights: refuses any quantization flag or scale, then computes
+    as `emulate_fused_moe_kernel`."""
+    import triton.language as tl
+
+    assert A.dtype == B.dtype == C.dtype and A.dtype in (torch.bfloat16, torch.float16)
+    assert compute_type == (tl.bfloat16 if A.dtype == torch.bfloat16 else tl.float16)
+    assert A_scale is None and B_scale is None and topk_weights is None and B_bias is None
+    assert not (use_fp8_w8a8 or use_int8_w8a8 or use_int8_w8a16 or use_int4_w4a16)
+    assert not per_channel_quant and block_shape is None
+    assert top_k == 1 and not mul_routed_weight
+    blocks = (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    emulate_fused_moe_kernel(A, B, C, blocks, config, compute_type)
+
+
 @pytest.fixture
 def emulated(monkeypatch, fake):
+    from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
+
     monkeypatch.setattr(fused_batched_moe, "_is_capturing_or_compiling", lambda: False)
-    monkeypatch.setattr(compact_experts, "_gemm", emulate_fused_moe_kernel)
+    monkeypatch.setattr(vllm_fused_moe, "invoke_fused_moe_triton_kernel", fused_moe_kernel_standin)
     calls.clear()
     return fake
 

@@ -5,7 +5,8 @@ forward, the list of blocks vLLM's fused-MoE kernel reads. Built from torch ops 
 about fifteen small kernels per layer (a cumsum, a searchsorted, gathers, compares,
 casts); inside a captured decode step each is a kernel node of its own, launched for
 every MoE layer, and launches, not bytes, are their cost. `fused_expert_blocks` builds the
-same three tensors in one Triton kernel.
+same three tensors in one Triton kernel. `listed_gemm` is what reads them: vLLM's kernel,
+the one call for 16-bit and FP8 weights alike.
 
 Both builders write exactly the same values (tests/unit/test_block_list.py compares them
 in Triton's interpreter on CPU; tests/kernels/test_compact_experts_gpu.py on the GPU);
@@ -138,3 +139,43 @@ if triton is not None:
         tl.store(expert_ids_ptr + b, tl.where(live, owner, -1), mask=writes)
         if tl.program_id(0) == 0:
             tl.store(blocks_rows_ptr, tl.minimum(total * BLOCK_M, num_blocks * BLOCK_M))
+
+
+def listed_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    blocks: tuple,
+    config: dict,
+    compute_type,
+    fp8: tuple | None = None,
+) -> None:
+    """c[row] = a[row] @ w[expert].T for the listed rows, through vLLM's fused-MoE kernel
+    (`invoke_fused_moe_triton_kernel`, top_k 1, no routing weights): a [rows, K], w
+    [E, N, K], c [rows, 1, N]. `fp8`: (a_scale, w_scale, per_channel, block_shape) for E4M3
+    a and w (vllm/compact_experts_fp8.py says which scales), None for 16-bit ones."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import invoke_fused_moe_triton_kernel
+
+    a_scale, w_scale, per_channel, block_shape = fp8 if fp8 is not None else (None,) * 4
+    sorted_ids, expert_ids, blocks_rows = blocks
+    invoke_fused_moe_triton_kernel(
+        a,
+        w,
+        c,
+        a_scale,
+        w_scale,
+        None,
+        sorted_ids,
+        expert_ids,
+        blocks_rows,
+        mul_routed_weight=False,
+        top_k=1,
+        config=config,
+        compute_type=compute_type,
+        use_fp8_w8a8=fp8 is not None,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=bool(per_channel),
+        block_shape=block_shape,
+    )

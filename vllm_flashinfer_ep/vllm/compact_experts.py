@@ -45,7 +45,10 @@ import torch
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.vllm import compact_experts_fp8
 from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, TARGET, leave_to_vllm, named_args
-from vllm_flashinfer_ep.vllm.block_list import expert_blocks  # noqa: F401 - also for callers
+from vllm_flashinfer_ep.vllm.block_list import (  # noqa: F401 - expert_blocks also for callers
+    expert_blocks,
+    listed_gemm,
+)
 
 # The FP8 half's public names, still importable from here where they were before it moved.
 from vllm_flashinfer_ep.vllm.compact_experts_fp8 import (  # noqa: F401
@@ -171,32 +174,9 @@ def _gemm(
     config: dict,
     compute_type: Any,
 ) -> None:
-    """c[row] = a[row] @ w[expert].T for the rows in the block list (vLLM's kernel), 16-bit
-    a and w (FP8: compact_experts_fp8.gemm)."""
-    from vllm.model_executor.layers.fused_moe.fused_moe import invoke_fused_moe_triton_kernel
-
-    sorted_ids, expert_ids, blocks_rows = blocks
-    invoke_fused_moe_triton_kernel(
-        a,
-        w,
-        c,
-        None,
-        None,
-        None,
-        sorted_ids,
-        expert_ids,
-        blocks_rows,
-        mul_routed_weight=False,
-        top_k=1,
-        config=config,
-        compute_type=compute_type,
-        use_fp8_w8a8=False,
-        use_int8_w8a8=False,
-        use_int8_w8a16=False,
-        use_int4_w4a16=False,
-        per_channel_quant=False,
-        block_shape=None,
-    )
+    """c[row] = a[row] @ w[expert].T for the rows in the block list, 16-bit a and w (FP8:
+    compact_experts_fp8.gemm); one kernel call for both, block_list.listed_gemm."""
+    listed_gemm(a, w, c, blocks, config, compute_type)
 
 
 def compact_apply(fused_experts: Any, kw: dict, sent_per_rank: int | None = None) -> None:

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep.vllm.block_list import listed_gemm
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # what vLLM's dynamic FP8 kernels divide max |x| by
 GROUP = 128  # activation elements per FP32 scale; weight blocks are GROUP x GROUP
@@ -273,30 +275,10 @@ def gemm(
     a [rows, K] and w [E, N, K], BF16 c [rows, 1, N]; a_scale FP32 [rows, K / 128] (block)
     or [rows, 1] (token, tensor); w_scale as the quant config holds it."""
     import triton.language as tl
-    from vllm.model_executor.layers.fused_moe.fused_moe import invoke_fused_moe_triton_kernel
 
-    sorted_ids, expert_ids, blocks_rows = blocks
-    invoke_fused_moe_triton_kernel(
-        a,
-        w,
-        c,
-        a_scale,
-        w_scale,
-        None,
-        sorted_ids,
-        expert_ids,
-        blocks_rows,
-        mul_routed_weight=False,
-        top_k=1,
-        config=config,
-        compute_type=tl.bfloat16,  # what vLLM's Triton experts compute FP8 in (BF16 out)
-        use_fp8_w8a8=True,
-        use_int8_w8a8=False,
-        use_int8_w8a16=False,
-        use_int4_w4a16=False,
-        per_channel_quant=kind != BLOCK,
-        block_shape=list(BLOCK_SHAPE) if kind == BLOCK else None,
-    )
+    block = list(BLOCK_SHAPE) if kind == BLOCK else None
+    # BF16 out: what vLLM's Triton experts compute FP8 in.
+    listed_gemm(a, w, c, blocks, config, tl.bfloat16, (a_scale, w_scale, kind != BLOCK, block))
 
 
 def apply(
