@@ -58,14 +58,17 @@ G = 128
 BOUND = 1e-2  # see the module docstring
 
 
+def _bf16_weights(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5
+    return w1.bfloat16(), w2.bfloat16()
+
+
 def _block_quant_config(seed: int):
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    w1 = (
-        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5
-    ).bfloat16()
-    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5).bfloat16()
+    w1, w2 = _bf16_weights(seed)
     q1, s1 = _quantize_weight(w1, "block")
     q2, s2 = _quantize_weight(w2, "block")
     return q1, q2, fp8_w8a8_moe_quant_config(s1, s2, block_shape=[128, 128])
@@ -84,21 +87,56 @@ def _experts(qc, compact: bool, sent_per_rank=None):
     return experts
 
 
-class Problem:
-    """Weights, the receive buffer (both arrivals) and workspaces, reused in place so a
-    captured graph sees new rows and counts."""
+class _Layer:
+    """One layer's weights, a BF16 receive buffer, the counts and the workspaces, reused in
+    place so a captured graph sees new rows and counts; `apply` runs an experts object
+    over them as vLLM's modular kernel calls it."""
 
-    def __init__(self, seed: int) -> None:
-        self.q1, self.q2, self.qc = _block_quant_config(seed)
+    def __init__(self, q1: torch.Tensor, q2: torch.Tensor, qc) -> None:
+        self.q1, self.q2, self.qc = q1, q2, qc
         dev = torch.device("cuda", 0)
         self.x = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=torch.bfloat16)
-        self.wire_x = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=FP8)
-        self.wire_scales = torch.empty(EXPERTS, ROWS, HIDDEN // G, device=dev, dtype=torch.float32)
         self.counts = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
         self.ws13 = torch.empty(
             EXPERTS * ROWS * max(2 * INTER, HIDDEN), device=dev, dtype=torch.bfloat16
         )
         self.ws2 = torch.empty(EXPERTS * ROWS * 2 * INTER, device=dev, dtype=torch.bfloat16)
+
+    @staticmethod
+    def received(counts: torch.Tensor) -> torch.Tensor:
+        return torch.arange(ROWS, device="cuda")[None, :] < counts.cuda()[:, None]
+
+    def apply(self, experts, tokens: int, output, hidden, scales) -> None:
+        _, mk, act, *_ = _modules()
+        experts.apply(
+            output=output,
+            hidden_states=hidden,
+            w1=self.q1,
+            w2=self.q2,
+            topk_weights=torch.ones(tokens, TOP_K, device="cuda"),
+            topk_ids=torch.zeros(tokens, TOP_K, dtype=torch.int64, device="cuda"),
+            activation=act.SILU,
+            global_num_experts=EXPERTS,
+            expert_map=None,
+            a1q_scale=scales,
+            a2_scale=experts.a2_scale,  # what vLLM's modular kernel passes
+            workspace13=self.ws13,
+            workspace2=self.ws2,
+            expert_tokens_meta=mk.ExpertTokensMetadata(
+                expert_num_tokens=self.counts, expert_num_tokens_cpu=None
+            ),
+            apply_router_weight_on_input=False,
+        )
+
+
+class Problem(_Layer):
+    """A block-FP8 layer and its receive buffer in both arrivals (the FP8 wire's, BF16)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(*_block_quant_config(seed))
+        dev = torch.device("cuda", 0)
+        self.wire_x = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=FP8)
+        self.wire_scales = torch.empty(EXPERTS, ROWS, HIDDEN // G, device=dev, dtype=torch.float32)
 
     def load(self, counts: torch.Tensor, seed: int) -> None:
         """New received rows (rows of very different loudness) and counts, in place."""
@@ -118,12 +156,7 @@ class Problem:
         self.wire_scales.copy_(s)
         self.counts.copy_(counts)
 
-    @staticmethod
-    def received(counts: torch.Tensor) -> torch.Tensor:
-        return torch.arange(ROWS, device="cuda")[None, :] < counts.cuda()[:, None]
-
     def run(self, experts, tokens: int, output: torch.Tensor, arrival: str) -> None:
-        _, mk, act, *_ = _modules()
         if arrival == "fp8-wire":
             hidden, scales = self.wire_x, self.wire_scales
         elif arrival == "fp8-wire-mn-major":  # what the LL prepare hands DeepGEMM experts
@@ -138,25 +171,7 @@ class Problem:
             hidden, scales = receive_quant.quantize_expert_buffer(
                 self.x, self.counts, self.qc, False
             )
-        experts.apply(
-            output=output,
-            hidden_states=hidden,
-            w1=self.q1,
-            w2=self.q2,
-            topk_weights=torch.ones(tokens, TOP_K, device="cuda"),
-            topk_ids=torch.zeros(tokens, TOP_K, dtype=torch.int64, device="cuda"),
-            activation=act.SILU,
-            global_num_experts=EXPERTS,
-            expert_map=None,
-            a1q_scale=scales,
-            a2_scale=None,
-            workspace13=self.ws13,
-            workspace2=self.ws2,
-            expert_tokens_meta=mk.ExpertTokensMetadata(
-                expert_num_tokens=self.counts, expert_num_tokens_cpu=None
-            ),
-            apply_router_weight_on_input=False,
-        )
+        self.apply(experts, tokens, output, hidden, scales)
 
     def torch_reference(self, counts: torch.Tensor) -> torch.Tensor:
         """The received rows' expert outputs from the dequantized wire rows and weights
@@ -306,11 +321,7 @@ STATIC_A1, STATIC_A2 = 0.025, 0.05  # about max |x| / 448 of the rows and interm
 def _scheme_quant_config(kind: str, seed: int):
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    w1 = (
-        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5
-    ).bfloat16()
-    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5).bfloat16()
+    w1, w2 = _bf16_weights(seed)
     weights = "token" if kind == "token-channel" else "tensor"  # per channel / per expert
     q1, s1 = _quantize_weight(w1, weights)
     q2, s2 = _quantize_weight(w2, weights)
@@ -326,23 +337,17 @@ def _scheme_quant_config(kind: str, seed: int):
     return q1, q2, qc
 
 
-class SchemeProblem:
+class SchemeProblem(_Layer):
     """A per-tensor or per-channel layer, the BF16 receive buffer and what the LL prepare
-    makes of it (E4M3 rows and their scales), reused in place so a graph sees new rows."""
+    makes of it (E4M3 rows and their scales)."""
 
     def __init__(self, kind: str, seed: int) -> None:
+        super().__init__(*_scheme_quant_config(kind, seed))
         self.kind = kind
-        self.q1, self.q2, self.qc = _scheme_quant_config(kind, seed)
         dev = torch.device("cuda", 0)
-        self.x = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.xq = torch.empty(EXPERTS, ROWS, HIDDEN, device=dev, dtype=FP8)
         scale_rows = ROWS if kind.startswith("token") else 1
         self.xs = torch.empty(EXPERTS, scale_rows, 1, device=dev, dtype=torch.float32)
-        self.counts = torch.zeros(EXPERTS, dtype=torch.int32, device=dev)
-        self.ws13 = torch.empty(
-            EXPERTS * ROWS * max(2 * INTER, HIDDEN), device=dev, dtype=torch.bfloat16
-        )
-        self.ws2 = torch.empty(EXPERTS * ROWS * 2 * INTER, device=dev, dtype=torch.bfloat16)
 
     def load(self, counts: torch.Tensor, seed: int) -> None:
         from vllm_flashinfer_ep.vllm import receive_quant
@@ -358,27 +363,8 @@ class SchemeProblem:
         self.xs.copy_(xs.view(self.xs.shape))
 
     def run(self, experts, tokens: int, output: torch.Tensor, arrival: str = "prepared") -> None:
-        _, mk, act, *_ = _modules()
         hidden, scales = (self.x, None) if arrival == "bf16" else (self.xq, self.xs)
-        experts.apply(
-            output=output,
-            hidden_states=hidden,
-            w1=self.q1,
-            w2=self.q2,
-            topk_weights=torch.ones(tokens, TOP_K, device="cuda"),
-            topk_ids=torch.zeros(tokens, TOP_K, dtype=torch.int64, device="cuda"),
-            activation=act.SILU,
-            global_num_experts=EXPERTS,
-            expert_map=None,
-            a1q_scale=scales,
-            a2_scale=experts.a2_scale,  # what vLLM's modular kernel passes
-            workspace13=self.ws13,
-            workspace2=self.ws2,
-            expert_tokens_meta=mk.ExpertTokensMetadata(
-                expert_num_tokens=self.counts, expert_num_tokens_cpu=None
-            ),
-            apply_router_weight_on_input=False,
-        )
+        self.apply(experts, tokens, output, hidden, scales)
 
 
 def _takes_the_path(experts, p: SchemeProblem, arrival: str) -> None:
