@@ -445,14 +445,17 @@ def model_checks(
             reason or "",
         )
     )
+    fleet = shape.ll_fleet_shape() if low_latency else None
+    total = rules.device_memory_bytes() if fleet is not None else None
+    memory = _ll_memory_verdict(rules, flag, shape, fleet, settings, total) if fleet else None
     if method in rules.FP8_METHODS and reason is None:
-        checks.append(_fp8_experts_check(rules, flag, backend, method, block, settings))
+        # The engine checks the experts against the step budget after lowering it.
+        tokens = (memory.lowered_to if memory else None) or settings.tokens
+        checks.append(_fp8_experts_check(rules, flag, backend, method, block, settings, tokens))
     if not low_latency:
         checks.append(_ht_tokens_check(rules, flag, shape, settings))
-    fleet = shape.ll_fleet_shape() if low_latency else None
     if fleet is not None:
-        total = rules.device_memory_bytes()
-        checks.append(_ll_memory_check(rules, flag, shape, fleet, settings, total))
+        checks.append(_ll_memory_check(shape, fleet, settings, memory))
         rdma = _rdma_check(rules, flag, fleet, settings, total)
         if rdma is not None:
             checks.append(rdma)
@@ -460,17 +463,32 @@ def model_checks(
 
 
 def _fp8_experts_check(
-    rules, flag: str, backend: str, method: str, block: Any, settings: ServeSettings
+    rules,
+    flag: str,
+    backend: str,
+    method: str,
+    block: Any,
+    settings: ServeSettings,
+    tokens: int,
 ) -> Check:
-    """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`)."""
+    """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`), with
+    the LL step budget the engine checks it against (`tokens`, after any lowering)."""
     asked = settings.moe_backend
-    tokens = settings.tokens if backend == LOW_LATENCY else None
     reason = rules.fp8_experts_reason(
-        flag, backend, method, block, asked, tokens, settings.ep_world, os.environ
+        flag,
+        backend,
+        method,
+        block,
+        asked,
+        tokens if backend == LOW_LATENCY else None,
+        settings.ep_world,
+        os.environ,
     )
+    if reason is not None:
+        return Check("FP8 experts", False, f"--moe-backend {asked}", reason)
     runs = "vLLM's DeepGEMM batched experts" if asked == "deep_gemm" else "vLLM's Triton experts"
     shown = f"--moe-backend {asked}" + (" -> triton" if asked == "auto" else "")
-    return Check("FP8 experts", reason is None, f"{shown}: {runs}", reason or "")
+    return Check("FP8 experts", True, f"{shown}: {runs}")
 
 
 def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: str) -> Check:
@@ -572,29 +590,40 @@ def _vllm_default_tokens(settings: ServeSettings) -> int | None:
     )
 
 
-def _ll_memory_check(
+def _ll_memory_verdict(
     rules,
     flag: str,
     shape: model_shape.ModelShape,
     fleet: tuple[int, int, int],
     settings: ServeSettings,
     total: int | None,
-) -> Check:
-    """The LL fleet's estimated GPU memory per GPU and the engine's verdict on it
-    (config_validation.ll_memory_verdict: fits, lowered, or refused)."""
-    hidden, experts, top_k = fleet
-    tokens = settings.tokens
+):
+    """config_validation.ll_memory_verdict on the serve arguments (vLLM's defaults where
+    they are not given)."""
     gmu, seqs, chunked = _vllm_defaults(settings) if total is not None else (1.0, 1, True)
-    verdict = rules.ll_memory_verdict(
+    return rules.ll_memory_verdict(
         flag,
         fleet,
-        tokens,
+        settings.tokens,
         total,
         gmu,
         max_num_seqs=seqs,
         chunked_prefill=chunked,
         max_model_len=settings.max_model_len or shape.max_position_embeddings,
+        token_step=rules.deep_gemm_step(settings.moe_backend, settings.ep_world),
     )
+
+
+def _ll_memory_check(
+    shape: model_shape.ModelShape,
+    fleet: tuple[int, int, int],
+    settings: ServeSettings,
+    verdict,
+) -> Check:
+    """The LL fleet's estimated GPU memory per GPU and the engine's verdict on it
+    (config_validation.ll_memory_verdict: fits, lowered, or refused)."""
+    hidden, experts, top_k = fleet
+    tokens = settings.tokens
     parts, gib = verdict.parts, 1 << 30
     redundant = (
         f" ({shape.routed_experts} + {shape.redundant_experts} EPLB redundant)"

@@ -1,26 +1,30 @@
-"""Time the block-FP8 LL experts side by side at a real model's shape (GPU).
+"""Time the FP8 LL experts side by side at a real model's shape (GPU).
 
-    python tests/engine/fp8_experts_probe.py [--experts 128 --hidden 2048 --inter 768]
-        [--json out.json]
+    python tests/engine/fp8_experts_probe.py [--scheme block|channel|tensor]
+        [--experts 128 --hidden 2048 --inter 768] [--json out.json]
 
 For each batch (tokens on the rank, world 1, random routing over `--experts` local
-experts) one 128x128 block-FP8 MoE layer's experts run over the LL receive buffer as the
-FP8 wire delivers it (E4M3 rows, FP32 scales per 128 row-major, 256 rows per expert), as
-the engine runs them: vLLM 0.33.0 experts objects, whole `apply` calls.
+experts) one FP8 MoE layer's experts run over the LL receive buffer (256 rows per expert)
+as the engine hands it to them: vLLM 0.33.0 experts objects, whole `apply` calls. The
+buffer: for `block` (128x128 weight blocks) what the FP8 wire delivers (E4M3 rows, FP32
+scales per 128, row-major); for `channel` (per-channel weights, per-token activations)
+and `tensor` (one weight scale per expert, a dynamic per-tensor activation scale) what
+the LL prepare quantizes after receive (vllm/receive_quant.py).
   batched_triton : vLLM's BatchedTritonExperts with the package's tile per batch (what
                    --moe-backend triton runs today: compact_experts.FP8_ENABLED off)
   received_rows  : the same object with the package's received-rows experts
                    (vllm/compact_experts_fp8.py), block list built from the counts
-  deep_gemm      : vLLM's BatchedDeepGemmExperts (--moe-backend deep_gemm), the
-                   prepare's MN-major copy of the scales included
+  deep_gemm      : block only: vLLM's BatchedDeepGemmExperts (--moe-backend deep_gemm),
+                   the prepare's MN-major copy of the filled rows' scales included
   no_ep          : vLLM's fused_experts on the tokens themselves with the same FP8
                    weights (Triton; routing, both GEMMs, activation, weighted sum): what
                    the engine without EP runs per layer with --moe-backend triton
-All four read the weights vLLM prepares for DeepGEMM (on sm90 the block scales may be
-rounded to powers of two), so their outputs are compared on the received rows (relative
-L2 against batched_triton, printed). Median GPU microseconds per call from CUDA-event
-timings of a CUDA graph holding 10 calls (tests/engine/batched_tile_probe.py `_time`).
-Which path `--moe-backend auto` should take is read from this table (docs/benchmarks.md).
+For `block` all four read the weights vLLM prepares for DeepGEMM (on sm90 the block scales
+may be rounded to powers of two). Outputs are compared on the received rows (relative L2
+against batched_triton, printed). Median GPU microseconds per call from CUDA-event timings
+of a CUDA graph holding 10 calls (tests/engine/batched_tile_probe.py `_time`). Which path
+`--moe-backend auto` (and `compact_experts.FP8_ENABLED`) should take is read from these
+tables (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,45 +35,48 @@ import json
 import torch
 
 PATHS = ("batched_triton", "received_rows", "deep_gemm", "no_ep")
+# probe scheme -> the weight layout of tests/kernels/test_fp8_join_gpu.py::_quantize_weight
+WEIGHTS = {"block": "block", "channel": "token", "tensor": "tensor"}
 
 
-def _block_weights(experts: int, hidden: int, inter: int):
-    """E4M3 weights with FP32 128x128 block scales, prepared as vLLM prepares them for
-    DeepGEMM; returns (w1, w2, scales as DeepGEMM reads them, scales row-major)."""
-    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
-        prepare_fp8_moe_layer_for_deepgemm,
-    )
+def _layer(scheme: str, experts: int, hidden: int, inter: int):
+    """(w1, w2, quant config the Triton paths read, quant config DeepGEMM reads or None)."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
-    def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        e, n, k = w.shape
-        blocks = w.float().view(e, n // 128, 128, k // 128, 128)
-        s = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
-        q = (blocks / s[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        return q.view(e, n, k), s
+    from tests.kernels.test_fp8_join_gpu import _quantize_weight
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     w1 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
-    (q1, s1), (q2, s2) = quantize(w1), quantize(w2)
+    (q1, s1), (q2, s2) = (_quantize_weight(w.bfloat16(), WEIGHTS[scheme]) for w in (w1, w2))
+    if scheme == "channel":
+        qc = fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True)
+        return q1, q2, qc, None
+    if scheme == "tensor":
+        return q1, q2, fp8_w8a8_moe_quant_config(s1, s2), None
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        prepare_fp8_moe_layer_for_deepgemm,
+    )
+
     q1, q2, s1, s2 = prepare_fp8_moe_layer_for_deepgemm(q1, q2, s1, s2, (128, 128))
-    return q1, q2, (s1, s2), (s1.contiguous(), s2.contiguous())
+    qc = fp8_w8a8_moe_quant_config(s1.contiguous(), s2.contiguous(), block_shape=[128, 128])
+    return q1, q2, qc, fp8_w8a8_moe_quant_config(s1, s2, block_shape=[128, 128])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scheme", choices=sorted(WEIGHTS), default="block")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--rows", type=int, default=256, help="buffer rows per expert")
-    ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batches", default="1,8,32,128,256")
     ap.add_argument("--json", default=None, help="write the table here")
     args = ap.parse_args()
 
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )
@@ -82,17 +89,18 @@ def main() -> int:
     from tests.engine.batched_tile_probe import _time
     from tests.helpers import moe_config
     from vllm_flashinfer_ep.runtime import fp8_wire
-    from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, deep_gemm_experts
+    from vllm_flashinfer_ep.vllm import (
+        batched_tiles,
+        compact_experts,
+        deep_gemm_experts,
+        receive_quant,
+    )
 
     E, K, N, R, top_k = args.experts, args.hidden, args.inter, args.rows, args.top_k
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    q1, q2, dg_scales, rm_scales = _block_weights(E, K, N)
-    qc = fp8_w8a8_moe_quant_config(*rm_scales, block_shape=[128, 128])
-    dg_qc = fp8_w8a8_moe_quant_config(*dg_scales, block_shape=[128, 128])
-    moe = moe_config(
-        experts=E, top_k=top_k, hidden=K, inter=N, max_num_tokens=R, device=torch.device("cuda", 0)
-    )
+    q1, q2, qc, dg_qc = _layer(args.scheme, E, K, N)
+    moe = moe_config(experts=E, top_k=top_k, hidden=K, inter=N, max_num_tokens=R, device=dev)
 
     compact_experts.FP8_ENABLED = True  # this probe measures the received-rows FP8 path
     triton_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
@@ -100,23 +108,21 @@ def main() -> int:
     rows_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
     assert compact_experts.install(rows_experts), "received-rows experts refused these"
     dg_experts = None
-    if is_deep_gemm_supported():
+    if dg_qc is not None and is_deep_gemm_supported():
         dg_experts = BatchedDeepGemmExperts(moe, dg_qc, max_num_tokens=R, num_dispatchers=1)
-    else:
+    elif dg_qc is not None:
         print("deep_gemm: not supported in this runtime (VLLM_USE_DEEP_GEMM?); column left out")
 
-    x_bf16 = torch.randn(E * R, K, device=dev).bfloat16()
-    wire_x, wire_s = fp8_wire.group_quantize(x_bf16)
-    wire_x, wire_s = wire_x.view(E, R, K), wire_s.view(E, R, K // 128)
+    x_bf16 = torch.randn(E, R, K, device=dev).bfloat16()
     ws13 = torch.empty(E * R * max(2 * N, K), device=dev, dtype=torch.bfloat16)
     ws2 = torch.empty(E * R * 2 * N, device=dev, dtype=torch.bfloat16)
     outputs = {p: torch.zeros(E, R, K, device=dev, dtype=torch.bfloat16) for p in PATHS[:3]}
     counts = torch.zeros(E, dtype=torch.int32, device=dev)
 
-    def apply(experts, out, tokens: int, scales: torch.Tensor) -> None:
+    def apply(experts, out, tokens: int, hidden, scales) -> None:
         experts.apply(
             output=out,
-            hidden_states=wire_x,
+            hidden_states=hidden,
             w1=q1,
             w2=q2,
             topk_weights=torch.ones(tokens, top_k, device=dev),
@@ -125,7 +131,7 @@ def main() -> int:
             global_num_experts=E,
             expert_map=None,
             a1q_scale=scales,
-            a2_scale=None,
+            a2_scale=experts.a2_scale,
             workspace13=ws13,
             workspace2=ws2,
             expert_tokens_meta=mk.ExpertTokensMetadata(
@@ -135,7 +141,7 @@ def main() -> int:
         )
 
     print(
-        f"block-FP8 experts: E={E} hidden={K} inter={N} top_k={top_k} buffer rows={R} "
+        f"{args.scheme}-FP8 experts: E={E} hidden={K} inter={N} top_k={top_k} buffer rows={R} "
         f"({torch.cuda.get_device_name()})"
     )
     head = " | ".join(f"{p} us" for p in PATHS)
@@ -145,25 +151,26 @@ def main() -> int:
     for tokens in (int(b) for b in args.batches.split(",")):
         ids = torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(tokens)])
         counts.copy_(torch.bincount(ids.flatten(), minlength=E).to(torch.int32))
-        times: dict[str, float | None] = {}
-        times["batched_triton"] = _time(
-            lambda t=tokens: apply(triton_experts, outputs["batched_triton"], t, wire_s)
-        )
-        times["received_rows"] = _time(
-            lambda t=tokens: apply(rows_experts, outputs["received_rows"], t, wire_s)
-        )
-        times["deep_gemm"] = (
-            _time(
-                lambda t=tokens: apply(
+        if args.scheme == "block":  # the FP8 wire's rows and scales
+            xq, xs = fp8_wire.group_quantize(x_bf16.view(E * R, K))
+            xq, xs = xq.view(E, R, K), xs.view(E, R, K // 128)
+        else:  # what the LL prepare quantizes after receive
+            xq, xs = receive_quant.quantize_expert_buffer(x_bf16, counts, qc, False)
+        times: dict[str, float | None] = dict.fromkeys(PATHS)
+        for name, experts in (("batched_triton", triton_experts), ("received_rows", rows_experts)):
+            times[name] = _time(
+                lambda e=experts, o=outputs[name], t=tokens, a=xq, s=xs: apply(e, o, t, a, s)
+            )
+        if dg_experts is not None:
+            times["deep_gemm"] = _time(
+                lambda t=tokens, a=xq, s=xs: apply(
                     dg_experts,
                     outputs["deep_gemm"],
                     t,
-                    deep_gemm_experts.mn_major(wire_s),
+                    a,
+                    deep_gemm_experts.mn_major(s, t),  # the rows t senders fill
                 )
             )
-            if dg_experts is not None
-            else None
-        )
         x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
         weights = torch.rand(tokens, top_k, device=dev, dtype=torch.float32)
         ids32 = ids.to(torch.int32)

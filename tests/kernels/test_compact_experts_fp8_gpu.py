@@ -157,20 +157,25 @@ class Problem(_Layer):
         self.counts.copy_(counts)
 
     def run(self, experts, tokens: int, output: torch.Tensor, arrival: str) -> None:
-        if arrival == "fp8-wire":
+        """`arrival`: fp8-wire, bf16, prepare-quantized (what the LL prepare hands vLLM's
+        experts from BF16); a -mn-major suffix: the scales re-laid as the LL prepare hands
+        them to DeepGEMM experts, the rows `tokens` senders can fill (world 1)."""
+        base = arrival.removesuffix("-mn-major")
+        if base == "fp8-wire":
             hidden, scales = self.wire_x, self.wire_scales
-        elif arrival == "fp8-wire-mn-major":  # what the LL prepare hands DeepGEMM experts
-            from vllm_flashinfer_ep.vllm.deep_gemm_experts import mn_major
-
-            hidden, scales = self.wire_x, mn_major(self.wire_scales)
-        elif arrival == "bf16":
+        elif base == "bf16":
             hidden, scales = self.x, None
-        else:  # "prepare-quantized": what the LL prepare hands vLLM's experts from BF16
+        else:
+            assert base == "prepare-quantized", arrival
             from vllm_flashinfer_ep.vllm import receive_quant
 
             hidden, scales = receive_quant.quantize_expert_buffer(
                 self.x, self.counts, self.qc, False
             )
+        if arrival.endswith("-mn-major"):
+            from vllm_flashinfer_ep.vllm.deep_gemm_experts import mn_major
+
+            scales = mn_major(scales, tokens)
         self.apply(experts, tokens, output, hidden, scales)
 
     def torch_reference(self, counts: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ FLAG = f"--all2all-backend {LOW_LATENCY}"
 def _clean_env(monkeypatch):
     for var in envs.VARIABLES:
         monkeypatch.delenv(var.name, raising=False)
-    for name in deep_gemm_experts.DEEP_GEMM_SWITCHES:
+    for name in (deep_gemm_experts.DEEP_GEMM_SWITCH, "VLLM_MOE_USE_DEEP_GEMM"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -103,11 +103,19 @@ def test_a_capacity_that_fills_whole_tiles_is_kept(tiny_moe):
     assert cfg.kernel_config.moe_backend == "deep_gemm"
 
 
-@pytest.mark.parametrize("switch", deep_gemm_experts.DEEP_GEMM_SWITCHES)
-def test_vllm_s_deep_gemm_switch_at_zero_is_named(tiny_moe, monkeypatch, switch):
-    monkeypatch.setenv(switch, "0")
-    with pytest.raises(FlashInferEPConfigError, match=f"{switch}=0 turns DeepGEMM off"):
+def test_vllm_s_deep_gemm_switch_at_zero_is_named(tiny_moe, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    with pytest.raises(FlashInferEPConfigError, match="VLLM_USE_DEEP_GEMM=0 turns DeepGEMM off"):
         engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
+
+
+def test_the_moe_only_switch_does_not_override_an_explicit_choice(tiny_moe, monkeypatch):
+    """vLLM's oracle honours --moe-backend deep_gemm before it reads VLLM_MOE_USE_DEEP_GEMM."""
+    monkeypatch.setenv("VLLM_MOE_USE_DEEP_GEMM", "0")
+    cfg = engine_config(
+        tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm"
+    )
+    assert cfg.kernel_config.moe_backend == "deep_gemm"
 
 
 def test_other_experts_stay_refused(tiny_moe):
@@ -168,7 +176,7 @@ def kernel(fake):
             num_experts=EXPERTS,
             capacity=capacity,
             top_k=TOP_K,
-            sizes=[4],
+            sizes=[8],
         )
         if fp8_dispatch:
             rt.enable_fp8_wire()
@@ -198,16 +206,29 @@ def _is_mn_major(s: torch.Tensor) -> bool:
     return s.stride() == (rows * groups, 1, rows)
 
 
-def test_deep_gemm_experts_get_the_wire_s_scales_mn_major(kernel):
+@pytest.mark.parametrize("tokens", [5, 9], ids=["pooled-8", "fresh"])
+def test_deep_gemm_experts_get_the_wire_s_scales_mn_major(kernel, tokens, monkeypatch):
+    copied = []
+    real = deep_gemm_experts.mn_major
+    monkeypatch.setattr(
+        deep_gemm_experts, "mn_major", lambda s, rows=None: copied.append(rows) or real(s, rows)
+    )
     rt, pf, experts = kernel(BatchedDeepGemmExperts)
     assert compact_experts.PATCH.name not in [r.patch for r in _helper._chain(experts, "apply")]
-    x, ids, weights = _layer(5, seed=1)
+    x, ids, weights = _layer(tokens, seed=1)
     a1q, scales, meta, _, _ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
     wire = rt.fp8_wire.scales
     assert a1q is rt.fp8_wire.tokens
-    assert _is_mn_major(scales) and not _is_mn_major(wire)
-    assert scales.shape == wire.shape and _same(scales, wire)
-    assert int(meta.expert_num_tokens.sum()) == 5 * TOP_K
+    assert _is_mn_major(scales) and not _is_mn_major(wire) and scales.shape == wire.shape
+    # The rows the round can have filled: a pooled round's size from every rank (8 here);
+    # a fresh handle's round (above the pool) says nothing, so every row.
+    sent = rt.round.sent_per_rank
+    filled = wire.shape[1] if sent is None else sent * rt.world_size
+    assert filled == (8 if tokens <= 8 else 128)
+    assert int(meta.expert_num_tokens.max()) <= filled
+    assert int(meta.expert_num_tokens.sum()) == (sent or tokens) * TOP_K  # padding too
+    assert _same(scales[:, :filled], wire[:, :filled])
+    assert copied == [None if sent is None else filled]  # no copy of rows no token filled
     rt.round.end()
 
 
@@ -229,7 +250,8 @@ def test_scales_quantized_after_receive_are_mn_major_too(kernel, monkeypatch):
     q, row_major = seen["row_major"]
     assert a1q is q and a1q.dtype == torch.float8_e4m3fn
     assert _is_mn_major(scales) and not _is_mn_major(row_major)
-    assert _same(scales, row_major)
+    filled = rt.round.sent_per_rank * rt.world_size
+    assert _same(scales[:, :filled], row_major[:, :filled])
     rt.round.end()
 
 
@@ -239,6 +261,13 @@ def test_triton_experts_keep_the_wire_s_row_major_scales(kernel):
     _, scales, *_ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
     assert scales is rt.fp8_wire.scales
     rt.round.end()
+
+
+def test_experts_that_want_packed_ue8m0_scales_are_refused_at_load(kernel, monkeypatch):
+    """Blackwell with vLLM's E8M0 setting: DeepGEMM wants packed power-of-two scales."""
+    monkeypatch.setattr(BatchedDeepGemmExperts, "supports_packed_ue8m0_act_scales", lambda s: True)
+    with pytest.raises(FlashInferEPConfigError, match="packed UE8M0.*--moe-backend triton"):
+        kernel(BatchedDeepGemmExperts)
 
 
 def test_a_buffer_deep_gemm_would_overrun_is_refused_at_load(kernel):
@@ -264,6 +293,14 @@ def test_mn_major_keeps_every_value_and_takes_any_layout():
     assert torch.equal(deep_gemm_experts.mn_major(out), s)  # already MN-major: same values
 
 
+@pytest.mark.parametrize("rows", [0, 1, 17, 128, 500])
+def test_mn_major_copies_the_rows_asked_for(rows):
+    s = torch.rand(3, 128, 16, generator=torch.Generator().manual_seed(5))
+    out = deep_gemm_experts.mn_major(s, rows)
+    kept = min(rows, 128)
+    assert _is_mn_major(out) and torch.equal(out[:, :kept], s[:, :kept])
+
+
 @pytest.mark.parametrize(
     "tokens,world,ok",
     [(128, 1, True), (64, 2, True), (256, 3, True), (100, 1, False), (96, 2, False)],
@@ -272,7 +309,46 @@ def test_rows_rule(tokens, world, ok):
     assert (deep_gemm_experts.rows_reason(FLAG, tokens, world) is None) == ok
 
 
-@pytest.mark.parametrize("value,refused", [("0", True), ("00", True), ("1", False), ("", False)])
+@pytest.mark.parametrize(
+    "value,refused",
+    [("0", True), ("00", True), (" 0", True), ("1", False), ("", False), ("--0", False)],
+)
 def test_switch_values_read_as_vllm_reads_them(value, refused):
+    """int(value) == 0 is off, as vLLM reads it; what int() cannot read is vLLM's to refuse."""
     reason = deep_gemm_experts.switches_reason(FLAG, {"VLLM_USE_DEEP_GEMM": value})
     assert (reason is not None) == refused
+
+
+def test_a_lowered_step_budget_keeps_whole_deep_gemm_tiles(tmp_path, monkeypatch):
+    """The memory rule lowers --max-num-batched-tokens to what fits (an arbitrary count);
+    with DeepGEMM experts it lowers to a multiple of their step instead of to a value the
+    rows rule would then refuse. doctor reports the same budget and verdict."""
+    from vllm_flashinfer_ep.vllm import config_validation
+
+    big = write_model(
+        tmp_path / "big",
+        num_experts=128,
+        num_experts_per_tok=8,
+        hidden_size=2048,
+        max_position_embeddings=32768,
+    )
+    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 80 * (1 << 30))
+    flags = dict(max_num_batched_tokens=100_001, max_num_seqs=256, gpu_memory_utilization=0.9)
+    asked = dict(quantization="fp8_per_block", moe_backend="deep_gemm")
+    cfg = engine_config(big, LOW_LATENCY, **flags, **asked)
+    fit = cfg.scheduler_config.max_num_batched_tokens
+    assert fit < 100_001 and fit % 64 == 0  # dp=2: 64 tokens x 2 ranks = one 128-row tile
+    without = engine_config(big, LOW_LATENCY, **flags, quantization="fp8_per_block")
+    assert fit <= without.scheduler_config.max_num_batched_tokens < fit + 64
+
+    seen = []
+    real = doctor.model_checks
+    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
+    cli.main(
+        ["doctor", "--model", big, "-dp", "2", "-ep", "-q", "fp8_per_block"]
+        + ["--moe-backend", "deep_gemm", "--max-num-batched-tokens", "100001"]
+        + ["--max-num-seqs", "256", "--gpu-memory-utilization", "0.9"]
+    )
+    checks = {c.name: c for c in seen}
+    assert checks["FP8 experts"].ok and "DeepGEMM" in checks["FP8 experts"].detail
+    assert f"from 100001 to {fit}:" in checks["LL memory estimate"].fix

@@ -218,6 +218,10 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
         max_num_seqs=sched.max_num_seqs,
         chunked_prefill=sched.enable_chunked_prefill,
         max_model_len=model.max_model_len,
+        token_step=deep_gemm_step(
+            getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None),
+            ep_world_size(vllm_config.parallel_config),
+        ),
     )
     if verdict.budget is None:
         logger.warning("%s: %s", flag, verdict.summary)
@@ -252,6 +256,7 @@ def ll_memory_verdict(
     max_num_seqs: int,
     chunked_prefill: bool,
     max_model_len: int | None,
+    token_step: int = 1,
 ) -> LLMemoryVerdict:
     """The LL memory rule, for the engine (`_check_ll_capacity`) and `doctor` alike.
 
@@ -259,7 +264,8 @@ def ll_memory_verdict(
     `total_memory`: GPU memory in bytes (`device_memory_bytes`), None where no GPU is
     visible (then nothing is checked and the summary says so). The estimate includes
     the handle pool a served engine warms (runtime/pool_sizes.py buckets above vLLM's
-    default capture sizes).
+    default capture sizes). `token_step`: a lowered budget is a multiple of it (DeepGEMM
+    experts need whole row tiles, `deep_gemm_step`).
     """
     hidden, experts, top_k = shape
     handles = len(buffer_sizes.served_pool_sizes(tokens))
@@ -282,6 +288,7 @@ def ll_memory_verdict(
     if need <= budget:
         return LLMemoryVerdict(need, parts, handles, budget, summary, None, None, None)
     fit = buffer_sizes.ll_max_tokens_within(budget, hidden, experts, top_k)
+    fit -= fit % token_step
     why = (
         f"needs about {need / GIB:.1f} GiB of NCCL-EP buffers per GPU for "
         f"--max-num-batched-tokens {tokens}, more than {buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} "
@@ -302,6 +309,12 @@ def ll_memory_verdict(
         )
     lowered = None if refusal is not None else fit
     return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
+
+
+def deep_gemm_step(moe_backend: str | None, ep_world: int) -> int:
+    """The step an LL step budget is lowered in: whole DeepGEMM row tiles per expert when
+    its experts are asked for (vllm/deep_gemm_experts.py), else any token count."""
+    return dg.token_step(ep_world) if moe_backend == dg.MOE_BACKEND else 1
 
 
 def _ll_fleet_shape(vllm_config: Any) -> tuple[int, int, int] | None:

@@ -116,7 +116,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
 
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
     # vLLM's DeepGEMM experts read MN-major scales (set by post_init_setup).
-    _scales_for_experts: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _mn_major_scales = False
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
@@ -140,10 +140,10 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         if deep_gemm_experts.is_deep_gemm(fused_experts):
             reason = deep_gemm_experts.rows_reason(
                 flag, self.runtime.capacity, self.runtime.world_size
-            )
+            ) or deep_gemm_experts.device_reason(flag, fused_experts)
             if reason is not None:
                 raise FlashInferEPConfigError(reason)
-            self._scales_for_experts = deep_gemm_experts.mn_major
+            self._mn_major_scales = True
         batched_tiles.install(fused_experts)
         rnd = self._round
         compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
@@ -161,8 +161,10 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             x, scales = receive_quant.quantize_expert_buffer(
                 out.expert_x, out.expert_num_tokens, quant_config, defer
             )
-        if scales is not None and self._scales_for_experts is not None:
-            scales = self._scales_for_experts(scales)  # DeepGEMM's layout
+        if scales is not None and self._mn_major_scales:  # DeepGEMM's layout
+            sent = self._round.sent_per_rank  # rows past sent x senders hold no token
+            rows = None if sent is None else sent * self.runtime.world_size
+            scales = deep_gemm_experts.mn_major(scales, rows)
         return x, scales, meta, None, None
 
     def finalize(
