@@ -486,9 +486,20 @@ def _fp8_experts_check(
     )
     if reason is not None:
         return Check("FP8 experts", False, f"--moe-backend {asked}", reason)
-    runs = "vLLM's DeepGEMM batched experts" if asked == "deep_gemm" else "vLLM's Triton experts"
-    shown = f"--moe-backend {asked}" + (" -> triton" if asked == "auto" else "")
-    return Check("FP8 experts", True, f"{shown}: {runs}")
+    runs, shown = asked, f"--moe-backend {asked}"
+    if asked == "auto":
+        runs, why = rules.auto_fp8_experts(
+            flag,
+            backend,
+            method,
+            block,
+            tokens if backend == LOW_LATENCY else None,
+            settings.ep_world,
+            os.environ,
+        )
+        shown += f" -> {runs} ({why})"
+    kind = "DeepGEMM batched" if runs == "deep_gemm" else "Triton"
+    return Check("FP8 experts", True, f"{shown}: vLLM's {kind} experts")
 
 
 def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: str) -> Check:

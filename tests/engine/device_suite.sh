@@ -5,6 +5,7 @@
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
 #          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
+#          fp8-engine-select (the FP8 engine tests FP8_K selects, a pytest -k expression)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 #          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py)
@@ -69,9 +70,11 @@ for step in "${steps[@]}"; do
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
-      python3 tests/engine/fp8_experts_probe.py --json "$out/fp8_experts_probe.json" \
-        > "$out/fp8-experts-probe.txt" 2>&1 || rc=1
-      grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe.txt" ;;
+      for scheme in block channel tensor; do
+        python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" \
+          --json "$out/fp8_experts_probe_$scheme.json" > "$out/fp8-experts-probe-$scheme.txt" 2>&1 || rc=1
+        grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe-$scheme.txt"
+      done ;;
     bench-30b-fp8-*)  # one FP8 engine per call (merge: bench_engine.py --merge a.json b.json --out all.json)
       cfg=${step#bench-30b-fp8-}
       python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --quantization fp8_per_block \
@@ -100,7 +103,7 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
       grep -E "vs no-EP|moved by|passed|failed|Error" "$out/pytest-fp8-kernels.txt" | tail -40 ;;
-    fp8-engine|fp8-engine-ll|fp8-engine-ht|fp8-engine-online-*)
+    fp8-engine|fp8-engine-ll|fp8-engine-ht|fp8-engine-online-*|fp8-engine-select)
       # FP8 models (online, block, static) through the engine, against no EP;
       # fp8-engine-online-WORD[-WORD] = the online fp8_per_block / fp8_per_channel
       # schemes whose test ids hold every WORD (block, channel, ll, ht)
@@ -108,6 +111,7 @@ for step in "${steps[@]}"; do
         fp8-engine) select=(-k "not online_scheme") ;;
         fp8-engine-online-*) words=${step#fp8-engine-online-}
           select=(-k "online_scheme and ${words//-/ and }") ;;
+        fp8-engine-select) select=(-k "${FP8_K:?FP8_K=<pytest -k expression>}") ;;
         *) select=(-k "test_${step#fp8-engine-}_") ;;
       esac
       python3 -m pytest tests/engine/test_engine_fp8_world1.py "${select[@]}" -p no:cacheprovider -rs -s -q \

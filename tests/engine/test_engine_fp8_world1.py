@@ -12,9 +12,10 @@ layers, 64 experts, top_k 8):
   groups, as DeepSeek-V3 and the Qwen3 FP8 checkpoints); FP8 on the wire on both
   backends (LL: NCCL-EP quantizes; HT: vLLM's group quantization before dispatch);
 - static: an FP8 checkpoint with per-tensor weight scales and static input scales.
-Every engine, with EP or without, runs vLLM's Triton experts (`--moe-backend triton`,
-what the package selects for FP8 layers under its backends), so an EP run differs from
-the no-EP run only by the transport and where the activations are quantized.
+The engines without EP run vLLM's Triton experts (`--moe-backend triton`); under LL,
+`--moe-backend auto` gives 128x128 block-FP8 layers vLLM's DeepGEMM batched experts on
+this GPU (config_validation.auto_fp8_experts) and the others vLLM's Triton experts, so a
+block run also differs by the experts kernel (and DeepGEMM's weight scales).
 Tolerance: the rule of test_engine_world1.py, with the floor measured on the FP8 model
 itself (no-EP, CUDA graphs vs --enforce-eager).
 """
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 ONLINE = "fp8_per_tensor"
 LL_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedTritonExperts"]
+LL_DEEP_GEMM_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedDeepGemmExperts"]
 FP8_LAYERS = ["torch.float8_e4m3fn"]  # every MoE layer's activations, EP or not
 
 
@@ -75,9 +77,12 @@ def fp8_floor(engines, fp8_models, online_no_ep):
     return stats
 
 
-def _check_ll(run: dict) -> None:
+def _check_ll(run: dict, block: bool = False) -> None:
+    """`block`: a 128x128 block-FP8 model, whose LL experts `--moe-backend auto` makes
+    vLLM's DeepGEMM batched experts on this GPU (config_validation.auto_fp8_experts)."""
     load = run["after_load"]
-    assert load["kernels"] == LL_KERNELS and load["num_kernels"] == LAYERS
+    kernels = LL_DEEP_GEMM_KERNELS if block else LL_KERNELS
+    assert load["kernels"] == kernels and load["num_kernels"] == LAYERS
     assert load["quant_dtypes"] == FP8_LAYERS
     assert load["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # FP8 LL stays capturable
     [rt] = load["runtimes"]
@@ -143,7 +148,7 @@ def test_ll_fp8_checkpoint_matches_the_engine_without_ep(engines, fp8_models, fp
     reference = engines.run(f"noep-{scheme}-graph", _fp8_spec(fp8_models[scheme]))
     assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
     run = engines.run(f"ll-{scheme}-graph", _fp8_spec(fp8_models[scheme], LL))
-    _check_ll(run)
+    _check_ll(run, block=scheme == "block")
     # 128x128 blocks travel as E4M3 + scales (NCCL-EP's FP8 dispatch, on by default);
     # per-tensor scales stay BF16 on the wire, quantized after receive.
     _assert_wire(run, fp8=scheme == "block")
@@ -168,7 +173,10 @@ def test_online_scheme_matches_the_engine_without_ep(
     assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
     name = "ll" if backend == LL else "ht"
     run = engines.run(f"{name}-{scheme}", _fp8_spec(model, backend, online=scheme))
-    (_check_ll if backend == LL else _check_ht)(run)
+    if backend == LL:
+        _check_ll(run, block=scheme == "fp8_per_block")
+    else:
+        _check_ht(run)
     _assert_wire(run, fp8=scheme == "fp8_per_block")
     _assert_close(
         run["prompt_logprobs"],
@@ -190,11 +198,7 @@ def test_ll_block_checkpoint_on_deep_gemm_matches_the_engine_without_ep(
     reference = engines.run("noep-block-deepgemm", _spec(model, None, moe_backend="deep_gemm"))
     assert reference["after_load"]["quant_dtypes"] == FP8_LAYERS
     run = engines.run("ll-block-deepgemm", _spec(model, LL, moe_backend="deep_gemm"))
-    load = run["after_load"]
-    assert load["kernels"] == ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedDeepGemmExperts"]
-    assert load["num_kernels"] == LAYERS and load["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    [rt] = load["runtimes"]
-    assert rt["counters"]["created_during_capture"] == 0
+    _check_ll(run, block=True)
     _assert_wire(run, fp8=True)
     _assert_close(
         run["prompt_logprobs"],

@@ -45,11 +45,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
-    """The block-FP8 case is off in production until this GPU test has run
-    (compact_experts.FP8_ENABLED); these tests exercise it."""
+    """Production keeps dynamic per-tensor intermediates on vLLM's kernel
+    (compact_experts.FP8_DYNAMIC_TENSOR); these tests exercise every case."""
     from vllm_flashinfer_ep.vllm import compact_experts as ce
 
     monkeypatch.setattr(ce, "FP8_ENABLED", True)
+    monkeypatch.setattr(ce, "FP8_DYNAMIC_TENSOR", True)
 
 
 EXPERTS, HIDDEN, ROWS = 64, 2048, 256  # INTER 512 (w1 N 1024), TOP_K 8: the join test's

@@ -47,12 +47,13 @@ from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepa
 
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
-    """The block-FP8 case is off in production until its GPU test has run
-    (compact_experts.FP8_ENABLED, tests/kernels/test_compact_experts_fp8_gpu.py); these
-    tests exercise it."""
+    """On in production since its GPU test passed (compact_experts.FP8_ENABLED,
+    tests/kernels/test_compact_experts_fp8_gpu.py); set here so a switched-off build still
+    tests it."""
     from vllm_flashinfer_ep.vllm import compact_experts as ce
 
     monkeypatch.setattr(ce, "FP8_ENABLED", True)
+    monkeypatch.setattr(ce, "FP8_DYNAMIC_TENSOR", True)
 
 
 HIDDEN, INTER, EXPERTS, CAP = 2048, 128, 8, 64  # w1 [E, 2 * INTER, HIDDEN], w2 [E, HIDDEN, INTER]

@@ -61,9 +61,10 @@ SCHEMES = ["tensor-dynamic", "tensor-static", "token-channel", "token-tensor"]
 
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
-    """The FP8 cases are off in production until their GPU test has run
-    (compact_experts.FP8_ENABLED); these tests exercise them."""
+    """Production keeps dynamic per-tensor intermediates on vLLM's kernel
+    (compact_experts.FP8_DYNAMIC_TENSOR); these tests exercise every case."""
     monkeypatch.setattr(compact_experts, "FP8_ENABLED", True)
+    monkeypatch.setattr(compact_experts, "FP8_DYNAMIC_TENSOR", True)
 
 
 # ------------------------------------------------------------------ vLLM stand-ins
@@ -400,6 +401,18 @@ def test_vllm_s_per_tensor_and_per_channel_configs_take_the_received_rows_path(
     kw = _kw(qc, hidden_dtype, scales)
     assert compact_experts_fp8.scheme(experts, kw) == want
     assert compact_experts._eligible(experts, kw)
+
+
+def test_production_keeps_dynamic_per_tensor_intermediates_on_vllm_s_kernel(monkeypatch):
+    monkeypatch.setattr(compact_experts, "FP8_DYNAMIC_TENSOR", False)
+    for kind, scales, taken in (
+        ("tensor-dynamic", "per-expert", False),
+        ("tensor-static", "per-expert", True),
+        ("token-channel", "rows", True),
+    ):
+        _, _, qc = _layer(kind, 0)
+        experts = _experts(qc, compact=False)
+        assert compact_experts._eligible(experts, _kw(qc, FP8, scales)) is taken, kind
 
 
 def test_the_fp8_switch_keeps_them_on_vllm_s_kernel(monkeypatch):

@@ -352,3 +352,52 @@ def test_a_lowered_step_budget_keeps_whole_deep_gemm_tiles(tmp_path, monkeypatch
     checks = {c.name: c for c in seen}
     assert checks["FP8 experts"].ok and "DeepGEMM" in checks["FP8 experts"].detail
     assert f"from 100001 to {fit}:" in checks["LL memory estimate"].fix
+
+
+# ------------------------------------------------------------------ --moe-backend auto
+@pytest.fixture
+def hopper(monkeypatch):
+    """A host where vLLM's DeepGEMM runs (this CPU machine is not one)."""
+    monkeypatch.setattr(deep_gemm_experts, "platform_reason", lambda: None)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_auto_takes_deep_gemm_for_ll_block_fp8_on_hopper(tiny_moe, caplog):
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block")
+    assert cfg.kernel_config.moe_backend == "deep_gemm"
+    assert "--moe-backend auto -> deep_gemm" in caplog.text
+
+
+@pytest.mark.usefixtures("hopper")
+@pytest.mark.parametrize(
+    "backend,kwargs",
+    [
+        (HIGH_THROUGHPUT, dict(quantization="fp8_per_block")),
+        (LOW_LATENCY, dict(quantization="fp8_per_channel")),
+        (LOW_LATENCY, dict(quantization="fp8_per_block", max_num_batched_tokens=200)),
+    ],
+    ids=["ht", "per-channel", "rows-not-whole-tiles"],
+)
+def test_auto_keeps_triton_where_deep_gemm_cannot_run(tiny_moe, backend, kwargs, caplog):
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, backend, **kwargs)
+    assert cfg.kernel_config.moe_backend == "triton"
+    assert "--moe-backend auto -> triton" in caplog.text
+
+
+def test_auto_keeps_triton_off_hopper(tiny_moe, caplog):
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block")
+    assert cfg.kernel_config.moe_backend == "triton"
+    assert "not a Hopper GPU" in caplog.text
+
+
+@pytest.mark.usefixtures("hopper")
+def test_doctor_says_what_auto_becomes(tiny_moe, monkeypatch):
+    seen = []
+    real = doctor.model_checks
+    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
+    cli.main(["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"])
+    check = {c.name: c for c in seen}["FP8 experts"]
+    assert check.ok and "--moe-backend auto -> deep_gemm" in check.detail

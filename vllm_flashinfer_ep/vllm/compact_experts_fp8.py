@@ -204,6 +204,13 @@ def quantize_listed_rows(
     return _scatter(q, index, x.shape[0]), _scatter(s, index, x.shape[0])
 
 
+def over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 as a true FP32 division, as vLLM's dynamic FP8 kernels divide. (torch
+    multiplies by the reciprocal when the divisor is a host scalar: one ulp off at
+    times, which moves E4M3 roundings.)"""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def _dynamic_tensor_scale(
     t: torch.Tensor, ids: torch.Tensor, rows: int, rows_per_expert: int, per_expert: bool
 ) -> torch.Tensor:
@@ -217,12 +224,12 @@ def _dynamic_tensor_scale(
     row_max = torch.where(listed_row, row_max, torch.zeros_like(row_max))
     tiny = torch.finfo(torch.float32).tiny
     if not per_expert:
-        return (row_max.amax() / FP8_MAX).clamp_min(tiny).reshape(1)
+        return over_fp8_max(row_max.amax()).clamp_min(tiny).reshape(1)
     experts = rows // rows_per_expert
     owner = torch.where(listed_row, ids // rows_per_expert, experts)
     expert_max = torch.zeros(experts + 1, dtype=torch.float32, device=t.device)
     expert_max.scatter_reduce_(0, owner, row_max, "amax")
-    return (expert_max / FP8_MAX).clamp_min(tiny)[owner][:, None]
+    return over_fp8_max(expert_max).clamp_min(tiny)[owner][:, None]
 
 
 def quantize_listed_rows_per_tensor(

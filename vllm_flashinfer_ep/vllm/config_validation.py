@@ -569,6 +569,33 @@ def fp8_experts_reason(
     return reason
 
 
+def auto_fp8_experts(
+    flag: str,
+    backend: str,
+    method: str | None,
+    block: Any,
+    tokens_per_rank: int | None,
+    ep_world: int,
+    environ: Any,
+) -> tuple[str, str]:
+    """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
+    block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (measured
+    fastest at Qwen3-30B-A3B's shape, 1.3-1.7x the received-rows Triton experts,
+    docs/benchmarks.md); everything else, vLLM's Triton experts."""
+    deep_gemm = dg.MOE_BACKEND
+    if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
+        return "triton", "the scale layouts the package hands vLLM's Triton experts"
+    reason = (
+        fp8_experts_reason(
+            flag, backend, method, block, deep_gemm, tokens_per_rank, ep_world, environ
+        )
+        or dg.platform_reason()
+    )
+    if reason is not None:
+        return "triton", f"DeepGEMM experts cannot run here: {reason}"
+    return deep_gemm, "the fastest block-FP8 experts over the LL buffer"
+
+
 def _is_block_128(method: str | None, block: Any) -> bool:
     if method == "fp8_per_block":
         return True
@@ -577,7 +604,7 @@ def _is_block_128(method: str | None, block: Any) -> bool:
 
 def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     """FP8 MoE layers: the --moe-backend asked for, checked (`fp8_experts_reason`);
-    auto becomes triton, logged."""
+    auto becomes what `auto_fp8_experts` says, logged."""
     model, kernel = vllm_config.model_config, getattr(vllm_config, "kernel_config", None)
     if not getattr(model, "quantization", None) or kernel is None:
         return
@@ -607,12 +634,23 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         return
     if kernel.moe_backend == "triton":
         return
-    kernel.moe_backend = "triton"
-    logger.info(
-        "%s: FP8 MoE layers use vLLM's Triton experts (--moe-backend auto -> triton); "
-        "128x128 block-FP8 layers dispatch FP8 (%s=0: BF16), the others dispatch BF16 and "
-        "quantize to FP8 after receive.",
+    choice, why = auto_fp8_experts(
         flag,
+        backend,
+        model.quantization,
+        shape.weight_block_size,
+        sched.max_num_batched_tokens if sched is not None else None,
+        ep_world_size(vllm_config.parallel_config),
+        os.environ,
+    )
+    kernel.moe_backend = choice
+    logger.info(
+        "%s: FP8 MoE layers use --moe-backend auto -> %s (%s); 128x128 block-FP8 layers "
+        "dispatch FP8 (%s=0: BF16), the others dispatch BF16 and quantize to FP8 after "
+        "receive.",
+        flag,
+        choice,
+        why,
         envs.FP8_DISPATCH,
     )
 

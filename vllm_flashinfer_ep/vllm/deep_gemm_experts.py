@@ -103,6 +103,22 @@ def device_reason(flag: str, fused_experts: Any) -> str | None:
     )
 
 
+def platform_reason() -> str | None:
+    """Why `--moe-backend auto` does not take these experts on this host (None: a Hopper
+    GPU with vLLM's DeepGEMM, where they were measured fastest for block FP8)."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+        if not (current_platform.is_cuda() and current_platform.is_device_capability(90)):
+            return "not a Hopper GPU"
+        if not is_deep_gemm_supported():
+            return "vLLM's DeepGEMM is not available here"
+    except Exception as exc:  # noqa: BLE001 - no device to ask: the Triton experts
+        return f"the GPU could not be queried ({type(exc).__name__})"
+    return None
+
+
 def mn_major(scales: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """[experts, T, groups] FP32 scales in any layout -> a new MN-major tensor (strides
     (T * groups, 1, T)) holding their first `rows` rows per expert (all: None); T is a

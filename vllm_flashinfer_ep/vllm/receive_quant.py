@@ -131,7 +131,8 @@ def quantize_expert_buffer(
     experts, rows, hidden = x.shape
     scale = quant_config.a1_scale
     if scale is None and not quant_config.per_act_token_quant and quant_config.block_shape is None:
-        scale = received_amax(x, counts) / torch.finfo(fp8_dtype()).max
+        amax = received_amax(x, counts)  # a true division, as vLLM's dynamic kernel's
+        scale = amax / torch.full_like(amax, torch.finfo(fp8_dtype()).max)
         scale = scale.clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
     xq, xs = _vllm_quantize(x.view(experts * rows, hidden), scale, quant_config)
     from vllm.model_executor.layers.fused_moe.utils import normalize_batched_scales_shape
