@@ -579,9 +579,9 @@ def auto_fp8_experts(
     environ: Any,
 ) -> tuple[str, str]:
     """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
-    block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (measured
-    fastest at Qwen3-30B-A3B's shape, 1.3-1.7x the received-rows Triton experts,
-    docs/benchmarks.md); everything else, vLLM's Triton experts."""
+    block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (the fastest
+    of the measured paths at every batch, docs/benchmarks.md); everything else, vLLM's
+    Triton experts."""
     deep_gemm = dg.MOE_BACKEND
     if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
         return "triton", "the scale layouts the package hands vLLM's Triton experts"
