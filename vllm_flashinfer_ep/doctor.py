@@ -451,7 +451,10 @@ def model_checks(
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.
         tokens = (memory.lowered_to if memory else None) or settings.tokens
-        checks.append(_fp8_experts_check(rules, flag, backend, method, block, settings, tokens))
+        unquantized = rules.unquantized_moe(shape.unquantized_modules)
+        checks.append(
+            _fp8_experts_check(rules, flag, backend, method, block, settings, tokens, unquantized)
+        )
     if not low_latency:
         checks.append(_ht_tokens_check(rules, flag, shape, settings))
     if fleet is not None:
@@ -470,9 +473,11 @@ def _fp8_experts_check(
     block: Any,
     settings: ServeSettings,
     tokens: int,
+    unquantized: str | None,
 ) -> Check:
     """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`), with
-    the LL step budget the engine checks it against (`tokens`, after any lowering)."""
+    the LL step budget the engine checks it against (`tokens`, after any lowering) and the
+    checkpoint's unquantized MoE layers (`unquantized`)."""
     asked = settings.moe_backend
     reason = rules.fp8_experts_reason(
         flag,
@@ -483,6 +488,7 @@ def _fp8_experts_check(
         tokens if backend == LOW_LATENCY else None,
         settings.ep_world,
         os.environ,
+        unquantized,
     )
     if reason is not None:
         return Check("FP8 experts", False, f"--moe-backend {asked}", reason)
@@ -496,6 +502,7 @@ def _fp8_experts_check(
             tokens if backend == LOW_LATENCY else None,
             settings.ep_world,
             os.environ,
+            unquantized,
         )
         shown += f" -> {runs} ({why})"
     kind = "DeepGEMM batched" if runs == "deep_gemm" else "Triton"
@@ -621,7 +628,19 @@ def _ll_memory_verdict(
         max_num_seqs=seqs,
         chunked_prefill=chunked,
         max_model_len=settings.max_model_len or shape.max_position_embeddings,
-        token_step=rules.deep_gemm_step(settings.moe_backend, settings.ep_world),
+        token_step=rules.deep_gemm_step(
+            rules.budget_backend(
+                flag,
+                LOW_LATENCY,
+                settings.quantization or shape.quant_method,
+                shape.weight_block_size,
+                settings.moe_backend,
+                settings.ep_world,
+                os.environ,
+                rules.unquantized_moe(shape.unquantized_modules),
+            ),
+            settings.ep_world,
+        ),
     )
 
 

@@ -36,6 +36,9 @@ class ModelShape:
     quant_method: str | None = None  # quantization_config.quant_method
     weight_block_size: list[int] | None = None
     max_position_embeddings: int | None = None
+    # quantization_config's ignore list (`ignored_layers`, else `modules_to_not_convert`,
+    # as vLLM's FP8 config reads it): modules the checkpoint leaves unquantized.
+    unquantized_modules: tuple[str, ...] = ()
 
     @property
     def physical_experts(self) -> int | None:
@@ -99,6 +102,9 @@ def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int =
         quant = text("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, Mapping) else None
     block = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    ignored = None
+    if isinstance(quant, Mapping):
+        ignored = quant.get("ignored_layers") or quant.get("modules_to_not_convert")
     return ModelShape(
         hidden_size=_positive_int(text("hidden_size")),
         routed_experts=experts,
@@ -108,6 +114,9 @@ def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int =
         quant_method=method,
         weight_block_size=list(block) if isinstance(block, (list, tuple)) else block,
         max_position_embeddings=_positive_int(text("max_position_embeddings")),
+        unquantized_modules=tuple(str(m) for m in ignored)
+        if isinstance(ignored, (list, tuple))
+        else (),
     )
 
 

@@ -401,3 +401,98 @@ def test_doctor_says_what_auto_becomes(tiny_moe, monkeypatch):
     cli.main(["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"])
     check = {c.name: c for c in seen}["FP8 experts"]
     assert check.ok and "--moe-backend auto -> deep_gemm" in check.detail
+
+
+# ------------------------------------------------ MoE layers that stay unquantized
+BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.fixture(scope="module")
+def experts_left_bf16(tmp_path_factory):
+    """A block-FP8 checkpoint whose ignore list keeps one layer's experts in BF16: vLLM
+    runs that layer with its unquantized MoE, which takes triton but not deep_gemm."""
+    quant = dict(BLOCK, ignored_layers=["lm_head", "model.layers.0.mlp.experts"])
+    return write_model(tmp_path_factory.mktemp("bf16-experts"), quantization_config=quant)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_auto_keeps_triton_when_the_checkpoint_leaves_experts_unquantized(
+    experts_left_bf16, caplog
+):
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(experts_left_bf16, LOW_LATENCY)
+    assert cfg.kernel_config.moe_backend == "triton"
+    assert "leaves MoE layers unquantized (model.layers.0.mlp.experts)" in caplog.text
+
+
+@pytest.mark.usefixtures("hopper")
+def test_an_ignore_list_without_experts_keeps_deep_gemm(tmp_path):
+    """Qwen3's FP8 checkpoints leave the router gates (mlp.gate) unquantized, not the
+    experts."""
+    quant = dict(BLOCK, modules_to_not_convert=["lm_head", "model.layers.0.mlp.gate"])
+    model = write_model(tmp_path / "m", quantization_config=quant)
+    assert engine_config(model, LOW_LATENCY).kernel_config.moe_backend == "deep_gemm"
+
+
+def test_deep_gemm_with_unquantized_experts_is_one_clear_error(experts_left_bf16):
+    with pytest.raises(FlashInferEPConfigError) as err:
+        engine_config(experts_left_bf16, LOW_LATENCY, moe_backend="deep_gemm")
+    assert "leaves MoE layers unquantized" in str(err.value)
+    assert "Pass --moe-backend auto or triton" in str(err.value)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_doctor_reads_the_ignore_list_as_the_engine_does(experts_left_bf16, monkeypatch):
+    seen = []
+    real = doctor.model_checks
+    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
+    cli.main(["doctor", "--model", experts_left_bf16, "-dp", "2", "-ep"])
+    check = {c.name: c for c in seen}["FP8 experts"]
+    assert check.ok and "--moe-backend auto -> triton" in check.detail
+    assert "leaves MoE layers unquantized" in check.detail
+
+
+@pytest.fixture(scope="module")
+def bf16_draft(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("draft"))
+
+
+def _with_draft(draft: str, **spec) -> dict:
+    config = dict(method="draft_model", model=draft, num_speculative_tokens=2, **spec)
+    return dict(quantization="fp8_per_block", speculative_config=config)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_auto_keeps_triton_for_a_bf16_moe_draft_that_inherits_it(tiny_moe, bf16_draft, caplog):
+    """A draft model inherits --moe-backend unless its speculative config names one."""
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, LOW_LATENCY, **_with_draft(bf16_draft))
+    assert cfg.kernel_config.moe_backend == "triton"
+    assert "speculative draft's MoE layers (quantization none)" in caplog.text
+
+
+@pytest.mark.usefixtures("hopper")
+def test_a_draft_with_its_own_moe_backend_leaves_deep_gemm_to_the_target(tiny_moe, bf16_draft):
+    cfg = engine_config(tiny_moe, LOW_LATENCY, **_with_draft(bf16_draft, moe_backend="triton"))
+    assert cfg.kernel_config.moe_backend == "deep_gemm"
+
+
+@pytest.mark.usefixtures("hopper")
+def test_a_budget_lowered_under_auto_keeps_deep_gemm_tiles(tmp_path, monkeypatch):
+    """`auto` decides for DeepGEMM before the memory rule lowers the budget, so the
+    lowered budget is whole tiles and DeepGEMM still runs."""
+    from vllm_flashinfer_ep.vllm import config_validation
+
+    big = write_model(
+        tmp_path / "big",
+        num_experts=128,
+        num_experts_per_tok=8,
+        hidden_size=2048,
+        max_position_embeddings=32768,
+    )
+    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 80 * (1 << 30))
+    flags = dict(max_num_batched_tokens=100_001, max_num_seqs=256, gpu_memory_utilization=0.9)
+    cfg = engine_config(big, LOW_LATENCY, quantization="fp8_per_block", **flags)
+    fit = cfg.scheduler_config.max_num_batched_tokens
+    assert fit < 100_001 and fit % 64 == 0
+    assert cfg.kernel_config.moe_backend == "deep_gemm"

@@ -219,8 +219,7 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
         chunked_prefill=sched.enable_chunked_prefill,
         max_model_len=model.max_model_len,
         token_step=deep_gemm_step(
-            getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None),
-            ep_world_size(vllm_config.parallel_config),
+            _budget_backend(vllm_config, flag), ep_world_size(vllm_config.parallel_config)
         ),
     )
     if verdict.budget is None:
@@ -231,6 +230,23 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
         raise FlashInferEPConfigError(verdict.refusal)
     if verdict.lowered_to is not None:
         _lower_step_budget(vllm_config, flag, verdict.lowered_to, f"{flag} {verdict.why}")
+
+
+def _budget_backend(vllm_config: Any, flag: str) -> str | None:
+    """`budget_backend` for an LL engine config."""
+    asked = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
+    model = vllm_config.model_config
+    shape = model_shape.from_vllm_config(vllm_config)
+    return budget_backend(
+        flag,
+        backends.LOW_LATENCY,
+        getattr(model, "quantization", None),
+        shape.weight_block_size,
+        asked,
+        ep_world_size(vllm_config.parallel_config),
+        os.environ,
+        unquantized_moe(shape.unquantized_modules) or draft_moe(vllm_config),
+    )
 
 
 class LLMemoryVerdict(NamedTuple):
@@ -534,12 +550,15 @@ def fp8_experts_reason(
     tokens_per_rank: int | None,
     ep_world: int,
     environ: Any,
+    unquantized: str | None = None,
 ) -> str | None:
     """Why the FP8 MoE layers cannot run with the --moe-backend asked for (None: they can).
 
     Their experts are vLLM's Triton experts (`auto` becomes triton: the scale layouts the
     package hands them are theirs, vllm/receive_quant.py), or, under LL for 128x128
-    block-FP8 models, vLLM's batched DeepGEMM experts (vllm/deep_gemm_experts.py)."""
+    block-FP8 models, vLLM's batched DeepGEMM experts (vllm/deep_gemm_experts.py).
+    `unquantized`: why some MoE layers of the served models stay unquantized
+    (`unquantized_moe`, `draft_moe`)."""
     if moe_backend in ("auto", "triton"):
         return None
     deep_gemm = dg.MOE_BACKEND
@@ -563,6 +582,12 @@ def fp8_experts_reason(
             + (f", weight_block_size {block}" if block is not None else "")
             + ". Pass --moe-backend triton."
         )
+    if unquantized is not None:
+        return (
+            f"{flag}: --moe-backend {deep_gemm} is one setting for every MoE layer, and "
+            f"{unquantized}: vLLM runs unquantized MoE layers with triton, never "
+            f"{deep_gemm}. Pass --moe-backend auto or triton."
+        )
     reason = dg.switches_reason(flag, environ)
     if reason is None and tokens_per_rank is not None:
         reason = dg.rows_reason(flag, tokens_per_rank, ep_world)
@@ -577,17 +602,26 @@ def auto_fp8_experts(
     tokens_per_rank: int | None,
     ep_world: int,
     environ: Any,
+    unquantized: str | None = None,
 ) -> tuple[str, str]:
     """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
     block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (the fastest
-    of the measured paths at every batch, docs/benchmarks.md); everything else, vLLM's
-    Triton experts."""
+    of the measured paths at every batch, docs/benchmarks.md) and every MoE layer is
+    block FP8 (`unquantized`: why not); everything else, vLLM's Triton experts."""
     deep_gemm = dg.MOE_BACKEND
     if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
         return "triton", "the scale layouts the package hands vLLM's Triton experts"
     reason = (
         fp8_experts_reason(
-            flag, backend, method, block, deep_gemm, tokens_per_rank, ep_world, environ
+            flag,
+            backend,
+            method,
+            block,
+            deep_gemm,
+            tokens_per_rank,
+            ep_world,
+            environ,
+            unquantized,
         )
         or dg.platform_reason()
     )
@@ -602,6 +636,60 @@ def _is_block_128(method: str | None, block: Any) -> bool:
     return method == "fp8" and block is not None and list(block) == [128, 128]
 
 
+def unquantized_moe(modules: Any) -> str | None:
+    """Why some MoE layers of a quantized checkpoint stay unquantized (None: none do):
+    the entries of its ignore list (ModelShape.unquantized_modules) that can name expert
+    modules (vLLM 0.33.0 skips a MoE layer whose prefix an "experts" entry contains,
+    quantization/utils/quant_utils.is_layer_skipped)."""
+    named = [m for m in modules if "expert" in m.lower() or "moe" in m.lower()]
+    if not named:
+        return None
+    more = f" and {len(named) - 2} more" if len(named) > 2 else ""
+    return f"the checkpoint leaves MoE layers unquantized ({', '.join(named[:2])}{more})"
+
+
+def draft_moe(vllm_config: Any) -> str | None:
+    """Why a speculative draft model's MoE layers cannot take deep_gemm (None: there is
+    none, it names its own backend, or it is 128x128 block FP8 like the target): the
+    draft inherits --moe-backend unless its speculative config sets `moe_backend`."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or getattr(spec, "moe_backend", None) is not None:
+        return None
+    if getattr(draft, "is_moe", False) is not True:
+        return None
+    shape = model_shape.read_shape(draft.hf_config, getattr(draft, "hf_text_config", None))
+    method = getattr(draft, "quantization", None)
+    if _is_block_128(method, shape.weight_block_size) and not unquantized_moe(
+        shape.unquantized_modules
+    ):
+        return None
+    return (
+        f"the speculative draft's MoE layers (quantization {method or 'none'}) inherit "
+        '--moe-backend (give the draft its own: "moe_backend": "triton" in '
+        "--speculative-config)"
+    )
+
+
+def budget_backend(
+    flag: str,
+    backend: str,
+    method: str | None,
+    block: Any,
+    asked: str | None,
+    ep_world: int,
+    environ: Any,
+    unquantized: str | None = None,
+) -> str | None:
+    """The --moe-backend an LL step budget is lowered for (`deep_gemm_step`): the one
+    asked, or what `auto` will become for an FP8 model, decided before the budget is (so a
+    lowered budget keeps DeepGEMM's whole tiles)."""
+    if asked != "auto" or method not in FP8_METHODS:
+        return asked
+    choice, _ = auto_fp8_experts(flag, backend, method, block, None, ep_world, environ, unquantized)
+    return choice
+
+
 def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     """FP8 MoE layers: the --moe-backend asked for, checked (`fp8_experts_reason`);
     auto becomes what `auto_fp8_experts` says, logged."""
@@ -612,6 +700,7 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         return
     shape = model_shape.from_vllm_config(vllm_config)
     sched = vllm_config.scheduler_config
+    unquantized = unquantized_moe(shape.unquantized_modules) or draft_moe(vllm_config)
     reason = fp8_experts_reason(
         flag,
         backend,
@@ -621,6 +710,7 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         sched.max_num_batched_tokens if sched is not None else None,
         ep_world_size(vllm_config.parallel_config),
         os.environ,
+        unquantized,
     )
     if reason is not None:
         raise FlashInferEPConfigError(reason)
@@ -642,6 +732,7 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         sched.max_num_batched_tokens if sched is not None else None,
         ep_world_size(vllm_config.parallel_config),
         os.environ,
+        unquantized,
     )
     kernel.moe_backend = choice
     logger.info(
