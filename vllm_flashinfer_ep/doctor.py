@@ -447,11 +447,15 @@ def model_checks(
     )
     fleet = shape.ll_fleet_shape() if low_latency else None
     total = rules.device_memory_bytes() if fleet is not None else None
-    memory = _ll_memory_verdict(rules, flag, shape, fleet, settings, total) if fleet else None
+    unquantized = rules.unquantized_moe(shape.unquantized_modules)
+    memory = None
+    if fleet is not None:
+        memory = _ll_memory_verdict(
+            rules, flag, shape, fleet, settings, total, method, unquantized
+        )
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.
         tokens = (memory.lowered_to if memory else None) or settings.tokens
-        unquantized = rules.unquantized_moe(shape.unquantized_modules)
         checks.append(
             _fp8_experts_check(rules, flag, backend, method, block, settings, tokens, unquantized)
         )
@@ -615,9 +619,12 @@ def _ll_memory_verdict(
     fleet: tuple[int, int, int],
     settings: ServeSettings,
     total: int | None,
+    method: str | None,
+    unquantized: str | None,
 ):
     """config_validation.ll_memory_verdict on the serve arguments (vLLM's defaults where
-    they are not given)."""
+    they are not given); `method` and `unquantized` decide what `auto` rounds the budget
+    for (`budget_backend`)."""
     gmu, seqs, chunked = _vllm_defaults(settings) if total is not None else (1.0, 1, True)
     return rules.ll_memory_verdict(
         flag,
@@ -632,12 +639,12 @@ def _ll_memory_verdict(
             rules.budget_backend(
                 flag,
                 LOW_LATENCY,
-                settings.quantization or shape.quant_method,
+                method,
                 shape.weight_block_size,
                 settings.moe_backend,
                 settings.ep_world,
                 os.environ,
-                rules.unquantized_moe(shape.unquantized_modules),
+                unquantized,
             ),
             settings.ep_world,
         ),

@@ -319,26 +319,38 @@ def test_switch_values_read_as_vllm_reads_them(value, refused):
     assert (reason is not None) == refused
 
 
-def test_a_lowered_step_budget_keeps_whole_deep_gemm_tiles(tmp_path, monkeypatch):
-    """The memory rule lowers --max-num-batched-tokens to what fits (an arbitrary count);
-    with DeepGEMM experts it lowers to a multiple of their step instead of to a value the
-    rows rule would then refuse. doctor reports the same budget and verdict."""
+# A budget the memory rule must lower on an 80 GiB GPU (dp=2, block FP8 online).
+MEMORY_BOUND = dict(
+    quantization="fp8_per_block",
+    max_num_batched_tokens=100_001,
+    max_num_seqs=256,
+    gpu_memory_utilization=0.9,
+)
+
+
+def _memory_bound_model(tmp_path, monkeypatch) -> str:
+    """A 128-expert model and an 80 GiB GPU, where MEMORY_BOUND's budget does not fit."""
     from vllm_flashinfer_ep.vllm import config_validation
 
-    big = write_model(
+    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 80 * (1 << 30))
+    return write_model(
         tmp_path / "big",
         num_experts=128,
         num_experts_per_tok=8,
         hidden_size=2048,
         max_position_embeddings=32768,
     )
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 80 * (1 << 30))
-    flags = dict(max_num_batched_tokens=100_001, max_num_seqs=256, gpu_memory_utilization=0.9)
-    asked = dict(quantization="fp8_per_block", moe_backend="deep_gemm")
-    cfg = engine_config(big, LOW_LATENCY, **flags, **asked)
+
+
+def test_a_lowered_step_budget_keeps_whole_deep_gemm_tiles(tmp_path, monkeypatch):
+    """The memory rule lowers --max-num-batched-tokens to what fits (an arbitrary count);
+    with DeepGEMM experts it lowers to a multiple of their step instead of to a value the
+    rows rule would then refuse. doctor reports the same budget and verdict."""
+    big = _memory_bound_model(tmp_path, monkeypatch)
+    cfg = engine_config(big, LOW_LATENCY, **MEMORY_BOUND, moe_backend="deep_gemm")
     fit = cfg.scheduler_config.max_num_batched_tokens
     assert fit < 100_001 and fit % 64 == 0  # dp=2: 64 tokens x 2 ranks = one 128-row tile
-    without = engine_config(big, LOW_LATENCY, **flags, quantization="fp8_per_block")
+    without = engine_config(big, LOW_LATENCY, **MEMORY_BOUND)
     assert fit <= without.scheduler_config.max_num_batched_tokens < fit + 64
 
     seen = []
@@ -481,18 +493,7 @@ def test_a_draft_with_its_own_moe_backend_leaves_deep_gemm_to_the_target(tiny_mo
 def test_a_budget_lowered_under_auto_keeps_deep_gemm_tiles(tmp_path, monkeypatch):
     """`auto` decides for DeepGEMM before the memory rule lowers the budget, so the
     lowered budget is whole tiles and DeepGEMM still runs."""
-    from vllm_flashinfer_ep.vllm import config_validation
-
-    big = write_model(
-        tmp_path / "big",
-        num_experts=128,
-        num_experts_per_tok=8,
-        hidden_size=2048,
-        max_position_embeddings=32768,
-    )
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 80 * (1 << 30))
-    flags = dict(max_num_batched_tokens=100_001, max_num_seqs=256, gpu_memory_utilization=0.9)
-    cfg = engine_config(big, LOW_LATENCY, quantization="fp8_per_block", **flags)
+    cfg = engine_config(_memory_bound_model(tmp_path, monkeypatch), LOW_LATENCY, **MEMORY_BOUND)
     fit = cfg.scheduler_config.max_num_batched_tokens
     assert fit < 100_001 and fit % 64 == 0
     assert cfg.kernel_config.moe_backend == "deep_gemm"

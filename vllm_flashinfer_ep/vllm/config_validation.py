@@ -245,8 +245,14 @@ def _budget_backend(vllm_config: Any, flag: str) -> str | None:
         asked,
         ep_world_size(vllm_config.parallel_config),
         os.environ,
-        unquantized_moe(shape.unquantized_modules) or draft_moe(vllm_config),
+        _served_unquantized(vllm_config, shape),
     )
+
+
+def _served_unquantized(vllm_config: Any, shape: ModelShape) -> str | None:
+    """Why some MoE layers the engine serves stay unquantized: the checkpoint's ignore
+    list or a speculative draft (`unquantized_moe`, `draft_moe`)."""
+    return unquantized_moe(shape.unquantized_modules) or draft_moe(vllm_config)
 
 
 class LLMemoryVerdict(NamedTuple):
@@ -700,7 +706,7 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         return
     shape = model_shape.from_vllm_config(vllm_config)
     sched = vllm_config.scheduler_config
-    unquantized = unquantized_moe(shape.unquantized_modules) or draft_moe(vllm_config)
+    unquantized = _served_unquantized(vllm_config, shape)
     reason = fp8_experts_reason(
         flag,
         backend,
