@@ -450,9 +450,7 @@ def model_checks(
     unquantized = rules.unquantized_moe(shape.unquantized_modules)
     memory = None
     if fleet is not None:
-        memory = _ll_memory_verdict(
-            rules, flag, shape, fleet, settings, total, method, unquantized
-        )
+        memory = _ll_memory_verdict(rules, flag, shape, fleet, settings, total, method, unquantized)
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.
         tokens = (memory.lowered_to if memory else None) or settings.tokens
