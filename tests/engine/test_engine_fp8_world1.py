@@ -14,7 +14,7 @@ layers, 64 experts, top_k 8):
 - static: an FP8 checkpoint with per-tensor weight scales and static input scales.
 The engines without EP run vLLM's Triton experts (`--moe-backend triton`); under LL,
 `--moe-backend auto` gives 128x128 block-FP8 layers vLLM's DeepGEMM batched experts on
-this GPU (config_validation.auto_fp8_experts) and the others vLLM's Triton experts, so a
+this GPU (fp8_experts_choice.auto_fp8_experts) and the others vLLM's Triton experts, so a
 block run also differs by the experts kernel (and DeepGEMM's weight scales).
 Tolerance: the rule of test_engine_world1.py, with the floor measured on the FP8 model
 itself (no-EP, CUDA graphs vs --enforce-eager).
@@ -79,7 +79,7 @@ def fp8_floor(engines, fp8_models, online_no_ep):
 
 def _check_ll(run: dict, block: bool = False) -> None:
     """`block`: a 128x128 block-FP8 model, whose LL experts `--moe-backend auto` makes
-    vLLM's DeepGEMM batched experts on this GPU (config_validation.auto_fp8_experts)."""
+    vLLM's DeepGEMM batched experts on this GPU (fp8_experts_choice.auto_fp8_experts)."""
     load = run["after_load"]
     kernels = LL_DEEP_GEMM_KERNELS if block else LL_KERNELS
     assert load["kernels"] == kernels and load["num_kernels"] == LAYERS

@@ -27,7 +27,7 @@ def test_doctor_model_checks(tmp_path):
     assert not next(c for c in wide if c.name == "LL hidden size").ok
     many = doctor.model_checks(write_model(tmp_path / "k", num_experts_per_tok=20))
     topk = next(c for c in many if c.name == "top_k")
-    # The engine's reason (config_validation.top_k_reason), which names the backend that fits.
+    # The engine's reason (config_rules.top_k_reason), which names the backend that fits.
     assert not topk.ok and "Try --all2all-backend flashinfer_ep_high_throughput" in topk.fix
 
     def precision(name, quant):

@@ -15,7 +15,7 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError, FlashInferEPEnvVarError
 from vllm_flashinfer_ep.runtime import buffer_sizes
-from vllm_flashinfer_ep.vllm import config_validation
+from vllm_flashinfer_ep.vllm import config_rules
 
 vllm_flashinfer_ep.register()
 
@@ -36,7 +36,7 @@ def tiny_moe(tmp_path_factory):
 
 
 def _gpu(monkeypatch, total: int | None) -> None:
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: total)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: total)
 
 
 # ------------------------------------------------------------------ the layout itself

@@ -330,9 +330,9 @@ MEMORY_BOUND = dict(
 
 def _memory_bound_model(tmp_path, monkeypatch) -> str:
     """A 128-expert model and an 80 GiB GPU, where MEMORY_BOUND's budget does not fit."""
-    from vllm_flashinfer_ep.vllm import config_validation
+    from vllm_flashinfer_ep.vllm import config_rules
 
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 80 * (1 << 30))
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: 80 * (1 << 30))
     return write_model(
         tmp_path / "big",
         num_experts=128,

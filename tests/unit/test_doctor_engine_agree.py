@@ -11,7 +11,7 @@ import vllm_flashinfer_ep
 from vllm_flashinfer_ep import cli, doctor, envs
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.vllm import config_validation
+from vllm_flashinfer_ep.vllm import config_rules
 
 vllm_flashinfer_ep.register()
 
@@ -32,7 +32,7 @@ def big(tmp_path_factory):
 
 
 def _gpu(monkeypatch, total: int | None) -> None:
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: total)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: total)
 
 
 def _doctor(monkeypatch, model: str, *serve_args: str):
@@ -296,7 +296,7 @@ def test_damaged_hub_download_names_the_cached_file(tmp_path, monkeypatch):
     cached.write_text("not json")
     import huggingface_hub
 
-    monkeypatch.setattr(doctor, "_hub_unreachable", lambda model: False)
+    monkeypatch.setattr(doctor.model_config, "_hub_unreachable", lambda model: False)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(cached))
     [check] = doctor.model_checks("org/model")
     assert check.detail.startswith(f"{cached} is not valid JSON")

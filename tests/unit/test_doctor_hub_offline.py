@@ -14,6 +14,7 @@ import pytest
 from huggingface_hub import constants
 
 from vllm_flashinfer_ep import doctor
+from vllm_flashinfer_ep.doctor import model_config
 
 MODEL = "org/model"
 
@@ -68,7 +69,7 @@ def test_no_network_reads_the_cache(no_network, tmp_path):
 
 def test_hf_hub_offline_names_the_variable(no_network, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(doctor, "_hub_unreachable", lambda model: pytest.fail("went online"))
+    monkeypatch.setattr(model_config, "_hub_unreachable", lambda model: pytest.fail("went online"))
     [check] = doctor.model_checks(MODEL)
     assert not check.ok and "HF_HUB_OFFLINE=1 forbids downloading it" in check.detail
     assert "pass a local model dir" in check.fix and "unset HF_HUB_OFFLINE" in check.fix
@@ -87,7 +88,7 @@ def test_online_the_download_is_unchanged(monkeypatch, tmp_path):
     import huggingface_hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(doctor, "_hub_unreachable", lambda model: False)
+    monkeypatch.setattr(model_config, "_hub_unreachable", lambda model: False)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     assert doctor.load_model_config(MODEL) == {"num_experts_per_tok": 4}
     assert calls == [(MODEL, "config.json", {})]
@@ -102,4 +103,4 @@ def test_an_answer_from_the_hub_is_not_offline(monkeypatch):
         raise RepositoryNotFoundError("404", response=None)
 
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", not_found)
-    assert doctor._hub_unreachable(MODEL) is False
+    assert model_config._hub_unreachable(MODEL) is False

@@ -16,7 +16,7 @@ from vllm_flashinfer_ep import backends, cli, doctor, envs
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.limits import HT_MAX_TOKENS_PER_RANK
-from vllm_flashinfer_ep.vllm import config_validation
+from vllm_flashinfer_ep.vllm import config_rules
 
 vllm_flashinfer_ep.register()
 
@@ -30,7 +30,7 @@ FT_ENGINE = dict(enable_fault_tolerance=True, data_parallel_external_lb=True, da
 def _clean_env(monkeypatch):
     for var in envs.VARIABLES:
         monkeypatch.delenv(var.name, raising=False)
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: None)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: None)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_ht_default_budget_is_vllm_s_for_the_gpu_in_both(tiny, monkeypatch):
     monkeypatch.setattr(
         EngineArgs, "get_batch_defaults", classmethod(lambda cls, world: (big_gpu, {}))
     )
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: 180 << 30)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: 180 << 30)
     cfg = EngineArgs(
         model=tiny,
         skip_tokenizer_init=True,
@@ -275,7 +275,7 @@ def test_doctor_reads_vllm_s_parallel_properties(dp, tp, pcp, ep, dbo, ubatch):
     settings = doctor.ServeSettings(backend=LOW_LATENCY, **kwargs)
     assert settings.use_all2all == par.use_all2all
     assert settings.use_ubatching == par.use_ubatching
-    assert settings.ep_world == config_validation.ep_world_size(par)
+    assert settings.ep_world == config_rules.ep_world_size(par)
 
 
 def test_prefill_context_parallel_reaches_the_verdict(tiny, monkeypatch):
@@ -286,7 +286,7 @@ def test_prefill_context_parallel_reaches_the_verdict(tiny, monkeypatch):
     par = ParallelConfig(
         all2all_backend=LOW_LATENCY, prefill_context_parallel_size=2, enable_expert_parallel=True
     )
-    assert par.use_all2all and config_validation.ep_world_size(par) == 2
+    assert par.use_all2all and config_rules.ep_world_size(par) == 2
     _, checks = _doctor(monkeypatch, tiny, "-pcp", "2", "-ep")
     check = checks["expert parallel"]
     assert check.ok and not check.warn

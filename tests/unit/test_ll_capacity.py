@@ -17,7 +17,7 @@ import vllm_flashinfer_ep
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime import buffer_sizes
-from vllm_flashinfer_ep.vllm import config_validation
+from vllm_flashinfer_ep.vllm import config_rules
 
 vllm_flashinfer_ep.register()
 
@@ -39,7 +39,7 @@ def _config(model: str, backend: str = LOW_LATENCY, **kwargs):
 
 
 def _gpu(monkeypatch, total: int | None) -> None:
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: total)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: total)
 
 
 def _fit(total: int) -> int:

@@ -12,7 +12,7 @@ from tiny_models import QWEN3_MOE, engine_config, write_model
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep import cli, doctor, model_shape
 from vllm_flashinfer_ep.backends import BACKENDS, LOW_LATENCY
-from vllm_flashinfer_ep.vllm import config_validation
+from vllm_flashinfer_ep.vllm import config_rules, config_validation
 
 vllm_flashinfer_ep.register()
 
@@ -45,18 +45,21 @@ def reads(monkeypatch):
 
 
 def test_engine_and_doctor_both_read_through_it(tmp_path, reads, monkeypatch):
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: None)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: None)
     model = write_model(tmp_path / "m")
     engine_config(model, LOW_LATENCY)
     assert "model_shape.py" in reads  # from_vllm_config, called by config_validation
     reads.clear()
     doctor.model_checks(model)
-    assert reads == ["doctor.py"]
+    assert reads == ["model_verdicts.py"]  # doctor's model checks
 
 
 def test_no_other_reader_of_hf_config_fields():
     """The HF field names live in model_shape (and limits' top_k keys) only."""
-    for path in (PACKAGE / "doctor.py", PACKAGE / "vllm" / "config_validation.py"):
+    rules = ("config_validation.py", "config_rules.py", "fp8_experts_choice.py")
+    paths = [*(PACKAGE / "doctor").glob("*.py"), *(PACKAGE / "vllm" / name for name in rules)]
+    assert len(paths) > len(rules)
+    for path in paths:
         text = path.read_text()
         for needle in (
             '"hidden_size"',
@@ -123,7 +126,7 @@ def test_text_config_and_alternative_keys():
     ids=["json", "dotted", "dotted="],
 )
 def test_eplb_redundant_experts_agree(tmp_path, monkeypatch, backend, serve_args):
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: None)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: None)
     model = write_model(tmp_path / "m", num_experts=8)
     cfg = engine_config(model, backend, enable_eplb=True, eplb_config={"num_redundant_experts": 2})
     engine = model_shape.from_vllm_config(cfg)
@@ -146,7 +149,7 @@ def test_eplb_without_enable_adds_nothing():
 
 
 def test_doctor_memory_line_counts_physical_experts(tmp_path, monkeypatch):
-    monkeypatch.setattr(config_validation, "device_memory_bytes", lambda: None)
+    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: None)
     model = write_model(
         tmp_path / "m", **dict(QWEN3_MOE, hidden_size=2048, num_experts=128, num_experts_per_tok=8)
     )

@@ -12,7 +12,7 @@ from tiny_models import engine_config, write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep.backends import BACKENDS
-from vllm_flashinfer_ep.vllm import config_validation
+from vllm_flashinfer_ep.vllm import config_rules
 
 vllm_flashinfer_ep.register()
 
@@ -31,7 +31,7 @@ def test_tensor_parallel_runs_sequence_parallel_moe_over_dp_x_tp(tiny_moe, backe
     par = cfg.parallel_config
     assert par.use_sequence_parallel_moe and par.use_all2all
     # The EP group (the fleet's NCCL-EP world) is DP x TP.
-    assert config_validation.ep_world_size(par) == 4 == par.world_size_across_dp
+    assert config_rules.ep_world_size(par) == 4 == par.world_size_across_dp
     assert "one NCCL-EP fleet per EP group of 4 ranks (DP x TP)" in caplog.text
     assert (
         "--tensor-parallel-size 2: sequence-parallel MoE, each TP rank dispatches its 1/2"
@@ -45,7 +45,7 @@ def test_pipeline_parallel_has_one_ep_group_per_stage(tiny_moe, backend, caplog)
         cfg = engine_config(tiny_moe, backend, pipeline_parallel_size=2)
     par = cfg.parallel_config
     assert par.use_all2all and not par.use_sequence_parallel_moe
-    assert config_validation.ep_world_size(par) == 2  # DP only: each stage's own group
+    assert config_rules.ep_world_size(par) == 2  # DP only: each stage's own group
     assert "one NCCL-EP fleet per EP group of 2 ranks (DP x TP)" in caplog.text
     assert "--pipeline-parallel-size 2: one EP group (and fleet) per pipeline stage" in caplog.text
 

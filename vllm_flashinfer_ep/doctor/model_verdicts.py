@@ -1,0 +1,337 @@
+"""doctor's verdicts on a model: the engine's config-time rules (vllm/config_rules.py,
+vllm/fp8_experts_choice.py) applied to its config.json, read through model_shape (the
+reader config validation uses), and the serve arguments: hidden size, top_k, dtype,
+quantization, the FP8 experts, the HT step budget, the LL memory estimate, a fixed RDMA
+buffer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from vllm_flashinfer_ep import envs, model_shape
+from vllm_flashinfer_ep.backends import LOW_LATENCY
+from vllm_flashinfer_ep.doctor.model_config import ModelConfigError, load_model_config
+from vllm_flashinfer_ep.doctor.settings import (
+    ServeSettings,
+    checked_backend,
+    vllm_default_tokens,
+    vllm_defaults,
+)
+from vllm_flashinfer_ep.runtime.buffer_sizes import LL_BUFFER_BUDGET_FRACTION
+from vllm_flashinfer_ep.runtime.env_checks import Check
+from vllm_flashinfer_ep.runtime.limits import (
+    HT_MAX_TOKENS_PER_RANK,
+    MAX_TOPK_HT,
+    MAX_TOPK_LL,
+    SUPPORTED_HIDDEN_SIZES,
+    round_up_ll_hidden_size,
+)
+from vllm_flashinfer_ep.vllm import config_rules as rules
+from vllm_flashinfer_ep.vllm import fp8_experts_choice as fp8_choice
+
+
+def model_checks(
+    model: str, tokens_per_rank: int | None = None, settings: ServeSettings | None = None
+) -> list[Check]:
+    """The engine's config-time verdicts on `model` (the engine's rules, read through
+    model_shape, the reader config validation uses), as doctor lines."""
+    settings = settings or ServeSettings()
+    if tokens_per_rank is not None:
+        settings = replace(settings, max_num_batched_tokens=tokens_per_rank)
+    try:
+        cfg = load_model_config(model)
+    except ModelConfigError as exc:
+        return [Check("model config", False, str(exc), exc.fix)]
+    except Exception as exc:  # noqa: BLE001 - report why the config is unreadable
+        return [
+            Check("model config", False, str(exc), "pass a local model dir or a reachable HF id")
+        ]
+    shape = model_shape.read_shape(
+        cfg,
+        redundant_experts=model_shape.redundant_experts(settings.enable_eplb, settings.eplb_config),
+    )
+    checks = []
+    # Another backend's name is reported by serve_checks; the checks are those of LL.
+    backend = checked_backend(settings.backend)
+    flag = f"--all2all-backend {backend}"
+    low_latency = backend == LOW_LATENCY
+    hidden = shape.hidden_size
+    if hidden is not None:
+        reason = rules.hidden_reason(flag, backend, hidden)
+        if not low_latency:
+            detail = f"{hidden} (high throughput takes any hidden size)"
+        elif reason is not None:
+            detail = f"{hidden} (LL sizes: {list(SUPPORTED_HIDDEN_SIZES)})"
+        elif round_up_ll_hidden_size(hidden) == hidden:
+            detail = f"{hidden} (a native NCCL-EP LL size)"
+        else:
+            detail = (
+                f"{hidden} -> rounded up to {round_up_ll_hidden_size(hidden)} for {LOW_LATENCY} "
+                f"(LL sizes: {list(SUPPORTED_HIDDEN_SIZES)})"
+            )
+        checks.append(
+            Check(
+                "LL hidden size" if low_latency else "hidden size",
+                reason is None,
+                detail,
+                reason or "",
+            )
+        )
+    if shape.top_k is None:
+        checks.append(
+            Check(
+                "top_k",
+                False,
+                "no experts-per-token field: not an MoE config?",
+                "pass an MoE model",
+            )
+        )
+    else:
+        reason = rules.top_k_reason(flag, backend, shape.top_k)
+        checks.append(
+            Check(
+                "top_k",
+                reason is None,
+                f"{shape.top_k} (limits: low latency {MAX_TOPK_LL}, high throughput {MAX_TOPK_HT})",
+                reason or "",
+            )
+        )
+    checks.append(_dtype_check(shape, settings, flag))
+    method = settings.quantization or shape.quant_method
+    block = shape.weight_block_size
+    reason = rules.quantization_reason(flag, method, block)
+    checks.append(
+        Check(
+            "checkpoint precision",
+            reason is None,
+            f"quantization {method or 'none'}"
+            + (f", weight_block_size {block}" if block is not None else ""),
+            reason or "",
+        )
+    )
+    fleet = shape.ll_fleet_shape() if low_latency else None
+    total = rules.device_memory_bytes() if fleet is not None else None
+    unquantized = fp8_choice.unquantized_moe(shape.unquantized_modules)
+    memory = None
+    if fleet is not None:
+        memory = _ll_memory_verdict(flag, shape, fleet, settings, total, method, unquantized)
+    if method in rules.FP8_METHODS and reason is None:
+        # The engine checks the experts against the step budget after lowering it.
+        tokens = (memory.lowered_to if memory else None) or settings.tokens
+        checks.append(
+            _fp8_experts_check(flag, backend, method, block, settings, tokens, unquantized)
+        )
+    if not low_latency:
+        checks.append(_ht_tokens_check(flag, shape, settings))
+    if fleet is not None:
+        checks.append(_ll_memory_check(shape, fleet, settings, memory))
+        rdma = _rdma_check(flag, fleet, settings, total)
+        if rdma is not None:
+            checks.append(rdma)
+    return checks
+
+
+def _fp8_experts_check(
+    flag: str,
+    backend: str,
+    method: str,
+    block: Any,
+    settings: ServeSettings,
+    tokens: int,
+    unquantized: str | None,
+) -> Check:
+    """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`), with
+    the LL step budget the engine checks it against (`tokens`, after any lowering) and the
+    checkpoint's unquantized MoE layers (`unquantized`)."""
+    asked = settings.moe_backend
+    reason = fp8_choice.fp8_experts_reason(
+        flag,
+        backend,
+        method,
+        block,
+        asked,
+        tokens if backend == LOW_LATENCY else None,
+        settings.ep_world,
+        os.environ,
+        unquantized,
+    )
+    if reason is not None:
+        return Check("FP8 experts", False, f"--moe-backend {asked}", reason)
+    runs, shown = asked, f"--moe-backend {asked}"
+    if asked == "auto":
+        runs, why = fp8_choice.auto_fp8_experts(
+            flag,
+            backend,
+            method,
+            block,
+            tokens if backend == LOW_LATENCY else None,
+            settings.ep_world,
+            os.environ,
+            unquantized,
+        )
+        shown += f" -> {runs} ({why})"
+    kind = "DeepGEMM batched" if runs == "deep_gemm" else "Triton"
+    return Check("FP8 experts", True, f"{shown}: vLLM's {kind} experts")
+
+
+def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: str) -> Check:
+    served = model_shape.served_dtype(settings.dtype, shape.dtype)
+    detail = f"{served or 'unknown'} (checkpoint {shape.dtype or 'names none'}, --dtype {settings.dtype})"
+    if served is None:
+        return Check(
+            "dtype",
+            True,
+            detail,
+            "config.json names no dtype: vLLM reads it from the "
+            "weights; pass --dtype bfloat16 to be sure",
+            warn=True,
+        )
+    reason = rules.dtype_reason(flag, served)
+    return Check("dtype", reason is None, detail, reason or "")
+
+
+def _ht_tokens_check(flag: str, shape: model_shape.ModelShape, settings: ServeSettings) -> Check:
+    """--max-num-batched-tokens against NCCL-EP's HT limit per rank, the engine's verdict
+    (config_rules.ht_tokens_verdict: fits, lowered, or refused)."""
+    name = f"HT tokens per rank (at most {HT_MAX_TOKENS_PER_RANK})"
+    chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
+    max_model_len = settings.max_model_len or shape.max_position_embeddings
+    tokens, source = settings.max_num_batched_tokens, ""
+    if tokens is None:
+        tokens = vllm_default_tokens(settings)
+        source = " (vLLM's default for `vllm serve` on this GPU)"
+        if not chunked and max_model_len is not None:
+            # vLLM: without chunked prefill the default step budget is at least a prompt
+            tokens = max(max_model_len, tokens or 0)
+            source = " (vLLM's default with chunked prefill off: --max-model-len)"
+    if tokens is None:
+        return Check(
+            name,
+            True,
+            "--max-num-batched-tokens unset: vLLM's default depends on the GPU "
+            "(16384 on GPUs of 160 GiB or more); not checked: no GPU visible here",
+            "run doctor on the GPU host, or pass --max-num-batched-tokens "
+            f"<= {HT_MAX_TOKENS_PER_RANK}",
+            warn=True,
+        )
+    verdict = rules.ht_tokens_verdict(
+        flag, tokens, chunked_prefill=chunked, max_model_len=max_model_len
+    )
+    detail = f"--max-num-batched-tokens {tokens}{source}"
+    if verdict.refusal is not None:
+        return Check(name, False, detail, verdict.refusal)
+    if verdict.lowered_to is not None:
+        return Check(
+            name,
+            True,
+            detail,
+            f"the engine lowers --max-num-batched-tokens from {tokens} to "
+            f"{verdict.lowered_to}: {verdict.why} (pass a value <= {verdict.lowered_to} "
+            "to silence this)",
+            warn=True,
+        )
+    return Check(name, True, detail)
+
+
+def _ll_memory_verdict(
+    flag: str,
+    shape: model_shape.ModelShape,
+    fleet: tuple[int, int, int],
+    settings: ServeSettings,
+    total: int | None,
+    method: str | None,
+    unquantized: str | None,
+):
+    """config_rules.ll_memory_verdict on the serve arguments (vLLM's defaults where
+    they are not given); `method` and `unquantized` decide what `auto` rounds the budget
+    for (`budget_backend`)."""
+    gmu, seqs, chunked = vllm_defaults(settings) if total is not None else (1.0, 1, True)
+    return rules.ll_memory_verdict(
+        flag,
+        fleet,
+        settings.tokens,
+        total,
+        gmu,
+        max_num_seqs=seqs,
+        chunked_prefill=chunked,
+        max_model_len=settings.max_model_len or shape.max_position_embeddings,
+        token_step=fp8_choice.deep_gemm_step(
+            fp8_choice.budget_backend(
+                flag,
+                LOW_LATENCY,
+                method,
+                shape.weight_block_size,
+                settings.moe_backend,
+                settings.ep_world,
+                os.environ,
+                unquantized,
+            ),
+            settings.ep_world,
+        ),
+    )
+
+
+def _ll_memory_check(
+    shape: model_shape.ModelShape,
+    fleet: tuple[int, int, int],
+    settings: ServeSettings,
+    verdict,
+) -> Check:
+    """The LL fleet's estimated GPU memory per GPU and the engine's verdict on it
+    (config_rules.ll_memory_verdict: fits, lowered, or refused)."""
+    hidden, experts, top_k = fleet
+    tokens = settings.tokens
+    parts, gib = verdict.parts, 1 << 30
+    redundant = (
+        f" ({shape.routed_experts} + {shape.redundant_experts} EPLB redundant)"
+        if shape.redundant_experts
+        else ""
+    )
+    detail = (
+        f"about {verdict.need / gib:.2f} GiB per GPU at --max-num-batched-tokens {tokens}: "
+        f"NCCL-EP fixed {parts['fixed'] / gib:.2f} + buffers {parts['buffers'] / gib:.2f} + "
+        f"FlashInfer receive buffer {parts['receive'] / gib:.2f} + {verdict.handles} pooled handles and "
+        f"their padding staging {parts['pool'] / 1e6:.1f} MB "
+        f"({experts} experts{redundant}, hidden {hidden}, top_k {top_k})"
+    )
+    name = "LL memory estimate"
+    if verdict.refusal is not None:
+        return Check(name, False, detail, verdict.refusal)
+    if verdict.budget is None:
+        return Check(
+            name,
+            True,
+            detail + "; not checked: no GPU visible here",
+            "run doctor on the GPU host to check it against GPU memory",
+            warn=True,
+        )
+    if verdict.lowered_to is not None:
+        return Check(
+            name,
+            True,
+            detail,
+            f"the engine lowers --max-num-batched-tokens from {tokens} "
+            f"to {verdict.lowered_to}: the fleet {verdict.why}",
+            warn=True,
+        )
+    return Check(name, True, f"{detail}; fits the budget of {verdict.budget / gib:.2f} GiB")
+
+
+def _rdma_check(
+    flag: str, fleet: tuple[int, int, int], settings: ServeSettings, total: int | None
+) -> Check | None:
+    """VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES against the fleet, as config time checks it."""
+    try:
+        rdma = envs.rdma_buffer_bytes()
+    except Exception:  # noqa: BLE001 - a bad value is reported by the variables check
+        return None
+    if rdma == 0:
+        return None
+    budget = None
+    if total is not None:
+        gmu, _, _ = vllm_defaults(settings)
+        budget = int(int(total * gmu) * LL_BUFFER_BUDGET_FRACTION)
+    reason = rules.rdma_buffer_reason(flag, rdma, fleet, settings.tokens, settings.ep_world, budget)
+    return Check("RDMA buffer", reason is None, f"{envs.RDMA_BUFFER_BYTES}={rdma}", reason or "")

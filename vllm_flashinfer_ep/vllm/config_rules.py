@@ -1,0 +1,317 @@
+"""The config-time rules of the flashinfer_ep backends, as plain functions.
+
+Each takes the model's shape (model_shape.py, the one reader of Hugging Face configs)
+and the parallel or scheduler settings, and returns the refusal or warning message, or a
+verdict tuple, or None: no vLLM config is read or changed here. The engine applies them
+in vllm/config_validation.py; `vllm-flashinfer-ep doctor` applies the same functions to
+a config.json and the `vllm serve` arguments, so it gives the engine's verdicts. Every
+message names the flag to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from vllm_flashinfer_ep import backends, envs
+from vllm_flashinfer_ep.runtime import buffer_sizes
+from vllm_flashinfer_ep.runtime.limits import (
+    HT_MAX_TOKENS_PER_RANK,
+    SUPPORTED_HIDDEN_SIZES,
+    max_top_k,
+)
+
+GIB = float(1 << 30)
+
+
+def ubatching_reason(flag: str, use_ubatching: bool) -> str | None:
+    """Why micro-batching (vLLM's `ParallelConfig.use_ubatching`: --enable-dbo or
+    --ubatch-size > 1) is refused, or None."""
+    if not use_ubatching:
+        return None
+    return (
+        f"{flag} does not support micro-batching (dual-batch overlap): NCCL-EP's receive "
+        "buffers are shared by all handles of a fleet, so two micro-batches would overwrite "
+        "each other. Remove --enable-dbo (and --ubatch-size)."
+    )
+
+
+def fault_tolerance_reason(flag: str, backend: str, enable_fault_tolerance: bool) -> str | None:
+    """Why --enable-fault-tolerance is refused with `backend`, or None."""
+    if not enable_fault_tolerance or backends.supports_fault_tolerance(backend):
+        return None
+    return (
+        f"{flag} has no fault tolerance (NCCL-EP supports it for low latency only): use "
+        "--all2all-backend flashinfer_ep_low_latency or remove --enable-fault-tolerance."
+    )
+
+
+def unused_backend_warning(
+    backend: str, use_all2all: bool, enable_expert_parallel: bool
+) -> str | None:
+    """The warning config time logs when `backend` is selected but NCCL-EP will not run,
+    or None. `use_all2all`: vLLM's `ParallelConfig.use_all2all` (off at
+    --data-parallel-size 1); without --enable-expert-parallel vLLM's MoE layers take its
+    all-gather/reduce-scatter path (no all2all kernels: `use_all2all_kernels` needs EP)."""
+    if not use_all2all:
+        return (
+            f"{backend} is selected but does nothing here: the MoE all2all only runs with "
+            "--data-parallel-size > 1 and --enable-expert-parallel."
+        )
+    if not enable_expert_parallel:
+        return (
+            f"{backend} is selected without --enable-expert-parallel: vLLM will use its "
+            "all-gather/reduce-scatter path, not NCCL-EP."
+        )
+    return None
+
+
+class StepBudgetVerdict(NamedTuple):
+    """What config time does with --max-num-batched-tokens against a per-rank limit."""
+
+    lowered_to: int | None  # config time lowers --max-num-batched-tokens to this
+    refusal: str | None  # config time refuses with this message
+    why: str | None  # why the budget does not fit (None: it fits)
+
+
+def ht_tokens_verdict(
+    flag: str, tokens: int, *, chunked_prefill: bool, max_model_len: int | None
+) -> StepBudgetVerdict:
+    """The HT step-budget rule, for the engine (`_clamp_ht_tokens`) and `doctor` alike.
+
+    The HT fleet cannot take more than HT_MAX_TOKENS_PER_RANK tokens per rank, and vLLM's
+    profile run sends --max-num-batched-tokens tokens through every MoE layer at start-up,
+    so a larger budget would fail there: it is lowered to the limit. Chunked prefill keeps
+    any prompt length servable; without it a --max-model-len above the limit is refused.
+    """
+    limit = HT_MAX_TOKENS_PER_RANK
+    if tokens <= limit:
+        return StepBudgetVerdict(None, None, None)
+    refusal = _unchunked_reason(
+        flag,
+        limit,
+        f"takes at most {limit} tokens per rank and step",
+        tokens,
+        chunked_prefill,
+        max_model_len,
+    )
+    why = f"NCCL-EP high throughput takes at most {limit} tokens per rank and step"
+    return StepBudgetVerdict(None if refusal else limit, refusal, why)
+
+
+class LLMemoryVerdict(NamedTuple):
+    """What config time does with an LL fleet's estimated memory (`ll_memory_verdict`)."""
+
+    need: int  # estimated bytes per GPU (runtime/buffer_sizes.ll_memory_bytes)
+    parts: dict[str, int]  # ll_memory_parts
+    handles: int  # pooled handles in the estimate
+    budget: int | None  # bytes the fleet may take; None: no GPU visible, not checked
+    summary: str  # one sentence: the estimate, and the budget or why it is not checked
+    why: str | None  # why the step budget does not fit (None: it fits or is not checked)
+    lowered_to: int | None  # config time lowers --max-num-batched-tokens to this
+    refusal: str | None  # config time refuses with this message
+
+
+def ll_memory_verdict(
+    flag: str,
+    shape: tuple[int, int, int],
+    tokens: int,
+    total_memory: int | None,
+    gpu_memory_utilization: float,
+    *,
+    max_num_seqs: int,
+    chunked_prefill: bool,
+    max_model_len: int | None,
+    token_step: int = 1,
+) -> LLMemoryVerdict:
+    """The LL memory rule, for the engine (`_check_ll_capacity`) and `doctor` alike.
+
+    `shape`: (LL hidden size, physical experts, top_k), `ModelShape.ll_fleet_shape`;
+    `total_memory`: GPU memory in bytes (`device_memory_bytes`), None where no GPU is
+    visible (then nothing is checked and the summary says so). The estimate includes
+    the handle pool a served engine warms (runtime/pool_sizes.py buckets above vLLM's
+    default capture sizes). `token_step`: a lowered budget is a multiple of it (DeepGEMM
+    experts need whole row tiles, `deep_gemm_step`).
+    """
+    hidden, experts, top_k = shape
+    handles = len(buffer_sizes.served_pool_sizes(tokens))
+    parts = buffer_sizes.ll_memory_parts(tokens, hidden, experts, top_k, handles)
+    need = sum(parts.values())
+    what = (
+        f"the NCCL-EP low-latency fleet (buffers, FlashInfer's receive buffer, {handles} "
+        f"pooled handles) needs about {need / GIB:.2f} GiB per GPU for "
+        f"--max-num-batched-tokens {tokens} ({experts} experts, hidden {hidden}, top_k {top_k})"
+    )
+    if total_memory is None:
+        summary = (
+            f"{what}; no GPU is visible here, so this estimate is not checked against GPU "
+            "memory (a GPU that lacks it fails at model load)"
+        )
+        return LLMemoryVerdict(need, parts, handles, None, summary, None, None, None)
+    usable = int(total_memory * gpu_memory_utilization)
+    budget = int(usable * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
+    summary = f"{what}; budget {budget / GIB:.2f} GiB"
+    if need <= budget:
+        return LLMemoryVerdict(need, parts, handles, budget, summary, None, None, None)
+    fit = buffer_sizes.ll_max_tokens_within(budget, hidden, experts, top_k)
+    fit -= fit % token_step
+    why = (
+        f"needs about {need / GIB:.1f} GiB of NCCL-EP buffers per GPU for "
+        f"--max-num-batched-tokens {tokens}, more than {buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} "
+        f"of the {usable / GIB:.1f} GiB vLLM may use; at most {fit} tokens fit"
+    )
+    refusal = None
+    if fit < max_num_seqs:
+        refusal = (
+            f"{flag} {why}, fewer than --max-num-seqs {max_num_seqs}. Pass "
+            f"--max-num-batched-tokens <= {fit} and --max-num-seqs <= {fit}, or raise "
+            "--gpu-memory-utilization."
+        )
+    elif not chunked_prefill and max_model_len is not None and max_model_len > fit:
+        refusal = (
+            f"{flag} {why}, but --max-num-batched-tokens is {tokens} with chunked prefill off "
+            f"and --max-model-len {max_model_len}. Enable chunked prefill or pass "
+            f"--max-model-len <= {fit}."
+        )
+    lowered = None if refusal is not None else fit
+    return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
+
+
+def ep_world_size(par: Any) -> int:
+    """Ranks of one EP group: vLLM 0.33.0 builds it over DP x PCP x TP, one per pipeline
+    stage (vllm/distributed/parallel_state.py, `_EP`)."""
+    return (
+        par.data_parallel_size
+        * getattr(par, "prefill_context_parallel_size", 1)
+        * par.tensor_parallel_size
+    )
+
+
+def rdma_buffer_reason(
+    flag: str,
+    rdma_bytes: int,
+    shape: tuple[int, int, int],
+    tokens: int,
+    world: int,
+    budget: int | None,
+) -> str | None:
+    """Why VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES cannot serve this LL fleet, or None.
+
+    NCCL-EP allocates a fixed RDMA buffer exactly and never grows it; a handle whose
+    layout does not fit fails at model load (ncclEpInitHandle: ncclInvalidUsage). The
+    floor is that layout (buffer_sizes.ll_layout_bytes); the ceiling the LL fleet's share
+    of the GPU (`budget`), or envs.RDMA_MAX_BYTES where no GPU is visible.
+    """
+    if rdma_bytes == 0:
+        return None
+    hidden, experts, top_k = shape
+    low = buffer_sizes.ll_layout_bytes(tokens, hidden, experts, top_k, world)
+    high = envs.RDMA_MAX_BYTES if budget is None else budget
+    if low <= rdma_bytes <= high:
+        return None
+    ceiling = (
+        f"{high} (1 TiB; no GPU is visible here)"
+        if budget is None
+        else f"{high} ({buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} of the memory vLLM may use)"
+    )
+    return (
+        f"{flag}: {envs.RDMA_BUFFER_BYTES}={rdma_bytes} is outside the range this fleet accepts: "
+        f"from {low} (NCCL-EP's low-latency layout for {tokens} tokens per rank, hidden "
+        f"{hidden}, {experts} experts, top_k {top_k}, EP world {world}) to {ceiling}. Set a "
+        f"value in that range, or unset {envs.RDMA_BUFFER_BYTES} (0) to let NCCL-EP size it."
+    )
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of GPU 0 as vLLM's platform reports it (NVML: no CUDA context), or None."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda_alike():
+            return None
+        return int(current_platform.get_device_total_memory(0))
+    except Exception:  # noqa: BLE001 - unknown memory means "not checked", never an error
+        return None
+
+
+def _unchunked_reason(
+    flag: str,
+    limit: int,
+    why: str,
+    tokens: int,
+    chunked_prefill: bool,
+    max_model_len: int | None,
+) -> str | None:
+    """Lowering the step budget below --max-model-len needs chunked prefill."""
+    if chunked_prefill or max_model_len is None or max_model_len <= limit:
+        return None
+    return (
+        f"{flag} {why}, but --max-num-batched-tokens is {tokens} with chunked prefill off "
+        f"and --max-model-len {max_model_len}. Enable chunked prefill or pass "
+        f"--max-model-len <= {limit}."
+    )
+
+
+# Quantization methods whose MoE layers this package runs (128x128 block layers: FP8 on
+# the wire; the others: BF16 on the wire, FP8 after receive):
+# FP8 checkpoints (vLLM's `fp8` method) and vLLM 0.33.0's online FP8 shorthands.
+CHECKPOINT_FP8 = ("fp8",)
+ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
+FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
+
+
+def quantization_reason(flag: str, method: str | None, block: Any) -> str | None:
+    """BF16, FP8 checkpoints (per-tensor scales or 128x128 blocks) and online FP8
+    (--quantization fp8_per_tensor / fp8_per_block / fp8_per_channel on a BF16
+    checkpoint), on both backends; why anything else is refused. `method`: vLLM's
+    quantization method (the checkpoint's quant_method or --quantization), `block` the
+    checkpoint's weight_block_size."""
+    if not method:
+        return None
+    if method not in FP8_METHODS:
+        return (
+            f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "
+            f"quantized with {method}. Serve a BF16 or FP8 checkpoint, or pick another "
+            "--all2all-backend (e.g. deepep_low_latency)."
+        )
+    from vllm_flashinfer_ep.vllm.receive_quant import carries_block
+
+    if not carries_block(block):
+        return (
+            f"{flag} carries FP8 activations in groups of 128 (128x128 block checkpoints); "
+            f"this checkpoint's weight_block_size is {block}. Pick another --all2all-backend."
+        )
+    return None
+
+
+def dtype_reason(flag: str, dtype: str | None) -> str | None:
+    """Why the model's dtype (vLLM's resolved --dtype, a name: "float16") is refused."""
+    if dtype is None or dtype == "bfloat16":
+        return None
+    return (
+        f"{flag} dispatches BF16 activations, but the model dtype is {dtype}. Pass "
+        "--dtype bfloat16."
+    )
+
+
+def top_k_reason(flag: str, backend: str, top_k: int | None) -> str | None:
+    limit = max_top_k(backend == backends.LOW_LATENCY)
+    if top_k is None or top_k <= limit:
+        return None
+    other = (
+        " Try --all2all-backend flashinfer_ep_high_throughput."
+        if backend == backends.LOW_LATENCY and top_k <= max_top_k(False)
+        else " Pick another --all2all-backend."
+    )
+    return (
+        f"{flag}: the model routes each token to {top_k} experts, more than this backend "
+        f"supports ({limit}, see vllm_flashinfer_ep/runtime/limits.py).{other}"
+    )
+
+
+def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
+    if backend != backends.LOW_LATENCY or hidden is None or hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
+        return None
+    return (
+        f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
+        f"{SUPPORTED_HIDDEN_SIZES[-1]}. Use --all2all-backend flashinfer_ep_high_throughput."
+    )

@@ -1,0 +1,173 @@
+"""Which vLLM experts run FP8 MoE layers under the flashinfer_ep backends.
+
+`--moe-backend` is one value for every MoE layer of the served models (the target and a
+speculative draft). The package hands vLLM's Triton experts the scale layouts they read
+(vllm/receive_quant.py); under low latency, 128x128 block-FP8 layers can take vLLM's
+batched DeepGEMM experts instead (vllm/deep_gemm_experts.py), the fastest measured path
+(docs/benchmarks.md). These functions say what a named backend is refused for, what
+`auto` becomes, and which backend a lowered step budget is rounded for; the engine pins
+the choice in vllm/config_validation.py and doctor prints it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_flashinfer_ep import backends, model_shape
+from vllm_flashinfer_ep.vllm import deep_gemm_experts as dg
+from vllm_flashinfer_ep.vllm.config_rules import FP8_METHODS
+
+
+def deep_gemm_step(moe_backend: str | None, ep_world: int) -> int:
+    """The step an LL step budget is lowered in: whole DeepGEMM row tiles per expert when
+    its experts are asked for (vllm/deep_gemm_experts.py), else any token count."""
+    return dg.token_step(ep_world) if moe_backend == dg.MOE_BACKEND else 1
+
+
+def fp8_experts_reason(
+    flag: str,
+    backend: str,
+    method: str | None,
+    block: Any,
+    moe_backend: str,
+    tokens_per_rank: int | None,
+    ep_world: int,
+    environ: Any,
+    unquantized: str | None = None,
+) -> str | None:
+    """Why the FP8 MoE layers cannot run with the --moe-backend asked for (None: they can).
+
+    Their experts are vLLM's Triton experts (`auto` becomes triton: the scale layouts the
+    package hands them are theirs, vllm/receive_quant.py), or, under LL for 128x128
+    block-FP8 models, vLLM's batched DeepGEMM experts (vllm/deep_gemm_experts.py).
+    `unquantized`: why some MoE layers of the served models stay unquantized
+    (`unquantized_moe`, `draft_moe`)."""
+    if moe_backend in ("auto", "triton"):
+        return None
+    deep_gemm = dg.MOE_BACKEND
+    if moe_backend != deep_gemm:
+        return (
+            f"{flag} runs FP8 MoE layers with vLLM's Triton experts (or, under "
+            f"{backends.LOW_LATENCY} with 128x128 block-FP8, --moe-backend {deep_gemm}); "
+            f"--moe-backend {moe_backend} quantizes or lays out activations otherwise. Pass "
+            "--moe-backend triton (or leave it at auto)."
+        )
+    if backend != backends.LOW_LATENCY:
+        return (
+            f"{flag}: --moe-backend {deep_gemm} runs under {backends.LOW_LATENCY} only (this "
+            "backend hands the experts flat rows). Pass --moe-backend triton, or "
+            f"--all2all-backend {backends.LOW_LATENCY}."
+        )
+    if not _is_block_128(method, block):
+        return (
+            f"{flag}: --moe-backend {deep_gemm} takes 128x128 block-FP8 layers only (vLLM's "
+            f"DeepGEMM experts); this model is quantized with {method}"
+            + (f", weight_block_size {block}" if block is not None else "")
+            + ". Pass --moe-backend triton."
+        )
+    if unquantized is not None:
+        return (
+            f"{flag}: --moe-backend {deep_gemm} is one setting for every MoE layer, and "
+            f"{unquantized}: vLLM runs unquantized MoE layers with triton, never "
+            f"{deep_gemm}. Pass --moe-backend auto or triton."
+        )
+    reason = dg.switches_reason(flag, environ)
+    if reason is None and tokens_per_rank is not None:
+        reason = dg.rows_reason(flag, tokens_per_rank, ep_world)
+    return reason
+
+
+def auto_fp8_experts(
+    flag: str,
+    backend: str,
+    method: str | None,
+    block: Any,
+    tokens_per_rank: int | None,
+    ep_world: int,
+    environ: Any,
+    unquantized: str | None = None,
+) -> tuple[str, str]:
+    """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
+    block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (the fastest
+    of the measured paths at every batch, docs/benchmarks.md) and every MoE layer is
+    block FP8 (`unquantized`: why not); everything else, vLLM's Triton experts."""
+    deep_gemm = dg.MOE_BACKEND
+    if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
+        return "triton", "the scale layouts the package hands vLLM's Triton experts"
+    reason = (
+        fp8_experts_reason(
+            flag,
+            backend,
+            method,
+            block,
+            deep_gemm,
+            tokens_per_rank,
+            ep_world,
+            environ,
+            unquantized,
+        )
+        or dg.platform_reason()
+    )
+    if reason is not None:
+        return "triton", f"DeepGEMM experts cannot run here: {reason}"
+    return deep_gemm, "the fastest block-FP8 experts over the LL buffer"
+
+
+def _is_block_128(method: str | None, block: Any) -> bool:
+    if method == "fp8_per_block":
+        return True
+    return method == "fp8" and block is not None and list(block) == [128, 128]
+
+
+def unquantized_moe(modules: Any) -> str | None:
+    """Why some MoE layers of a quantized checkpoint stay unquantized (None: none do):
+    the entries of its ignore list (ModelShape.unquantized_modules) that can name expert
+    modules (vLLM 0.33.0 skips a MoE layer whose prefix an "experts" entry contains,
+    quantization/utils/quant_utils.is_layer_skipped)."""
+    named = [m for m in modules if "expert" in m.lower() or "moe" in m.lower()]
+    if not named:
+        return None
+    more = f" and {len(named) - 2} more" if len(named) > 2 else ""
+    return f"the checkpoint leaves MoE layers unquantized ({', '.join(named[:2])}{more})"
+
+
+def draft_moe(vllm_config: Any) -> str | None:
+    """Why a speculative draft model's MoE layers cannot take deep_gemm (None: there is
+    none, it names its own backend, or it is 128x128 block FP8 like the target): the
+    draft inherits --moe-backend unless its speculative config sets `moe_backend`."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or getattr(spec, "moe_backend", None) is not None:
+        return None
+    if getattr(draft, "is_moe", False) is not True:
+        return None
+    shape = model_shape.read_shape(draft.hf_config, getattr(draft, "hf_text_config", None))
+    method = getattr(draft, "quantization", None)
+    if _is_block_128(method, shape.weight_block_size) and not unquantized_moe(
+        shape.unquantized_modules
+    ):
+        return None
+    return (
+        f"the speculative draft's MoE layers (quantization {method or 'none'}) inherit "
+        '--moe-backend (give the draft its own: "moe_backend": "triton" in '
+        "--speculative-config)"
+    )
+
+
+def budget_backend(
+    flag: str,
+    backend: str,
+    method: str | None,
+    block: Any,
+    asked: str | None,
+    ep_world: int,
+    environ: Any,
+    unquantized: str | None = None,
+) -> str | None:
+    """The --moe-backend an LL step budget is lowered for (`deep_gemm_step`): the one
+    asked, or what `auto` will become for an FP8 model, decided before the budget is (so a
+    lowered budget keeps DeepGEMM's whole tiles)."""
+    if asked != "auto" or method not in FP8_METHODS:
+        return asked
+    choice, _ = auto_fp8_experts(flag, backend, method, block, None, ep_world, environ, unquantized)
+    return choice
