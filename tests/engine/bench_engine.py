@@ -125,6 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also profile a few decode steps at this batch size (top CUDA kernels in the log)",
     )
     ap.add_argument("--no-bench", action="store_true", help="profile only")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="every configuration's step budget (LL's default under DP+EP; no EP would get "
+        "8192 and prefill in fewer, larger steps)",
+    )
+    ap.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=540,
+        help="seconds one engine may take (within one 600 s device call; a timed-out "
+        "engine keeps the rows it printed)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--merge",
@@ -155,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "max_model_len": 512,
             "compilation_config": COMPILATION,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             **extra,
             **base,
         }
@@ -173,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
             spec["profile"] = {"batch": args.profile_batch, "output_len": 8, "moe_layers": layers}
         try:
-            res = runner.run(f"bench-{args.shape}-{name}", spec, env=env, timeout=900)
+            res = runner.run(
+                f"bench-{args.shape}-{name}", spec, env=env, timeout=args.engine_timeout
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             # Keep what the engine measured before it died (its progress lines).
             log = runner.log_path(f"bench-{args.shape}-{name}")
@@ -188,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 "cudagraph_mode": probe["cudagraph_mode"],
                 "startup_seconds": round(res["startup_seconds"], 1),
                 "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
+                "kernels": probe["kernels"],  # prepare/finalize + experts, as the engine built them
+                "max_num_batched_tokens": probe["max_num_batched_tokens"],
             }
         print(f"{name}: {meta[name]} {results[name]}", flush=True)
         if args.out:  # after each engine, so a cut-short run keeps what it measured
@@ -216,9 +235,13 @@ def merge(paths: list[Path], out: Path | None) -> int:
     joined["results"] = {n: r for d in docs for n, r in d["results"].items()}
     if out is not None:
         out.write_text(json.dumps(joined, indent=1))
-    rows = list(joined["results"].values())
-    batches = [r["batch"] for r in rows[0]] if rows and rows[0] else []
-    if batches and all([r["batch"] for r in rs] == batches for rs in rows):
+    sizes = {n: [r["batch"] for r in rs] for n, rs in joined["results"].items()}
+    batches = max(sizes.values(), key=len, default=[])
+    short = [n for n, b in sizes.items() if b != batches]
+    if short:
+        print(f"no table: {', '.join(short)} lack batches of {batches} (a partial run?)")
+        return 1
+    if batches:
         print(table(joined["shape"], batches, joined["results"]))
     return 0
 

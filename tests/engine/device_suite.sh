@@ -44,8 +44,7 @@ for step in "${steps[@]}"; do
       dirs=(tests/engine tests/kernels)
       [ "$step" = engine-tests ] && dirs=(tests/engine)
       [ "$step" = kernel-tests ] && dirs=(tests/kernels)
-      select=()  # one GPU: the multi-GPU tests are not this machine's to run
-      [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && select=(-m "not multigpu")
+      select=(-m "not multigpu")  # the multi-GPU tests have their own steps (multigpu-*)
       # The FP8 engine tests (~9 min) have their own step: with them one call would pass 600 s.
       select+=(--ignore tests/engine/test_engine_fp8_world1.py)
       # Speculative decoding (~7 engines, ~100 s each) has its own step too.
@@ -78,15 +77,15 @@ for step in "${steps[@]}"; do
     bench-30b-fp8-*)  # one FP8 engine per call (merge: bench_engine.py --merge a.json b.json --out all.json)
       cfg=${step#bench-30b-fp8-}
       python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --quantization fp8_per_block \
-        --configs "$cfg" --out "$out/engine_qwen3-30b-a3b_fp8_$cfg.json" \
-        2>&1 | grep -v "^INFO\|^(EngineCore" | tail -6 || rc=1 ;;
+        --configs "$cfg" --out "$out/engine_qwen3-30b-a3b_fp8_$cfg.json" 2>&1 \
+        | tee "$out/bench-30b-fp8-$cfg.txt" | grep -v "^INFO\|^(EngineCore" | tail -6 || rc=1 ;;
     padding)  # eager rounds padded onto pooled handles, and the pool under graphs (real NCCL-EP)
       python3 -m pytest tests/kernels/test_transport_gpu.py -k "pad or pool_cuda_graph or unwarmed" \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-padding.txt" 2>&1 || rc=1
       grep -E "POOL_MEMORY|passed|failed|Error" "$out/pytest-padding.txt" | tail -12 ;;
     memory)  # device-wide memory of the LL fleet + served pool (capture sizes + eager buckets)
       python3 -m vllm_flashinfer_ep.bench.memory --hidden 2048,7168 --capacity 256,512,4096 \
-        --json "$out/bench_memory_world1.json" 2>&1 | tail -12 || rc=1 ;;
+        --json "$out/bench_memory_world1.json" 2>&1 | tee "$out/memory.txt" | tail -12 || rc=1 ;;
     multigpu)  # two or more GPUs: transport across ranks, FT across ranks, dp=2 engines (DP padding, EPLB)
       python3 -m pytest tests/kernels/test_transport_multigpu.py tests/kernels/test_fault_tolerance_multigpu.py \
         -m multigpu -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-multigpu-kernels.txt" 2>&1 || rc=1
@@ -136,8 +135,8 @@ for step in "${steps[@]}"; do
       [ "$step" = bench-30b ] && shapes=(qwen3-30b-a3b)
       for shape in "${shapes[@]}"; do
         python3 tests/engine/bench_engine.py --shape "$shape" --out "$out/engine_$shape.json" \
-          --configs "${BENCH_CONFIGS:-no_ep,ll_graph,ll_pooloff}" \
-          2>&1 | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
+          --configs "${BENCH_CONFIGS:-no_ep,ll_graph,ll_pooloff}" 2>&1 \
+          | tee "$out/bench-$shape.txt" | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
       done ;;
     kbench)  # transport-level benchmark: package modes vs raw FlashInfer (eager, fresh, graph)
       for hidden in 2048 7168; do
@@ -148,7 +147,7 @@ for step in "${steps[@]}"; do
       done ;;
     fp8bench)  # block-FP8 LL decode step: BF16 wire + vLLM's quantization vs FP8 on the wire
       python3 -m vllm_flashinfer_ep.bench.fp8_run --hidden 7168 --no-progress \
-        --json "$out/bench_fp8_world1_h7168.json" 2>&1 | tail -9 || rc=1 ;;
+        --json "$out/bench_fp8_world1_h7168.json" 2>&1 | tee "$out/fp8bench.txt" | tail -9 || rc=1 ;;
     fp8bench-ht)  # block-FP8 HT step: BF16 wire + vLLM's quantization after receive vs FP8 on the wire
       python3 -m vllm_flashinfer_ep.bench.fp8_run --backend ht --hidden 7168 --layers 8 \
         --tokens 256,1024,4096 --no-progress --json "$out/bench_fp8_ht_world1_h7168.json" 2>&1 | tail -7 || rc=1 ;;

@@ -217,18 +217,29 @@ def _profile(llm: Any, p: dict[str, Any], vocab: int) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    _decode(llm, p["batch"], p.get("prompt_len", 8), 4, vocab)  # warm this batch size
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        out = _decode(llm, p["batch"], p.get("prompt_len", 8), p.get("output_len", 8), vocab)
-        torch.cuda.synchronize()
+    batch, prompt_len, steps = p["batch"], p.get("prompt_len", 8), p.get("output_len", 8)
+    _decode(llm, batch, prompt_len, 4, vocab)  # warm this batch size
+
+    def profiled(max_tokens: int):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = _decode(llm, batch, prompt_len, max_tokens, vocab)
+            torch.cuda.synchronize()
+        return prof, out
+
+    prof, out = profiled(1 + steps)  # prefill (which gives the first token) + steps
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=p.get("rows", 30))
-    print(f"engine_run: profile batch={p['batch']} {out['seconds']:.3f}s\n{table}", flush=True)
+    print(
+        f"engine_run: profile batch={batch} prefill + {steps} decode steps "
+        f"{out['seconds']:.3f}s\n{table}",
+        flush=True,
+    )
     if p.get("moe_layers"):  # per MoE layer and decode step, by kind of kernel
-        from profile_breakdown import breakdown, from_profiler
+        from profile_breakdown import breakdown, difference, from_profiler
         from profile_breakdown import table as breakdown_table
 
-        steps = p.get("output_len", 8)
-        parts = breakdown(from_profiler(prof), p["moe_layers"], steps)
+        prefill, _ = profiled(1)
+        decode = difference(from_profiler(prof), from_profiler(prefill))
+        parts = breakdown(decode, p["moe_layers"], steps)
         print(
             f"engine_run: breakdown\n{breakdown_table(parts, p['moe_layers'], steps)}", flush=True
         )

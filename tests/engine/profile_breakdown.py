@@ -5,7 +5,8 @@ Kernels are put in categories by name (`CATEGORIES`, first match wins): the tran
 experts build, the activation between the GEMMs, quantization, and the rest of the model
 (attention, dense GEMMs, norms, small torch kernels). Names that match no pattern are
 "other" and are listed, so a misfiled kernel shows. Per-layer figures divide by MoE layers
-x decode steps profiled. A diagnosis aid for docs/benchmarks.md (issue 28's breakdown),
+x decode steps profiled; the steps are a profiled run of prefill + N decode steps less one
+of the prefill alone (`difference`), so no prefill is counted. A diagnosis aid for docs/benchmarks.md (issue 28's breakdown),
 printed by engine_run's profile.
 """
 
@@ -56,6 +57,20 @@ def breakdown(
         entry["share"] = entry["us"] / total if total else 0.0
         entry["kernels"].sort(key=lambda k: -k[1])
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
+
+
+def difference(
+    longer: Iterable[tuple[str, float, int]], shorter: Iterable[tuple[str, float, int]]
+) -> list[tuple[str, float, int]]:
+    """Per kernel, a run of prefill + N decode steps less a run of the prefill alone: the
+    N decode steps (a kernel only the shorter run has is dropped, none goes below zero)."""
+    base = {name: (us, calls) for name, us, calls in shorter}
+    rows = []
+    for name, us, calls in longer:
+        b_us, b_calls = base.get(name, (0.0, 0))
+        if calls > b_calls and us > b_us:
+            rows.append((name, us - b_us, calls - b_calls))
+    return rows
 
 
 def table(parts: dict[str, dict], layers: int, steps: int, top: int = 3) -> str:

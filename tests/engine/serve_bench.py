@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,8 @@ from bench_engine import COMPILATION, LL  # noqa: E402 - the engine benchmark's 
 from engine_models import QWEN3_30B_A3B, write_config_only, write_tiny_model  # noqa: E402
 from engine_runner import engine_env, write_plugin_dist  # noqa: E402
 
+from tests.helpers import free_port  # noqa: E402
+
 # requests per concurrency: a few hundred where a step is short enough to afford them
 PROMPTS = {1: 64, 8: 256, 32: 384, 128: 512}
 KEYS = (
@@ -46,12 +49,17 @@ KEYS = (
 )
 
 
-def serve_command(config: str, model: str, port: int, shape: str) -> list[str]:
+def serve_command(config: str, model: str, port: int, shape: str, tokens: int) -> list[str]:
+    """Both configurations get the same step budget (`tokens`): under LL vLLM's default is
+    the batched-DP 256 and without EP 8192 on this GPU, which would make LL over no-EP a
+    comparison of prefill chunking, not of the transport."""
     args = [
         "--served-model-name",
         "moe",
         "--max-model-len",
         "1024",
+        "--max-num-batched-tokens",
+        str(tokens),
         "--compilation-config",
         json.dumps(COMPILATION),
         "--gpu-memory-utilization",
@@ -129,32 +137,47 @@ def run(args) -> int:
         model = write_config_only(work / "qwen3-30b-a3b-shape", QWEN3_30B_A3B)
     plugin = write_plugin_dist(work / "plugin")
     env = engine_env(plugin, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    port = args.port
+    port = args.port or free_port()
     log_path = Path(args.log or work / f"serve-{args.config}.log")
     rows: dict[str, dict] = {}
     started = time.monotonic()
-    command = serve_command(args.config, model, port, args.shape)
+    command = serve_command(args.config, model, port, args.shape, args.max_num_batched_tokens)
+    deadline = started + args.deadline_s
     try:
-        with serve_process.served(command, env, log_path, port, args.startup_s):
+        with serve_process.served(command, env, log_path, port, args.startup_s) as server:
             print(f"{args.config}: server up in {time.monotonic() - started:.0f} s", flush=True)
             for c in args.concurrency:
                 out = work / f"bench-{args.config}-c{c}.json"
-                bench_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-                done = subprocess.run(
-                    bench_command(model, port, c, PROMPTS.get(c, 4 * c), args, out),
-                    env=bench_env,
-                    check=False,
-                )
+                left = deadline - time.monotonic()
+                try:  # the client with the caller's environment (vLLM's path), not the harness
+                    done = subprocess.run(
+                        bench_command(model, port, c, PROMPTS.get(c, 4 * c), args, out),
+                        env=dict(os.environ),
+                        check=False,
+                        timeout=max(left, 1),
+                    )
+                except subprocess.TimeoutExpired:
+                    print(f"PROBLEM concurrency {c} not done by --deadline-s {args.deadline_s}")
+                    return 1
+                if server.poll() is not None:
+                    print(f"PROBLEM the server exited during concurrency {c}")
+                    return 1
                 if done.returncode != 0 or not out.exists():
-                    print(f"vllm bench serve failed at concurrency {c} (exit {done.returncode})")
+                    print(
+                        f"PROBLEM vllm bench serve failed at concurrency {c} (exit {done.returncode})"
+                    )
                     return 1
                 rows[str(c)] = keep(json.loads(out.read_text()))
                 print(f"{args.config} c={c}: {rows[str(c)]}", flush=True)
-                Path(args.out).write_text(
-                    json.dumps({"config": args.config, "shape": args.shape, "rows": rows}, indent=1)
-                )
+                doc = {
+                    "config": args.config,
+                    "shape": args.shape,
+                    "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "rows": rows,
+                }
+                Path(args.out).write_text(json.dumps(doc, indent=1))
     except serve_process.ServerError as exc:
-        print(exc)
+        print(f"PROBLEM {exc}")
         return 1
     bad = problems(rows, log_path.read_text(errors="replace"))
     for line in bad:
@@ -169,7 +192,9 @@ def table(no_ep: dict, ll: dict) -> str:
         "TTFT med / p99 ms (no-EP) | TTFT med / p99 ms (LL) | "
         "TPOT med / p99 ms (no-EP) | TPOT med / p99 ms (LL) |"
     )
-    lines = [head, "|" + " --- |" * 9]
+    budgets = {doc.get("max_num_batched_tokens") for doc in (no_ep, ll)}
+    lines = [f"step budget (--max-num-batched-tokens): {' / '.join(map(str, budgets))}", ""]
+    lines += [head, "|" + " --- |" * 9]
     for c in ll["rows"]:
         a, b = no_ep["rows"].get(c), ll["rows"][c]
         if a is None:
@@ -194,8 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--port", type=int, default=0, help="default: a free port")
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=256,
+        help="both configurations' step budget (LL's default under DP+EP)",
+    )
     ap.add_argument("--startup-s", type=int, default=300)
+    ap.add_argument(
+        "--deadline-s",
+        type=int,
+        default=540,
+        help="stop (and stop the server) this long after start: one 600 s device call",
+    )
     ap.add_argument("--log", help="where the server's log goes (default: a temporary folder)")
     ap.add_argument("--out", help="this configuration's rows as JSON")
     ap.add_argument("--table", nargs=2, metavar=("NO_EP_JSON", "LL_JSON"))

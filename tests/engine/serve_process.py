@@ -72,19 +72,30 @@ def served(
     command: list[str], env: dict[str, str], log_path: Path, port: int, startup_s: float = 480
 ) -> Iterator[subprocess.Popen]:
     """Start `command`, wait until /health answers, yield the process; stop its whole
-    process group on the way out (SIGTERM, then SIGKILL)."""
+    process group on the way out (SIGTERM, then SIGKILL).
+
+    A server that already answers on `port` (one a killed call left behind) is refused
+    before anything starts: its answers would be counted as this server's. While waiting,
+    our process must still be running for /health to count."""
+    if healthy(port):
+        raise ServerError(
+            f"a server already answers on 127.0.0.1:{port} (left by an earlier run?); stop "
+            "it or pick another port"
+        )
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             deadline = time.monotonic() + startup_s
-            while not healthy(port):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    why = "exited" if proc.poll() is not None else f"not up in {startup_s} s"
-                    tail = Path(log_path).read_text(errors="replace")[-4000:]
-                    raise ServerError(f"vllm serve {why}; log tail:\n{tail}")
+            while proc.poll() is None and not healthy(port):
+                if time.monotonic() > deadline:
+                    break
                 time.sleep(2)
+            if proc.poll() is not None or not healthy(port):
+                why = "exited" if proc.poll() is not None else f"not up in {startup_s} s"
+                tail = Path(log_path).read_text(errors="replace")[-4000:]
+                raise ServerError(f"vllm serve {why}; log tail:\n{tail}")
             yield proc
         finally:
             try:

@@ -61,3 +61,18 @@ def test_one_engine_per_call_results_merge_into_one_file(tmp_path, capsys):
     assert joined["quantization"] == "fp8_per_block" and joined["startup_switches"] == {"s": 1}
     assert "| 8 | 400 | 360 | 0.90 |" in capsys.readouterr().out
     assert main(["--merge", str(a), str(c)]) == 2  # a BF16 run never joins an FP8 one
+
+
+def test_a_partial_run_gives_no_table(tmp_path, capsys):
+    """A file whose engine died early lacks batches: the merge says which, not a short table."""
+    import json
+
+    from bench_engine import main
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(_doc(None, "no_ep", (100, 400)))
+    partial = json.loads(_doc(None, "ll_graph", (80, 360)))
+    partial["results"]["ll_graph"] = partial["results"]["ll_graph"][:1]
+    b.write_text(json.dumps(partial))
+    assert main(["--merge", str(a), str(b)]) == 1
+    assert "ll_graph lack batches of [1, 8]" in capsys.readouterr().out

@@ -64,3 +64,17 @@ def test_only_gpu_kernels_are_read_from_the_profiler():
     ]
     prof = SimpleNamespace(key_averages=lambda: events)
     assert pb.from_profiler(prof) == [("fused_moe_kernel", 50.0, 4)]
+
+
+def test_decode_steps_are_the_longer_run_less_the_prefill():
+    """Prefill + 8 decode steps less the prefill alone: only the decode steps are counted."""
+    prefill = [("fused_moe_kernel", 500.0, 48), ("flash_fwd_prefill", 300.0, 48)]
+    longer = [
+        ("fused_moe_kernel", 900.0, 432),  # 48 in the prefill + 8 x 48
+        ("flash_fwd_prefill", 300.0, 48),  # the prefill's own kernel: gone
+        ("ncclEpCombine", 80.0, 384),  # only in the longer run: kept whole
+    ]
+    decode = pb.difference(longer, prefill)
+    assert decode == [("fused_moe_kernel", 400.0, 384), ("ncclEpCombine", 80.0, 384)]
+    parts = pb.breakdown(decode, layers=48, steps=8)
+    assert parts["experts GEMMs"]["us_per_layer_step"] == pytest.approx(400.0 / 384)

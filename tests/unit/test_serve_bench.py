@@ -38,10 +38,11 @@ def test_vllm_bench_serve_accepts_the_command():
 
 @pytest.mark.parametrize("config", ["ll", "no_ep"])
 def test_vllm_serve_accepts_the_command(config):
-    cmd = serve_bench.serve_command(config, "/m", 8765, "qwen3-30b-a3b")
+    cmd = serve_bench.serve_command(config, "/m", 8765, "qwen3-30b-a3b", 256)
     assert cmd[2:4] == ["vllm.entrypoints.cli.main", "serve"]
     parsed = _vllm_parser("serve").parse_args(cmd[5:])
     assert parsed.load_format == "dummy"
+    assert parsed.max_num_batched_tokens == 256  # the same budget for LL and no EP
     assert (parsed.all2all_backend == serve_bench.LL) == (config == "ll")
     assert parsed.enable_expert_parallel == (config == "ll")
 
