@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# NVLink multicast stays off in every process a multi-GPU test starts: on shared hosts a
+# program that uses it can take the host's GPUs out of service (NCCL, PyTorch, NVSHMEM).
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+# Where a test records the process groups of servers it starts in their own session, so a
+# device call killed mid-test leaves none behind for the next (device_suite.sh kills them).
+SERVER_GROUPS_ENV = "FLASHINFER_EP_TEST_SERVER_GROUPS"
+
+
+def remember_group(pgid: int) -> None:
+    path = os.environ.get(SERVER_GROUPS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{pgid}\n")
+
+
+def forget_group(pgid: int) -> None:
+    path = os.environ.get(SERVER_GROUPS_ENV)
+    if path and os.path.exists(path):
+        kept = [g for g in Path(path).read_text().split() if g != str(pgid)]
+        Path(path).write_text("".join(f"{g}\n" for g in kept))
 
 
 def visible_gpu_count() -> int:

@@ -8,6 +8,8 @@ helpers here import as top-level modules, as they do inside the engine processes
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,7 +62,10 @@ def models(tmp_path_factory):
     """Generated tiny checkpoints, keyed by hidden size."""
     from engine_models import write_tiny_model
 
-    root = tmp_path_factory.mktemp("models")
+    # A fixed folder (FLASHINFER_EP_TEST_MODEL_DIR) keeps the same paths, so engine results
+    # kept across device calls (engine_runner.CACHE_ENV) match; the models are seeded.
+    fixed = os.environ.get("FLASHINFER_EP_TEST_MODEL_DIR")
+    root = Path(fixed) if fixed else tmp_path_factory.mktemp("models")
     cache: dict[int, str] = {}
 
     def get(hidden: int) -> str:

@@ -11,7 +11,8 @@
 #          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py)
 #          bench-30b-fp8-CONFIG (one FP8 engine per call: no_ep, ll_graph, ll_graph_deepgemm)
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
-#          multigpu (two or more GPUs: multi-rank transport and FT, dp=2 engines; may need two calls)
+#          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
+#          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations; HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -32,6 +33,18 @@ python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/t2 .gpuwh
 export NCCL_EP_JIT_CACHE_DIR=/tmp/jitcache FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs"
 export FLASHINFER_EP_TEST_STACK_DUMP_S="${FLASHINFER_EP_TEST_STACK_DUMP_S:-0}"
 export FLASHINFER_EP_REQUIRE_GPU=1
+# NVLink multicast stays off in every process (KINDS.md: it can take a shared host's GPUs
+# out of service); tests/helpers.NO_MULTICAST sets the same in the processes tests start.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Servers run in sessions of their own, which outlive a device call killed at its limit:
+# the tests record their process groups here, and each run first stops what is left.
+export FLASHINFER_EP_TEST_SERVER_GROUPS=/tmp/flashinfer-ep-server-groups
+if [ -s "$FLASHINFER_EP_TEST_SERVER_GROUPS" ]; then
+  while read -r group; do
+    kill -9 -- "-$group" 2>/dev/null && echo "stopped a server group left by an earlier call: $group"
+  done < "$FLASHINFER_EP_TEST_SERVER_GROUPS"
+  : > "$FLASHINFER_EP_TEST_SERVER_GROUPS"
+fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(doctor tests profile bench)
@@ -86,13 +99,27 @@ for step in "${steps[@]}"; do
     memory)  # device-wide memory of the LL fleet + served pool (capture sizes + eager buckets)
       python3 -m vllm_flashinfer_ep.bench.memory --hidden 2048,7168 --capacity 256,512,4096 \
         --json "$out/bench_memory_world1.json" 2>&1 | tee "$out/memory.txt" | tail -12 || rc=1 ;;
-    multigpu)  # two or more GPUs: transport across ranks, FT across ranks, dp=2 engines (DP padding, EPLB)
-      python3 -m pytest tests/kernels/test_transport_multigpu.py tests/kernels/test_fault_tolerance_multigpu.py \
-        -m multigpu -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-multigpu-kernels.txt" 2>&1 || rc=1
-      grep -E "passed|failed|Error" "$out/pytest-multigpu-kernels.txt" | tail -8
-      python3 -m pytest tests/engine/test_engine_multigpu.py tests/fault_tolerance \
-        -m multigpu -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-multigpu-engine.txt" 2>&1 || rc=1
-      grep -E "vs no EP|floor|passed|failed|Error" "$out/pytest-multigpu-engine.txt" | tail -12 ;;
+    multigpu-*)  # two or more GPUs, one step per device call (each ends by 560 s, servers stopped)
+      # kernels: transport and FT across ranks (real NCCL-EP); ll / ht / eplb: dp=2 engines
+      # against the engine without EP (DP padding agreement; the no-EP reference engines are
+      # kept in /tmp between calls); ft-retry / ft-kill: FT end to end on a generated model.
+      part=${step#multigpu-}
+      case $part in
+        kernels) files=(tests/kernels/test_transport_multigpu.py tests/kernels/test_fault_tolerance_multigpu.py); sel=() ;;
+        ll) files=(tests/engine/test_engine_multigpu.py); sel=(-k "ll_dp2_with_graphs") ;;
+        ht) files=(tests/engine/test_engine_multigpu.py); sel=(-k "ht_dp2") ;;
+        eplb) files=(tests/engine/test_engine_multigpu.py); sel=(-k "eplb") ;;
+        ft-retry|ft-kill)
+          ft_model=$(python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests/engine')
+from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep-models/ft-h2048'), 2048))")
+          export FLASHINFER_EP_TEST_FT_MODEL="$ft_model" FLASHINFER_EP_TEST_FT_STARTUP_S=240
+          files=(tests/fault_tolerance); sel=(-k "retry"); [ "$part" = ft-kill ] && sel=(-k "killed") ;;
+        *) echo "unknown step $step (multigpu-kernels -ll -ht -eplb -ft-retry -ft-kill)"; rc=2; continue ;;
+      esac
+      FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models \
+        timeout -s INT 560 python3 -m pytest "${files[@]}" "${sel[@]}" -m multigpu -p no:cacheprovider -rs -s -q \
+        -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
+      grep -E "vs no EP|floor|kept from|passed|failed|Error" "$out/pytest-$step.txt" | tail -12 ;;
     serve-bench-ll|serve-bench-noep)  # vllm serve + vllm bench serve, concurrency 1-128 (one call each)
       cfg=ll; [ "$step" = serve-bench-noep ] && cfg=no_ep
       python3 tests/engine/serve_bench.py --config "$cfg" --out "$out/serve_$cfg.json" \
@@ -165,7 +192,7 @@ for step in "${steps[@]}"; do
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import NO_MULTICAST
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 HARNESS_DIST = "vllm_flashinfer_ep_world1_harness-0.0.0.dist-info"
@@ -49,6 +51,7 @@ def engine_env(plugin_root: Path | None, extra: dict[str, str] | None = None) ->
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["VLLM_CONFIGURE_LOGGING"] = "1"  # the test process turns it off; engines print INFO
     env.update(extra or {})
+    env.update(NO_MULTICAST)
     return env
 
 
@@ -58,13 +61,30 @@ def _log_dir(work: Path) -> Path:
     return path
 
 
+# A folder that keeps engine results across device calls on one machine (the multi-GPU
+# steps each need the same reference engines): keyed by spec, environment and the code.
+CACHE_ENV = "FLASHINFER_EP_TEST_ENGINE_CACHE"
+
+
+def _code_digest() -> str:
+    """The package's and the engine tests' sources: a changed tree never reads old results."""
+    digest = hashlib.sha1()
+    for path in sorted([*(REPO / "vllm_flashinfer_ep").rglob("*.py"), *HERE.glob("*.py")]):
+        digest.update(str(path.relative_to(REPO)).encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 class EngineRunner:
-    """Runs each engine spec once (by content) and keeps its result for the session."""
+    """Runs each engine spec once (by content) and keeps its result for the session, and
+    across sessions in CACHE_ENV's folder where that is set."""
 
     def __init__(self, work: Path) -> None:
         self.work = work
         self.plugin_root = write_plugin_dist(work / "plugin")
         self._results: dict[str, dict[str, Any]] = {}
+        folder = os.environ.get(CACHE_ENV)
+        self.cache = Path(folder) if folder else None
+        self._code = _code_digest() if self.cache else ""
 
     def log_path(self, name: str) -> Path:
         return _log_dir(self.work) / f"engine-{name}.log"
@@ -72,8 +92,15 @@ class EngineRunner:
     def run(
         self, name: str, spec: dict[str, Any], env: dict[str, str] | None = None, timeout: int = 900
     ) -> dict[str, Any]:
-        key = hashlib.sha1(json.dumps([spec, env], sort_keys=True).encode()).hexdigest()[:12]
+        key = hashlib.sha1(
+            json.dumps([spec, env, self._code], sort_keys=True).encode()
+        ).hexdigest()[:12]
         if key in self._results:
+            return self._results[key]
+        kept = self.cache / f"{name}-{key}.json" if self.cache else None
+        if kept is not None and kept.exists():
+            print(f"engine {name}: result kept from an earlier run ({kept})", flush=True)
+            self._results[key] = json.loads(kept.read_text())
             return self._results[key]
         spec_path = self.work / f"{name}-{key}.spec.json"
         out_path = self.work / f"{name}-{key}.result.json"
@@ -94,4 +121,7 @@ class EngineRunner:
         result = json.loads(out_path.read_text())
         result["log"] = str(log_path)
         self._results[key] = result
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps(result))
         return result

@@ -7,16 +7,16 @@ names (the device suite collects them). It listens on 127.0.0.1 only.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.helpers import NO_MULTICAST, forget_group, remember_group
+from vllm_flashinfer_ep.evals.server import ServerProcess, ServerStartError, port_in_use
 
 
 def serve_command(model: str, port: int, *args: str) -> list[str]:
@@ -69,40 +69,43 @@ class ServerError(RuntimeError):
 
 @contextmanager
 def served(
-    command: list[str], env: dict[str, str], log_path: Path, port: int, startup_s: float = 480
+    command: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    port: int,
+    startup_s: float = 300,
+    grace_s: float = 30,
 ) -> Iterator[subprocess.Popen]:
     """Start `command`, wait until /health answers, yield the process; stop its whole
-    process group on the way out (SIGTERM, then SIGKILL).
+    process group on the way out (the package's ServerProcess: SIGTERM, SIGKILL after a
+    grace, and SIGKILL to group members that outlive the leader).
 
-    A server that already answers on `port` (one a killed call left behind) is refused
-    before anything starts: its answers would be counted as this server's. While waiting,
-    our process must still be running for /health to count."""
-    if healthy(port):
+    Anything already listening on `port` (a server a killed call left behind) is refused
+    before anything starts: its answers would be counted as this server's. The group is
+    recorded (tests.helpers.remember_group) until it is stopped."""
+    if port_in_use(port):
         raise ServerError(
-            f"a server already answers on 127.0.0.1:{port} (left by an earlier run?); stop "
-            "it or pick another port"
+            f"something already listens on 127.0.0.1:{port} (a server left by an earlier "
+            "run?); stop it or pick another port"
         )
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    Path(log_path).write_text("")
+    server = ServerProcess(
+        command,
+        {**env, **NO_MULTICAST},
+        health_url=f"http://127.0.0.1:{port}/health",
+        log_path=Path(log_path),
+        grace_s=grace_s,
+        name="vllm serve",
+    )
+    server.start()
+    remember_group(server.pid)
+    try:
         try:
-            deadline = time.monotonic() + startup_s
-            while proc.poll() is None and not healthy(port):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(2)
-            if proc.poll() is not None or not healthy(port):
-                why = "exited" if proc.poll() is not None else f"not up in {startup_s} s"
-                tail = Path(log_path).read_text(errors="replace")[-4000:]
-                raise ServerError(f"vllm serve {why}; log tail:\n{tail}")
-            yield proc
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+            server.wait_healthy(startup_s, progress=None)
+        except ServerStartError as exc:
+            tail = Path(log_path).read_text(errors="replace")[-4000:]
+            raise ServerError(f"{exc}; log tail:\n{tail}") from None
+        yield server.proc
+    finally:
+        server.stop()
+        forget_group(server.pid)

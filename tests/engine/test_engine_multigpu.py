@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -35,6 +36,13 @@ LL = "flashinfer_ep_low_latency"
 HT = "flashinfer_ep_high_throughput"
 VOCAB = qwen3_moe_config(2048)["vocab_size"]
 SEQUENCES = token_sequences(16, VOCAB)
+# Within one 600 s device call: a tiny model's server starts in well under STARTUP_S, and
+# a request that takes REQUEST_TIMEOUT_S is a hang.
+STARTUP_S = 300
+REQUEST_TIMEOUT_S = 120
+# vLLM logs this on EP rank 0 once a rearrangement is done; its profile-run rearrangement
+# (at start-up, always) says "(profile)" and does not count.
+REARRANGED = re.compile(r"Rearranged experts\s+in [0-9.]+ s")
 assert MEAN_MIN and P95_MIN  # the world-1 tolerance, shared
 
 
@@ -47,28 +55,34 @@ def _prompt_logprobs(port: int, sequences: list[list[int]]) -> list[list[float]]
     """Teacher-forced logprob of each prompt token, all sequences sent at once (vLLM's DP
     coordinator spreads them over both ranks: different loads per rank and step)."""
     rows: list[list[float] | None] = [None] * len(sequences)
+    errors: list[BaseException] = []
 
     def one(i: int) -> None:
         seq = sequences[i]
-        reply = post(
-            port,
-            "/v1/completions",
-            {
-                "model": "moe",
-                "prompt": seq,
-                "max_tokens": 1,
-                "temperature": 0.0,
-                "prompt_logprobs": 0,
-            },
-        )
-        entries = reply["choices"][0]["prompt_logprobs"]
-        rows[i] = [float(entries[p][str(seq[p])]["logprob"]) for p in range(1, len(seq))]
+        try:
+            reply = post(
+                port,
+                "/v1/completions",
+                {
+                    "model": "moe",
+                    "prompt": seq,
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                    "prompt_logprobs": 0,
+                },
+                timeout=REQUEST_TIMEOUT_S,
+            )
+            entries = reply["choices"][0]["prompt_logprobs"]
+            rows[i] = [float(entries[p][str(seq[p])]["logprob"]) for p in range(1, len(seq))]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sequences))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors, errors
     assert all(r is not None for r in rows)
     return rows  # type: ignore[return-value]
 
@@ -89,6 +103,7 @@ def _decode_uneven(port: int) -> None:
                     "temperature": 0.0,
                     "ignore_eos": True,
                 },
+                timeout=REQUEST_TIMEOUT_S,
             )
             assert reply["usage"]["completion_tokens"] == 4 + 20 * (n % 4)
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -114,11 +129,9 @@ def reference(engines, models):
     return {"graphs": graphs["prompt_logprobs"], "eager": eager["prompt_logprobs"], "floor": floor}
 
 
-def _run_dp2(tmp_path, models, name: str, backend: str, *extra: str) -> tuple[list, str]:
-    port = free_port()
-    log = _log_path(tmp_path, name)
-    cmd = serve_command(
-        models(2048),
+def dp2_command(model: str, port: int, backend: str, *extra: str) -> list[str]:
+    return serve_command(
+        model,
         port,
         "--served-model-name",
         "moe",
@@ -133,8 +146,21 @@ def _run_dp2(tmp_path, models, name: str, backend: str, *extra: str) -> tuple[li
         "0.5",
         *extra,
     )
+
+
+def eplb_args() -> list[str]:
+    # Synchronous EPLB: a rearrangement is done (and logged) within the step that starts it,
+    # so the prompt logprobs after the uneven decodes run on rearranged experts.
+    eplb = {"window_size": 8, "step_interval": 16, "log_balancedness": True, "use_async": False}
+    return ["--enable-eplb", "--eplb-config", json.dumps(eplb)]
+
+
+def _run_dp2(tmp_path, models, name: str, backend: str, *extra: str) -> tuple[list, str]:
+    port = free_port()
+    log = _log_path(tmp_path, name)
+    cmd = dp2_command(models(2048), port, backend, *extra)
     env = engine_env(None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # no harness: dp=2
-    with served(cmd, env, log, port):
+    with served(cmd, env, log, port, STARTUP_S):
         _decode_uneven(port)
         rows = _prompt_logprobs(port, SEQUENCES)
         _decode_uneven(port)
@@ -156,15 +182,6 @@ def test_ht_dp2_matches_the_engine_without_ep(tmp_path, models, reference):
 
 
 def test_ll_dp2_with_eplb_rearranges_and_still_matches(tmp_path, models, reference):
-    eplb = {"window_size": 8, "step_interval": 16, "log_balancedness": True}
-    rows, text = _run_dp2(
-        tmp_path,
-        models,
-        "mg-ll-dp2-eplb",
-        LL,
-        "--enable-eplb",
-        "--eplb-config",
-        json.dumps(eplb),
-    )
-    assert "Rearranging experts" in text, "EPLB never rearranged within the test's steps"
+    rows, text = _run_dp2(tmp_path, models, "mg-ll-dp2-eplb", LL, *eplb_args())
+    assert REARRANGED.search(text), "EPLB never rearranged while serving (only at profile)"
     _assert_close(rows, reference["graphs"], reference["floor"], "LL dp=2 EPLB vs no EP")

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.helpers import NO_MULTICAST, forget_group, remember_group
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import LOW_LATENCY
 from vllm_flashinfer_ep.evals.server import ServerProcess, port_in_use
@@ -27,7 +28,8 @@ LOOPBACK = "127.0.0.1"
 MODEL = os.environ.get("FLASHINFER_EP_TEST_FT_MODEL", "ibm-research/PowerMoE-3b")
 DP_SIZE = 2
 BASE_PORT = int(os.environ.get("FLASHINFER_EP_TEST_FT_BASE_PORT", "8000"))
-STARTUP_TIMEOUT_S = 900.0
+# A 3B checkpoint's start-up; a tiny generated model (the device suite's) sets far less.
+STARTUP_TIMEOUT_S = float(os.environ.get("FLASHINFER_EP_TEST_FT_STARTUP_S", "900"))
 # Detection budget: the EP transport masks a silent peer after TRANSPORT_TIMEOUT_MS and
 # gloo waits time out after CPU_DISTRIBUTED_TIMEOUT_S; the deadline adds margin for
 # loaded hosts (vLLM's own FT test moved from 45 s to 75 s after near misses).
@@ -226,6 +228,7 @@ def build_rank_env(
     env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the injection point lives in the V2 runner
     env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     env[envs.FT_TIMEOUT_MS] = str(TRANSPORT_TIMEOUT_MS)
+    env.update(NO_MULTICAST)
     if site_dir is not None:
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(site_dir) + (os.pathsep + old if old else "")
@@ -279,6 +282,7 @@ class ExternalLBCluster:
         try:
             for server in self.servers:  # all start together: ranks wait for each other
                 server.start()
+                remember_group(server.pid)
             for server in self.servers:
                 server.wait_healthy(STARTUP_TIMEOUT_S)
         except BaseException:
@@ -291,7 +295,10 @@ class ExternalLBCluster:
 
     def stop(self) -> None:
         for server in self.servers:
+            pid = server.pid
             server.stop()
+            if pid is not None:
+                forget_group(pid)
 
 
 def _request(

@@ -45,7 +45,7 @@ def test_a_server_already_on_the_port_is_refused_before_starting(tmp_path):
     marker = tmp_path / "started"
     command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
     try:
-        with pytest.raises(serve_process.ServerError, match="already answers"):
+        with pytest.raises(serve_process.ServerError, match="already listens"):
             with serve_process.served(command, dict(os.environ), tmp_path / "log", port, 5):
                 pytest.fail("yielded a server that is not ours")
     finally:
@@ -71,3 +71,43 @@ def test_a_healthy_server_is_yielded_and_stopped(tmp_path):
         assert serve_process.healthy(port) and proc.poll() is None
     assert proc.poll() is not None
     assert not serve_process.healthy(port)
+
+
+# A stand-in whose child ignores SIGTERM and outlives the leader (an engine core stuck in a
+# collective): it writes the child's pid, then serves /health.
+STUBBORN_CHILD = (
+    """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+open(sys.argv[2], "w").write(str(child.pid))
+"""
+    + HEALTH_SERVER
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purpose: its GPU memory and ports are released
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def test_the_whole_group_is_stopped_and_forgotten(tmp_path, monkeypatch):
+    groups = tmp_path / "groups"
+    monkeypatch.setenv("FLASHINFER_EP_TEST_SERVER_GROUPS", str(groups))
+    port, pidfile = free_port(), tmp_path / "child.pid"
+    command = [sys.executable, "-c", STUBBORN_CHILD, str(port), str(pidfile)]
+    log = tmp_path / "log"
+    with serve_process.served(command, dict(os.environ), log, port, 60, grace_s=2) as proc:
+        assert groups.read_text().split() == [str(proc.pid)]  # recorded while it runs
+        child = int(pidfile.read_text())
+        assert _alive(child)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "a group member outlived the server"
+    assert groups.read_text().split() == []  # forgotten once stopped

@@ -1,0 +1,52 @@
+"""Engine results kept across device calls (tests/engine/engine_runner.py, CACHE_ENV): a
+later call reads a spec's result instead of starting its engine again, and never reads
+one the code or the spec has changed since. The engine process is a stand-in here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+import engine_runner  # noqa: E402
+
+
+def _fake_engine(calls):
+    def run(cmd, **kwargs):
+        spec_path, out_path = Path(cmd[2]), Path(cmd[3])
+        calls.append(json.loads(spec_path.read_text()))
+        out_path.write_text(json.dumps({"prompt_logprobs": [[-1.0]], "n": len(calls)}))
+        return type("Done", (), {"returncode": 0})()
+
+    return run
+
+
+def test_a_later_call_reads_the_kept_result(tmp_path, monkeypatch):
+    calls: list[dict] = []
+    monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
+    monkeypatch.setenv(engine_runner.CACHE_ENV, str(tmp_path / "kept"))
+    monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
+    spec = {"model": "/models/tiny", "backend": None}
+
+    first = engine_runner.EngineRunner(tmp_path / "call1").run("ref", spec)
+    again = engine_runner.EngineRunner(tmp_path / "call2").run("ref", spec)  # a new call
+    assert len(calls) == 1 and again["n"] == first["n"] == 1
+
+    engine_runner.EngineRunner(tmp_path / "call3").run("ref", {**spec, "enforce_eager": True})
+    assert len(calls) == 2  # another spec: its own engine
+
+    monkeypatch.setattr(engine_runner, "_code_digest", lambda: "changed")
+    engine_runner.EngineRunner(tmp_path / "call4").run("ref", spec)
+    assert len(calls) == 3  # changed code: never an old result
+
+
+def test_without_the_folder_nothing_is_kept(tmp_path, monkeypatch):
+    calls: list[dict] = []
+    monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
+    monkeypatch.delenv(engine_runner.CACHE_ENV, raising=False)
+    monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
+    for call in ("a", "b"):
+        engine_runner.EngineRunner(tmp_path / call).run("ref", {"model": "/m"})
+    assert len(calls) == 2
