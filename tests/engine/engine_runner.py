@@ -90,7 +90,11 @@ class EngineRunner:
         return _log_dir(self.work) / f"engine-{name}.log"
 
     def run(
-        self, name: str, spec: dict[str, Any], env: dict[str, str] | None = None, timeout: int = 900
+        self,
+        name: str,
+        spec: dict[str, Any],
+        env: dict[str, str] | None = None,
+        timeout: float = 540,  # within one 600 s device call
     ) -> dict[str, Any]:
         key = hashlib.sha1(
             json.dumps([spec, env, self._code], sort_keys=True).encode()
