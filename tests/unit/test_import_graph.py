@@ -161,3 +161,26 @@ def test_the_graph_reader_sees_the_edges_it_must():
     assert "vllm_flashinfer_ep.vllm.patches" not in import_graph(True)["vllm_flashinfer_ep"]
     toy = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(toy) == [frozenset({"a", "b", "c"})]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm_flashinfer_ep.doctor",
+        "vllm_flashinfer_ep.vllm.config_rules",
+        "vllm_flashinfer_ep.vllm.fp8_experts_choice",
+        "vllm_flashinfer_ep.vllm.config_validation",
+    ],
+)
+def test_config_time_modules_import_without_vllm_or_torch(name):
+    """doctor reports a missing or broken vLLM or torch instead of failing to import, and
+    config validation costs no torch import: these modules import neither (a fresh
+    interpreter, so nothing imported earlier hides it)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {name}; print(sorted({{'vllm', 'torch'}} & set(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]", (name, done.stdout, done.stderr[-2000:])

@@ -38,11 +38,17 @@ def _huge_traceback(rank: int, world: int) -> None:
 
 
 def _one_leaves(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks joined: the peer's rendezvous is done before rank 1 goes
     if rank == 1:
         os._exit(0)  # killed on purpose, as the fault-tolerance tests do
 
 
 def _one_crashes(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
     if rank == 1:
         os.abort()
 

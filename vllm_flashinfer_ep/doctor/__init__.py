@@ -28,13 +28,13 @@ from pathlib import Path
 from vllm_flashinfer_ep import __version__, model_shape
 from vllm_flashinfer_ep.backends import LOW_LATENCY
 from vllm_flashinfer_ep.doctor.cli_args import (
-    _json_object,
-    _model_len,
-    _non_negative,
-    _positive,
-    _switch,
-    _tokens,
+    json_object,
+    model_len,
+    non_negative,
+    positive,
     split_eplb_overrides,
+    switch,
+    tokens,
 )
 from vllm_flashinfer_ep.doctor.host import driver_consequences, package_checks, variables_check
 from vllm_flashinfer_ep.doctor.model_config import load_model_config
@@ -149,7 +149,7 @@ def add_parser(subparsers) -> None:
     )
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=_tokens,
+        type=tokens,
         default=None,
         metavar="N",
         help="tokens per rank the LL fleet is sized for (default: vLLM's 256 for LL)",
@@ -162,31 +162,31 @@ def add_parser(subparsers) -> None:
         metavar="NAME",
         help="FP8 models: auto/triton, or deep_gemm (LL, 128x128 block FP8)",
     )
-    serve.add_argument("--max-num-seqs", type=_positive, default=None, metavar="N")
+    serve.add_argument("--max-num-seqs", type=positive, default=None, metavar="N")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F")
-    _switch(serve, "--enable-chunked-prefill", default=None)
-    serve.add_argument("--max-model-len", type=_model_len, default=None, metavar="N")
-    serve.add_argument("--data-parallel-size", "-dp", type=_positive, default=1, metavar="N")
-    serve.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N")
-    serve.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1, metavar="N")
+    switch(serve, "--enable-chunked-prefill", default=None)
+    serve.add_argument("--max-model-len", type=model_len, default=None, metavar="N")
+    serve.add_argument("--data-parallel-size", "-dp", type=positive, default=1, metavar="N")
+    serve.add_argument("--tensor-parallel-size", "-tp", type=positive, default=1, metavar="N")
+    serve.add_argument("--pipeline-parallel-size", "-pp", type=positive, default=1, metavar="N")
     serve.add_argument(
-        "--prefill-context-parallel-size", "-pcp", type=_positive, default=1, metavar="N"
+        "--prefill-context-parallel-size", "-pcp", type=positive, default=1, metavar="N"
     )
-    _switch(serve, "--enable-expert-parallel", "-ep")
-    _switch(serve, "--enable-eplb")
+    switch(serve, "--enable-expert-parallel", "-ep")
+    switch(serve, "--enable-eplb")
     serve.add_argument(
         "--eplb-config",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="e.g. '{\"num_redundant_experts\": 32}' (or --eplb-config.num_redundant_experts 32)",
     )
-    _switch(serve, "--enable-dbo")
-    serve.add_argument("--ubatch-size", type=_non_negative, default=0, metavar="N")
-    _switch(serve, "--enable-fault-tolerance")
+    switch(serve, "--enable-dbo")
+    serve.add_argument("--ubatch-size", type=non_negative, default=0, metavar="N")
+    switch(serve, "--enable-fault-tolerance")
     serve.add_argument(
         "--fault-tolerance-config",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="turns fault tolerance on, as in vLLM",

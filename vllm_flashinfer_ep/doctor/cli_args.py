@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -18,7 +18,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> int:
+def non_negative(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -28,7 +28,7 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _tokens(text: str) -> int:
+def tokens(text: str) -> int:
     """vLLM's parser for --max-num-batched-tokens (accepts 8k, 2K, ...)."""
     from vllm.utils.argparse_utils import human_readable_int
 
@@ -41,7 +41,7 @@ def _tokens(text: str) -> int:
     return value
 
 
-def _model_len(text: str) -> int | None:
+def model_len(text: str) -> int | None:
     """vLLM's parser for --max-model-len (8k, 32K, -1 / auto: from the model)."""
     from vllm.utils.argparse_utils import human_readable_int_or_auto
 
@@ -49,7 +49,7 @@ def _model_len(text: str) -> int | None:
     return value if value > 0 else None
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -82,7 +82,7 @@ def split_eplb_overrides(extra: list[str]) -> tuple[dict[str, Any], list[str]]:
     return overrides, rest
 
 
-class _EnableDisable(argparse.Action):
+class EnableDisable(argparse.Action):
     """vLLM's boolean flags: --enable-X / --disable-X (and --no-enable-X)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -90,14 +90,14 @@ class _EnableDisable(argparse.Action):
         setattr(namespace, self.dest, not negative)
 
 
-def _switch(group, flag: str, *aliases: str, default: bool | None = False) -> None:
+def switch(group, flag: str, *aliases: str, default: bool | None = False) -> None:
     stem = flag.removeprefix("--enable-")
     group.add_argument(
         flag,
         *aliases,
         f"--disable-{stem}",
         f"--no-enable-{stem}",
-        action=_EnableDisable,
+        action=EnableDisable,
         nargs=0,
         default=default,
     )

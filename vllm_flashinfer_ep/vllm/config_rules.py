@@ -5,7 +5,8 @@ and the parallel or scheduler settings, and returns the refusal or warning messa
 verdict tuple, or None: no vLLM config is read or changed here. The engine applies them
 in vllm/config_validation.py; `vllm-flashinfer-ep doctor` applies the same functions to
 a config.json and the `vllm serve` arguments, so it gives the engine's verdicts. Every
-message names the flag to change.
+message names the flag to change. One host reading sits here too, because both read it
+the same way: `device_memory_bytes` (the GPU's memory, as vLLM's platform reports it).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class StepBudgetVerdict(NamedTuple):
 def ht_tokens_verdict(
     flag: str, tokens: int, *, chunked_prefill: bool, max_model_len: int | None
 ) -> StepBudgetVerdict:
-    """The HT step-budget rule, for the engine (`_clamp_ht_tokens`) and `doctor` alike.
+    """The HT step-budget rule, for the engine (`config_validation._clamp_ht_tokens`) and `doctor` alike.
 
     The HT fleet cannot take more than HT_MAX_TOKENS_PER_RANK tokens per rank, and vLLM's
     profile run sends --max-num-batched-tokens tokens through every MoE layer at start-up,
@@ -123,14 +124,14 @@ def ll_memory_verdict(
     max_model_len: int | None,
     token_step: int = 1,
 ) -> LLMemoryVerdict:
-    """The LL memory rule, for the engine (`_check_ll_capacity`) and `doctor` alike.
+    """The LL memory rule, for the engine (`config_validation._check_ll_capacity`) and `doctor` alike.
 
     `shape`: (LL hidden size, physical experts, top_k), `ModelShape.ll_fleet_shape`;
     `total_memory`: GPU memory in bytes (`device_memory_bytes`), None where no GPU is
     visible (then nothing is checked and the summary says so). The estimate includes
     the handle pool a served engine warms (runtime/pool_sizes.py buckets above vLLM's
     default capture sizes). `token_step`: a lowered budget is a multiple of it (DeepGEMM
-    experts need whole row tiles, `deep_gemm_step`).
+    experts need whole row tiles, `fp8_experts_choice.deep_gemm_step`).
     """
     hidden, experts, top_k = shape
     handles = len(buffer_sizes.served_pool_sizes(tokens))
@@ -222,7 +223,8 @@ def rdma_buffer_reason(
 
 
 def device_memory_bytes() -> int | None:
-    """Memory of GPU 0 as vLLM's platform reports it (NVML: no CUDA context), or None."""
+    """Memory of GPU 0 as vLLM's platform reports it (NVML: no CUDA context), or None.
+    Callers reach it as `config_rules.device_memory_bytes()`, so tests can stand in a GPU."""
     try:
         from vllm.platforms import current_platform
 

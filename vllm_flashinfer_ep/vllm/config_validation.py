@@ -149,7 +149,7 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
         flag,
         shape,
         sched.max_num_batched_tokens,
-        config_rules.device_memory_bytes(),
+        config_rules.device_memory_bytes(),  # by module: tests stand in a GPU there
         vllm_config.cache_config.gpu_memory_utilization,
         max_num_seqs=sched.max_num_seqs,
         chunked_prefill=sched.enable_chunked_prefill,
@@ -206,7 +206,7 @@ def _check_rdma_buffer(vllm_config: Any, backend: str, flag: str) -> None:
     shape = _ll_fleet_shape(vllm_config)
     if shape is None:
         return
-    total = config_rules.device_memory_bytes()
+    total = config_rules.device_memory_bytes()  # by module: tests stand in a GPU there
     budget = (
         None
         if total is None

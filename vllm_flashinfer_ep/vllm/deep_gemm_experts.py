@@ -35,9 +35,10 @@ power-of-two scales, as it does without EP.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch only where scales are re-laid: config time and doctor need none
+    import torch
 
 MOE_BACKEND = "deep_gemm"  # vLLM's --moe-backend name; BATCHED_DEEPGEMM for BatchedExperts
 ROW_MULTIPLE = 128  # DeepGEMM's largest BLOCK_M on sm90
@@ -123,6 +124,8 @@ def mn_major(scales: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """[experts, T, groups] FP32 scales in any layout -> a new MN-major tensor (strides
     (T * groups, 1, T)) holding their first `rows` rows per expert (all: None); T is a
     multiple of 128 (`rows_reason`), so the layout is TMA-aligned as it stands."""
+    import torch
+
     experts, total, groups = scales.shape
     out = torch.empty_strided(
         (experts, total, groups),
