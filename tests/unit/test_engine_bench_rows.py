@@ -76,3 +76,35 @@ def test_a_partial_run_gives_no_table(tmp_path, capsys):
     b.write_text(json.dumps(partial))
     assert main(["--merge", str(a), str(b)]) == 1
     assert "ll_graph lack batches of [1, 8]" in capsys.readouterr().out
+
+
+def test_every_engine_gets_the_same_budget_and_the_json_names_its_kernels(tmp_path, monkeypatch):
+    """bench_engine's run on a stand-in engine: one step budget for every configuration,
+    each engine's kernels and budget in the JSON, the engine timeout passed on."""
+    import json
+
+    import bench_engine
+
+    specs, timeouts = [], []
+
+    def run(self, name, spec, env=None, timeout=540):
+        specs.append(spec)
+        timeouts.append(timeout)
+        probe = {
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "runtimes": [],
+            "kernels": [f"{spec.get('backend')}+Experts"],
+            "max_num_batched_tokens": spec["max_num_batched_tokens"],
+        }
+        rows = [bench_row(b, 128, 0.1, 1.0) for b in (1, 8)]
+        return {"startup_seconds": 1.0, "after_load": probe, "bench": rows}
+
+    monkeypatch.setattr(bench_engine.EngineRunner, "run", run)
+    out = tmp_path / "r.json"
+    argv = ["--configs", "no_ep,ll_graph", "--batch-sizes", "1,8", "--out", str(out)]
+    assert bench_engine.main([*argv, "--engine-timeout", "300"]) == 0
+    assert [s["max_num_batched_tokens"] for s in specs] == [256, 256]
+    assert timeouts == [300, 300]
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["no_ep"]["kernels"] == ["None+Experts"]
+    assert meta["ll_graph"]["max_num_batched_tokens"] == 256

@@ -78,3 +78,75 @@ def test_kept_figures_and_the_table():
 def test_either_a_config_or_a_table():
     with pytest.raises(SystemExit):
         serve_bench.main(["--config", "ll"])
+
+
+def _stand_ins(monkeypatch, results: dict, seen_env: list, server_exits_at: int | None = None):
+    """A server that is always up (unless it exits after `server_exits_at` benches) and a
+    `vllm bench serve` that writes vLLM's result JSON with `results`."""
+    import contextlib
+    import json as json_
+
+    class Proc:
+        benches = 0
+
+        def poll(self):
+            if server_exits_at is not None and Proc.benches >= server_exits_at:
+                return 1
+            return None
+
+    @contextlib.contextmanager
+    def served(command, env, log_path, port, startup_s):
+        Path(log_path).write_text("INFO ready\n")
+        yield Proc()
+
+    def bench(cmd, env, check, timeout):
+        seen_env.append(env)
+        Proc.benches += 1
+        folder = cmd[cmd.index("--result-dir") + 1]
+        name = cmd[cmd.index("--result-filename") + 1]
+        (Path(folder) / name).write_text(json_.dumps(results))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(serve_bench.serve_process, "served", served)
+    monkeypatch.setattr(serve_bench.subprocess, "run", bench)
+
+
+def test_a_run_writes_every_concurrency_with_the_caller_s_environment(
+    tmp_path, monkeypatch, capsys
+):
+    """The whole run on stand-ins: the client gets the caller's environment (vLLM's path
+    on the device is PYTHONPATH), the JSON holds each concurrency and the step budget."""
+    import json as json_
+    import os
+
+    seen: list = []
+    _stand_ins(monkeypatch, _row(prompts=64) | {"num_prompts": 64}, seen)
+    monkeypatch.setenv("PYTHONPATH", "/where/vllm/lives")
+    monkeypatch.setattr(serve_bench, "PROMPTS", {1: 64, 8: 64})
+    out = tmp_path / "ll.json"
+    rc = serve_bench.main(
+        ["--config", "ll", "--shape", "tiny", "--concurrency", "1,8", "--out", str(out)]
+    )
+    assert rc == 0, capsys.readouterr().out
+    doc = json_.loads(out.read_text())
+    assert list(doc["rows"]) == ["1", "8"] and doc["max_num_batched_tokens"] == 256
+    assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in seen)
+
+
+def test_a_server_that_dies_mid_run_is_a_problem(tmp_path, monkeypatch, capsys):
+    seen: list = []
+    _stand_ins(monkeypatch, _row(), seen, server_exits_at=1)
+    rc = serve_bench.main(
+        [
+            "--config",
+            "no_ep",
+            "--shape",
+            "tiny",
+            "--concurrency",
+            "1,8",
+            "--out",
+            str(tmp_path / "x"),
+        ]
+    )
+    assert rc == 1
+    assert "PROBLEM the server exited during concurrency 1" in capsys.readouterr().out
