@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import signal
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +47,21 @@ def forget_group(pgid: int) -> None:
     if path and os.path.exists(path):
         kept = [g for g in Path(path).read_text().split() if g != str(pgid)]
         Path(path).write_text("".join(f"{g}\n" for g in kept))
+
+
+@contextlib.contextmanager
+def no_interrupts():
+    """Teardown that must finish: a second SIGINT (`timeout -s INT` signals pytest, then its
+    process group) would otherwise stop it halfway and leave a server holding the GPUs."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are not ours to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def visible_gpu_count() -> int:

@@ -186,7 +186,15 @@ def main(argv: list[str] | None = None) -> int:
             layers = (QWEN3_30B_A3B if args.shape != "tiny" else qwen3_moe_config(2048))[
                 "num_hidden_layers"
             ]
-            spec["profile"] = {"batch": args.profile_batch, "output_len": 8, "moe_layers": layers}
+            # The prompts' prefill in one step (batch x prompt_len within the budget), so the
+            # profiled steps past it are decode steps only, not prefill chunks mixed with them.
+            fit = max(1, min(args.prompt_len, args.max_num_batched_tokens // args.profile_batch))
+            spec["profile"] = {
+                "batch": args.profile_batch,
+                "prompt_len": fit,
+                "output_len": 8,
+                "moe_layers": layers,
+            }
         try:
             res = runner.run(
                 f"bench-{args.shape}-{name}", spec, env=env, timeout=args.engine_timeout

@@ -41,7 +41,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export FLASHINFER_EP_TEST_SERVER_GROUPS=/tmp/flashinfer-ep-server-groups
 if [ -s "$FLASHINFER_EP_TEST_SERVER_GROUPS" ]; then
   while read -r group; do
+    # Only a group that still runs vLLM or Python (its id may since have been reused).
+    if command -v pgrep > /dev/null; then
+      pgrep -g "$group" -f "vllm|python" > /dev/null || continue
+    fi
     kill -9 -- "-$group" 2>/dev/null && echo "stopped a server group left by an earlier call: $group"
+    for _ in $(seq 30); do kill -0 -- "-$group" 2>/dev/null || break; sleep 1; done  # GPU memory freed
   done < "$FLASHINFER_EP_TEST_SERVER_GROUPS"
   : > "$FLASHINFER_EP_TEST_SERVER_GROUPS"
 fi
@@ -99,7 +104,7 @@ for step in "${steps[@]}"; do
     memory)  # device-wide memory of the LL fleet + served pool (capture sizes + eager buckets)
       python3 -m vllm_flashinfer_ep.bench.memory --hidden 2048,7168 --capacity 256,512,4096 \
         --json "$out/bench_memory_world1.json" 2>&1 | tee "$out/memory.txt" | tail -12 || rc=1 ;;
-    multigpu-*)  # two or more GPUs, one step per device call (each ends by 560 s, servers stopped)
+    multigpu-*)  # two or more GPUs, one step per device call (each ends by 555 s, servers stopped)
       # kernels: transport and FT across ranks (real NCCL-EP); ll / ht / eplb: dp=2 engines
       # against the engine without EP (DP padding agreement; the no-EP reference engines are
       # kept in /tmp between calls); ft-retry / ft-kill: FT end to end on a generated model.
@@ -116,8 +121,11 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
           files=(tests/fault_tolerance); sel=(-k "retry"); [ "$part" = ft-kill ] && sel=(-k "killed") ;;
         *) echo "unknown step $step (multigpu-kernels -ll -ht -eplb -ft-retry -ft-kill)"; rc=2; continue ;;
       esac
+      # SIGINT lets pytest tear servers down; what is left of 540 s since the suite started
+      # (its set-up included), then SIGKILL 15 s later for a pytest stuck in native code.
+      left=$((540 - SECONDS)); [ "$left" -lt 60 ] && left=60
       FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models \
-        timeout -s INT 560 python3 -m pytest "${files[@]}" "${sel[@]}" -m multigpu -p no:cacheprovider -rs -s -q \
+        timeout -k 15 -s INT "$left" python3 -m pytest "${files[@]}" "${sel[@]}" -m multigpu -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "vs no EP|floor|kept from|passed|failed|Error" "$out/pytest-$step.txt" | tail -12 ;;
     serve-bench-ll|serve-bench-noep)  # vllm serve + vllm bench serve, concurrency 1-128 (one call each)

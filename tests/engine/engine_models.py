@@ -9,6 +9,7 @@ output then moves prompt logprobs by far more than BF16 rounding does.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +138,24 @@ def random_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor
     return w
 
 
+def _save_whole(weights: dict[str, torch.Tensor], root: Path) -> None:
+    """model.safetensors whole or not at all: the writers reuse a model whose weights file
+    exists, and a run killed mid-write must not leave a truncated one."""
+    from safetensors.torch import save_file
+
+    partial = root / "model.safetensors.partial"
+    save_file(weights, str(partial))
+    os.replace(partial, root / "model.safetensors")
+
+
 def write_tiny_model(root: Path, hidden: int, seed: int = 0, **arch: Any) -> str:
     """A tiny Qwen3-MoE checkpoint (config, tokenizer, safetensors) under `root`."""
-    from safetensors.torch import save_file
 
     cfg = qwen3_moe_config(hidden, **arch)
     if (root / "model.safetensors").exists():
         return str(root)
     write_config_only(root, cfg)
-    save_file(random_weights(cfg, seed), str(root / "model.safetensors"))
+    _save_whole(random_weights(cfg, seed), root)
     return str(root)
 
 
@@ -199,7 +209,6 @@ def fp8_weights(cfg: dict[str, Any], scheme: str, seed: int = 0) -> dict[str, to
 
 def write_fp8_model(root: Path, hidden: int, scheme: str, seed: int = 0, **arch: Any) -> str:
     """A tiny Qwen3-MoE checkpoint with FP8 experts (vLLM's `fp8` quantization method)."""
-    from safetensors.torch import save_file
 
     cfg = qwen3_moe_config(hidden, **arch)
     if (root / "model.safetensors").exists():
@@ -221,5 +230,5 @@ def write_fp8_model(root: Path, hidden: int, scheme: str, seed: int = 0, **arch:
     else:
         quant |= {"activation_scheme": "static"}
     write_config_only(root, cfg | {"quantization_config": quant})
-    save_file(fp8_weights(cfg, scheme, seed), str(root / "model.safetensors"))
+    _save_whole(fp8_weights(cfg, scheme, seed), root)
     return str(root)

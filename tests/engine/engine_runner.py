@@ -103,9 +103,13 @@ class EngineRunner:
             return self._results[key]
         kept = self.cache / f"{name}-{key}.json" if self.cache else None
         if kept is not None and kept.exists():
-            print(f"engine {name}: result kept from an earlier run ({kept})", flush=True)
-            self._results[key] = json.loads(kept.read_text())
-            return self._results[key]
+            try:
+                self._results[key] = json.loads(kept.read_text())
+            except (OSError, ValueError):  # unreadable: run the engine again
+                kept.unlink(missing_ok=True)
+            else:
+                print(f"engine {name}: result kept from an earlier run ({kept})", flush=True)
+                return self._results[key]
         spec_path = self.work / f"{name}-{key}.spec.json"
         out_path = self.work / f"{name}-{key}.result.json"
         log_path = self.log_path(name)
@@ -125,7 +129,9 @@ class EngineRunner:
         result = json.loads(out_path.read_text())
         result["log"] = str(log_path)
         self._results[key] = result
-        if kept is not None:
+        if kept is not None:  # whole or not at all: a call killed mid-write leaves no entry
             kept.parent.mkdir(parents=True, exist_ok=True)
-            kept.write_text(json.dumps(result))
+            partial = kept.with_suffix(".partial")
+            partial.write_text(json.dumps(result))
+            os.replace(partial, kept)
         return result

@@ -63,13 +63,22 @@ def difference(
     longer: Iterable[tuple[str, float, int]], shorter: Iterable[tuple[str, float, int]]
 ) -> list[tuple[str, float, int]]:
     """Per kernel, a run of prefill + N decode steps less a run of the prefill alone: the
-    N decode steps (a kernel only the shorter run has is dropped, none goes below zero)."""
-    base = {name: (us, calls) for name, us, calls in shorter}
+    N decode steps: the kernels whose calls grew (rows of one name summed, time never below
+    zero)."""
+
+    def by_name(rows: Iterable[tuple[str, float, int]]) -> dict[str, tuple[float, int]]:
+        out: dict[str, tuple[float, int]] = {}
+        for name, us, calls in rows:
+            a_us, a_calls = out.get(name, (0.0, 0))
+            out[name] = (a_us + us, a_calls + calls)
+        return out
+
+    base = by_name(shorter)
     rows = []
-    for name, us, calls in longer:
+    for name, (us, calls) in by_name(longer).items():
         b_us, b_calls = base.get(name, (0.0, 0))
-        if calls > b_calls and us > b_us:
-            rows.append((name, us - b_us, calls - b_calls))
+        if calls > b_calls:  # a decode-step kernel; timing noise never goes below zero
+            rows.append((name, max(us - b_us, 0.0), calls - b_calls))
     return rows
 
 

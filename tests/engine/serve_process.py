@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.helpers import NO_MULTICAST, forget_group, remember_group
+from tests.helpers import NO_MULTICAST, forget_group, no_interrupts, remember_group
 from vllm_flashinfer_ep.evals.server import ServerProcess, ServerStartError, port_in_use
 
 
@@ -107,5 +107,6 @@ def served(
             raise ServerError(f"{exc}; log tail:\n{tail}") from None
         yield server.proc
     finally:
-        server.stop()
-        forget_group(server.pid)
+        with no_interrupts():
+            server.stop()
+            forget_group(server.pid)

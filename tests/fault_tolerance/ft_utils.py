@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import NO_MULTICAST, forget_group, remember_group
+from tests.helpers import NO_MULTICAST, forget_group, no_interrupts, remember_group
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import LOW_LATENCY
 from vllm_flashinfer_ep.evals.server import ServerProcess, port_in_use
@@ -294,11 +294,14 @@ class ExternalLBCluster:
         self.stop()
 
     def stop(self) -> None:
-        for server in self.servers:
-            pid = server.pid
-            server.stop()
-            if pid is not None:
-                forget_group(pid)
+        with no_interrupts():  # every rank stopped, even under a second SIGINT
+            for server in self.servers:
+                pid = server.pid
+                try:
+                    server.stop()
+                finally:
+                    if pid is not None:
+                        forget_group(pid)
 
 
 def _request(

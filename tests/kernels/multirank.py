@@ -10,6 +10,7 @@ a short grace before it kills them (a peer left waiting in a collective never re
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -46,6 +47,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results)
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         results.put((rank, traceback.format_exc()[-8000:]))
     finally:
+        sys.stdout.flush()  # os._exit skips the interpreter's flush: keep the rank's output
+        sys.stderr.flush()
         os._exit(code)
 
 

@@ -50,3 +50,17 @@ def test_without_the_folder_nothing_is_kept(tmp_path, monkeypatch):
     for call in ("a", "b"):
         engine_runner.EngineRunner(tmp_path / call).run("ref", {"model": "/m"})
     assert len(calls) == 2
+
+
+def test_an_unreadable_kept_result_is_run_again(tmp_path, monkeypatch):
+    """A call killed while writing leaves no readable entry: the next one runs the engine."""
+    calls: list[dict] = []
+    monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
+    monkeypatch.setenv(engine_runner.CACHE_ENV, str(tmp_path / "kept"))
+    monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
+    engine_runner.EngineRunner(tmp_path / "a").run("ref", {"model": "/m"})
+    [entry] = (tmp_path / "kept").glob("*.json")
+    entry.write_text('{"prompt_logprobs": [[')  # cut short
+    again = engine_runner.EngineRunner(tmp_path / "b").run("ref", {"model": "/m"})
+    assert len(calls) == 2 and again["n"] == 2
+    assert not list((tmp_path / "kept").glob("*.partial"))

@@ -78,3 +78,9 @@ def test_decode_steps_are_the_longer_run_less_the_prefill():
     assert decode == [("fused_moe_kernel", 400.0, 384), ("ncclEpCombine", 80.0, 384)]
     parts = pb.breakdown(decode, layers=48, steps=8)
     assert parts["experts GEMMs"]["us_per_layer_step"] == pytest.approx(400.0 / 384)
+
+
+def test_a_decode_kernel_is_kept_when_noise_puts_its_time_below_the_prefill_s():
+    prefill = [("ncclEpDispatch", 30.0, 48), ("ncclEpDispatch", 20.0, 48)]  # rows of one name
+    longer = [("ncclEpDispatch", 45.0, 480)]  # more calls, less time: noise, not no kernel
+    assert pb.difference(longer, prefill) == [("ncclEpDispatch", 0.0, 384)]

@@ -111,3 +111,40 @@ def test_the_whole_group_is_stopped_and_forgotten(tmp_path, monkeypatch):
         time.sleep(0.1)
     assert not _alive(child), "a group member outlived the server"
     assert groups.read_text().split() == []  # forgotten once stopped
+
+
+def test_a_second_interrupt_does_not_cut_the_teardown_short(tmp_path):
+    """`timeout -s INT` signals pytest, then its process group: the second SIGINT lands in
+    the teardown. The server group must still be stopped (a stand-in pytest here)."""
+    import subprocess
+
+    port, pidfile = free_port(), tmp_path / "child.pid"
+    script = f"""
+import os, signal, sys, time, threading
+sys.path.insert(0, {str(Path(serve_process.__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+import serve_process
+from vllm_flashinfer_ep.evals import server as evals_server
+real_stop = evals_server.ServerProcess.stop
+def slow_stop(self):  # a second SIGINT arrives while the group is being stopped
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    return real_stop(self)
+evals_server.ServerProcess.stop = slow_stop
+cmd = [sys.executable, "-c", {STUBBORN_CHILD!r}, "{port}", {str(pidfile)!r}]
+try:
+    with serve_process.served(cmd, dict(os.environ), {str(tmp_path / "log")!r}, {port}, 60, grace_s=2):
+        os.kill(os.getpid(), signal.SIGINT)  # the first one
+        time.sleep(30)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "interrupted" in done.stdout, done.stderr[-2000:]
+    assert not _alive(child), "the server group outlived an interrupted teardown"
