@@ -6,8 +6,8 @@ experts build, the activation between the GEMMs, quantization, and the rest of t
 (attention, dense GEMMs, norms, small torch kernels). Names that match no pattern are
 "other" and are listed, so a misfiled kernel shows. Per-layer figures divide by MoE layers
 x decode steps profiled; the steps are a profiled run of prefill + N decode steps less one
-of the prefill alone (`difference`), so no prefill is counted. A diagnosis aid for docs/benchmarks.md (issue 28's breakdown),
-printed by engine_run's profile.
+of the prefill alone (`difference`), so no prefill is counted. A diagnosis aid for
+docs/benchmarks.md (issue 28's breakdown), printed by engine_run's profile.
 """
 
 from __future__ import annotations

@@ -163,9 +163,8 @@ def run(args) -> int:
                     print(f"PROBLEM the server exited during concurrency {c}")
                     return 1
                 if done.returncode != 0 or not out.exists():
-                    print(
-                        f"PROBLEM vllm bench serve failed at concurrency {c} (exit {done.returncode})"
-                    )
+                    code = done.returncode
+                    print(f"PROBLEM vllm bench serve failed at concurrency {c} (exit {code})")
                     return 1
                 rows[str(c)] = keep(json.loads(out.read_text()))
                 print(f"{args.config} c={c}: {rows[str(c)]}", flush=True)
@@ -192,8 +191,8 @@ def table(no_ep: dict, ll: dict) -> str:
         "TTFT med / p99 ms (no-EP) | TTFT med / p99 ms (LL) | "
         "TPOT med / p99 ms (no-EP) | TPOT med / p99 ms (LL) |"
     )
-    budgets = {doc.get("max_num_batched_tokens") for doc in (no_ep, ll)}
-    lines = [f"step budget (--max-num-batched-tokens): {' / '.join(map(str, budgets))}", ""]
+    budget = "max_num_batched_tokens"
+    lines = [f"--max-num-batched-tokens: no EP {no_ep.get(budget)}, LL {ll.get(budget)}", ""]
     lines += [head, "|" + " --- |" * 9]
     for c in ll["rows"]:
         a, b = no_ep["rows"].get(c), ll["rows"][c]

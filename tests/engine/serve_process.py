@@ -35,14 +35,6 @@ def serve_command(model: str, port: int, *args: str) -> list[str]:
     ]
 
 
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
 def post(port: int, path: str, body: dict, timeout: float = 300) -> dict:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",

@@ -1,8 +1,9 @@
 """Spawn helpers for multi-rank GPU tests (one process per GPU, gloo EP group).
 
 Every rank reports to the parent (None for success, or its traceback) and then leaves with
-os._exit (a rank may also leave with os._exit(0) unreported: a peer killed on purpose): NCCL/NCCL-EP teardown with a peer gone (the fault-tolerance tests) is not what
-these tests check, and a teardown that waits on a dead peer would read as a hang. The
+os._exit (a rank may also leave with os._exit(0) unreported: a peer killed on purpose):
+NCCL/NCCL-EP teardown with a peer gone (the fault-tolerance tests) is not what these tests
+check, and a teardown that waits on a dead peer would read as a hang. The
 parent waits on one deadline for all ranks, and once a rank has failed it gives the others
 a short grace before it kills them (a peer left waiting in a collective never returns).
 """

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 import serve_process  # noqa: E402
 
 from tests.helpers import free_port  # noqa: E402
+from vllm_flashinfer_ep.evals.server import http_ok  # noqa: E402
 
 # A stand-in for `vllm serve`: answers /health on the port it is given.
 HEALTH_SERVER = """
@@ -68,9 +69,9 @@ def test_a_healthy_server_is_yielded_and_stopped(tmp_path):
     port = free_port()
     command = [sys.executable, "-c", HEALTH_SERVER, str(port)]
     with serve_process.served(command, dict(os.environ), tmp_path / "log", port, 60) as proc:
-        assert serve_process.healthy(port) and proc.poll() is None
+        assert http_ok(f"http://127.0.0.1:{port}/health") and proc.poll() is None
     assert proc.poll() is not None
-    assert not serve_process.healthy(port)
+    assert not http_ok(f"http://127.0.0.1:{port}/health")
 
 
 # A stand-in whose child ignores SIGTERM and outlives the leader (an engine core stuck in a
@@ -133,7 +134,8 @@ def slow_stop(self):  # a second SIGINT arrives while the group is being stopped
 evals_server.ServerProcess.stop = slow_stop
 cmd = [sys.executable, "-c", {STUBBORN_CHILD!r}, "{port}", {str(pidfile)!r}]
 try:
-    with serve_process.served(cmd, dict(os.environ), {str(tmp_path / "log")!r}, {port}, 60, grace_s=2):
+    log = {str(tmp_path / "log")!r}
+    with serve_process.served(cmd, dict(os.environ), log, {port}, 60, grace_s=2):
         os.kill(os.getpid(), signal.SIGINT)  # the first one
         time.sleep(30)
 except KeyboardInterrupt:
