@@ -152,7 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
-    work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    # Generated weights and engine logs are scratch: a tiny model is 0.5 GB, so every run
+    # removes its own (a failed engine's log tail is printed before that).
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        return _run(args, Path(tmp))
+
+
+def _run(args, work: Path) -> int:
+    """Each configuration's engine in turn; results written after each, so a cut run keeps them."""
     model, extra = _model(args.shape, work)
     runner = EngineRunner(work)
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             # Keep what the engine measured before it died (its progress lines).
             log = runner.log_path(f"bench-{args.shape}-{name}")
             text = log.read_text(errors="replace") if log.exists() else ""
+            tail = "".join(text.splitlines(True)[-40:])
+            print(f"{name}: engine failed: {str(exc).splitlines()[0]}\n{tail}", flush=True)
             results[name] = bench_rows_from_log(text, args.output_len)
             meta[name] = {"error": str(exc).splitlines()[0], "partial": True}
             failed.append(name)

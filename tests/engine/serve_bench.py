@@ -130,7 +130,12 @@ def problems(rows: dict[str, dict], log_text: str) -> list[str]:
 
 
 def run(args) -> int:
-    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    """Serve one configuration and drive it at each concurrency; scratch removed after."""
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:  # a tiny model is 0.5 GB
+        return _run(args, Path(tmp))
+
+
+def _run(args, work: Path) -> int:
     if args.shape == "tiny":
         model = write_tiny_model(work / "tiny-h2048", 2048)
     else:

@@ -100,9 +100,13 @@ def test_every_engine_gets_the_same_budget_and_the_json_names_its_kernels(tmp_pa
         return {"startup_seconds": 1.0, "after_load": probe, "bench": rows}
 
     monkeypatch.setattr(bench_engine.EngineRunner, "run", run)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(bench_engine.tempfile, "tempdir", str(scratch))
     out = tmp_path / "r.json"
     argv = ["--configs", "no_ep,ll_graph", "--batch-sizes", "1,8", "--out", str(out)]
     assert bench_engine.main([*argv, "--engine-timeout", "300"]) == 0
+    assert list(scratch.iterdir()) == []  # generated weights and logs are removed
     assert [s["max_num_batched_tokens"] for s in specs] == [256, 256]
     assert timeouts == [300, 300]
     meta = json.loads(out.read_text())["meta"]

@@ -123,11 +123,15 @@ def test_a_run_writes_every_concurrency_with_the_caller_s_environment(
     _stand_ins(monkeypatch, _row(prompts=64) | {"num_prompts": 64}, seen)
     monkeypatch.setenv("PYTHONPATH", "/where/vllm/lives")
     monkeypatch.setattr(serve_bench, "PROMPTS", {1: 64, 8: 64})
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(serve_bench.tempfile, "tempdir", str(scratch))
     out = tmp_path / "ll.json"
     rc = serve_bench.main(
         ["--config", "ll", "--shape", "tiny", "--concurrency", "1,8", "--out", str(out)]
     )
     assert rc == 0, capsys.readouterr().out
+    assert list(scratch.iterdir()) == []  # the 0.5 GB tiny model is not left behind
     doc = json_.loads(out.read_text())
     assert list(doc["rows"]) == ["1", "8"] and doc["max_num_batched_tokens"] == 256
     assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in seen)
