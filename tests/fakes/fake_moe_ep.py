@@ -87,6 +87,10 @@ class MoEEpFaultToleranceUnsupportedError(RuntimeError):
     """Raised when an FT API is called on a Fleet that can't serve it."""
 
 
+class MoEEpRankEvictedError(RuntimeError):
+    """Raised by mask reconciliation when the survivors' agreed mask masks this rank."""
+
+
 # ------------------------------------------------------------------- config types
 class EpAlgorithm(enum.Enum):
     LOW_LATENCY = 0
@@ -343,6 +347,7 @@ class FakeFleet:
         # NcclEpFleet.query_active_mask, and the pinned host "async error" flag.
         self._mask = torch.full((bootstrap.world_size,), ACTIVE, dtype=torch.int32)
         self._async_error = False
+        self._ft_epoch = 0  # generation of the applied mask (same on every survivor)
 
     # ------------------------------------------------------------ properties
     @property
@@ -472,13 +477,14 @@ class FakeFleet:
             )
         self.ft_log.append("set_active_mask")
         self._mask.copy_(torch.tensor([ACTIVE if v == ACTIVE else MASKED for v in values]))
+        self._ft_epoch += 1
 
     def clear_faults(self, *, readmit: bool = False) -> None:
-        """readmit=False: clear the async flag (local). readmit=True: ncclEpMaskClean,
-        COLLECTIVE over the ranks (a rank that skips it is caught by the exchange),
-        then the flag is cleared, like FlashInfer's pairing. A peer marked dead
-        (`kill_peer`) cannot take part: the clean's barrier times out on it, it stays
-        masked, and no exchange runs (the fake has no survivors-only collective)."""
+        """readmit=False: clear the async flag (local). readmit=True: ncclEpMaskClean, then
+        the flag is cleared, like FlashInfer's pairing. The clean's barrier waits (up to the
+        FT timeout) only for peers this rank does not mask, and then sets EVERY mask to
+        active (nccl_ep.h: "sets all masks to active"), a dead or absent peer's too: who
+        really took part is for `reconcile_active_mask` to find out."""
         self._require_ft("clear_faults")
         if readmit:
             _reject_graph_capture("clear_faults")
@@ -488,14 +494,61 @@ class FakeFleet:
                     "clear_faults(readmit=True) requires at least one handle to have been "
                     "created on this Fleet."
                 )
-            dead = getattr(self, "_dead_peers", set())
-            if not dead:
-                self._exchange("clear_faults(readmit=True)", None)
+            rank, world = self._bootstrap.rank, self._bootstrap.world_size
+            if world > 1:
+                key = ("mask_clean", self.index, self._ft_epoch)
+                unmasked = [r for r, v in enumerate(self._mask.tolist()) if v == ACTIVE]
+                self._survivors().post(key, rank, None)
+                timeout_s = (self._ft.timeout_ms or 100_000) / 1000  # 0: NCCL-EP's ~100 s
+                self._survivors().collect(key, [r for r in unmasked if r != rank], timeout_s)
             self._mask.fill_(ACTIVE)
-            for rank in dead:
-                self._mask[rank] = MASKED
+            self._ft_epoch += 1
         self.ft_log.append(f"clear_faults(readmit={readmit})")
         self._async_error = False
+
+    def reconcile_active_mask(self, *, timeout_s: float | None = None) -> torch.Tensor:
+        """Survivors agree one mask through a store (not a collective, which would hang on
+        the rank being masked): each publishes its view, waits up to `timeout_s` for the
+        peers it believes alive, ANDs what arrived and masks who did not; the lowest
+        survivor's result is the one every rank applies. Raises MoEEpRankEvictedError
+        when that result masks this rank, as FlashInfer does."""
+        self._require_ft("reconcile_active_mask")
+        _reject_graph_capture("reconcile_active_mask")
+        rank, world = self._bootstrap.rank, self._bootstrap.world_size
+        wait_s = self._ft.reconcile_timeout_s if timeout_s is None else timeout_s
+        view = [ACTIVE if v == ACTIVE else MASKED for v in self._mask.tolist()]
+        view[rank] = ACTIVE
+        agreed = list(view)
+        if world > 1:
+            store, key = self._survivors(), ("reconcile", self.index, self._ft_epoch)
+            store.post(key, rank, view)
+            believed = [r for r in range(world) if view[r] == ACTIVE and r != rank]
+            arrived = store.collect(key, believed, wait_s)
+            for peer in believed:
+                seen = arrived.get(peer)
+                if seen is None:
+                    agreed[peer] = MASKED
+                else:
+                    agreed = [ACTIVE if a == b == ACTIVE else MASKED for a, b in zip(agreed, seen)]
+            agreed[rank] = ACTIVE
+            coordinator = min(r for r in range(world) if agreed[r] == ACTIVE)
+            decided = store.decide(("decision", *key), agreed, rank == coordinator, wait_s)
+            if decided[rank] != ACTIVE:
+                raise MoEEpRankEvictedError(
+                    f"rank {rank} was masked out by its peers during mask reconciliation "
+                    f"(epoch {self._ft_epoch}); the agreed mask is {decided}."
+                )
+            agreed = list(decided)
+        self.set_active_mask(agreed)
+        return torch.tensor(agreed, dtype=torch.int32)
+
+    def _survivors(self) -> FakeGroup:
+        if self._group is None:
+            raise NotImplementedError(
+                "the fake's fault tolerance across ranks needs a FakeGroup passed as "
+                "BootstrapConfig.process_group (see tests/fakes/world.py)"
+            )
+        return self._group
 
     # Test hooks (what NCCL-EP's kernels would do when a peer times out).
     def mask_rank(self, rank: int) -> None:
@@ -509,12 +562,10 @@ class FakeFleet:
         self._async_error = True
 
     def kill_peer(self, rank: int) -> None:
-        """A peer died: it times out (masked, flag raised) and can never be re-admitted."""
+        """A peer died: this rank's kernels time out on it (masked, flag raised). The dead
+        rank's thread must take part in nothing any more (return from its rank function)."""
         self.mask_rank(rank)
         self.raise_fault_flag()
-        if not hasattr(self, "_dead_peers"):
-            self._dead_peers: set[int] = set()
-        self._dead_peers.add(rank)
 
 
 # ------------------------------------------------------------------- N ranks, one process
@@ -594,6 +645,33 @@ class FakeGroup:
         self._barrier = threading.Barrier(world_size, timeout=timeout_s)
         self._slots: list[Any] = [None] * world_size
         self._fleets_created = [0] * world_size
+        # Fault tolerance's survivors-only rendezvous: a store of posted values (the
+        # rendezvous store the real fleet uses), where a missing key means a gone rank.
+        self._posted: dict[tuple, Any] = {}
+        self._posted_changed = threading.Condition()
+
+    def post(self, key: tuple, rank: int, value: Any) -> None:
+        with self._posted_changed:
+            self._posted[(*key, rank)] = value
+            self._posted_changed.notify_all()
+
+    def collect(self, key: tuple, ranks: Sequence[int], timeout_s: float) -> dict[int, Any]:
+        """What `ranks` posted under `key` within `timeout_s` (a rank missing then is gone)."""
+        with self._posted_changed:
+            self._posted_changed.wait_for(
+                lambda: all((*key, r) in self._posted for r in ranks), timeout_s
+            )
+            return {r: self._posted[(*key, r)] for r in ranks if (*key, r) in self._posted}
+
+    def decide(self, key: tuple, proposal: Any, propose: bool, timeout_s: float) -> Any:
+        """One value for `key`: the first proposal posted wins; the others wait for it."""
+        with self._posted_changed:
+            if propose:
+                self._posted.setdefault(key, proposal)
+                self._posted_changed.notify_all()
+            if not self._posted_changed.wait_for(lambda: key in self._posted, timeout_s):
+                raise RuntimeError(f"no decision for {key} within {timeout_s} s")
+            return self._posted[key]
 
     def register_fleet(self, rank: int) -> int:
         """The creation index of `rank`'s next fleet on this group (0, 1, ...)."""

@@ -22,6 +22,7 @@ from tests.fakes import fake_moe_ep
 from tests.fakes.runtime import install_capture_switch
 from tests.fakes.world import run_ranks
 from tests.helpers import scale_expert_rows
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
@@ -29,7 +30,7 @@ from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 
-pytestmark = pytest.mark.usefixtures("fake")
+pytestmark = pytest.mark.usefixtures("fake", "short_ft_timeout")
 
 WORLD = 2
 HIDDEN = 2048
@@ -38,6 +39,13 @@ TOKENS = 5
 TOP_K = 2
 CPU = torch.device("cpu")
 SCALES = torch.rand(NUM_EXPERTS, generator=torch.Generator().manual_seed(7)) + 0.5
+
+
+@pytest.fixture()
+def short_ft_timeout(monkeypatch):
+    """The FT timeout (the kernels' and the agreement's wait for a silent peer) short
+    enough for a test to wait out a gone peer, long enough for threads that are there."""
+    monkeypatch.setenv(envs.FT_TIMEOUT_MS, "2000")
 
 
 @pytest.fixture()
@@ -213,16 +221,53 @@ def test_a_rank_that_skips_the_retry_leaves_the_fault_reported():
 
 
 # ------------------------------------------------ the fake refuses what FlashInfer does
-def test_fake_readmission_is_collective():
+def test_fake_readmission_unmasks_every_peer_like_ncclEpMaskClean():
+    # nccl_ep.h: the clean's barrier skips masked peers and then "sets all masks to
+    # active" -- a dead peer's too. The adapter must not read that as recovery.
+    def rank_fn(rank, group):
+        rt = _runtime(FleetCache(rank, WORLD, group))
+        _step(rt, *_inputs(rank))
+        if rank == 1:
+            return None  # dies
+        rt.fleet.kill_peer(1)
+        rt.fleet.clear_faults(readmit=True)
+        return rt.fleet.query_active_mask().tolist(), rt.fleet.query_fault()
+
+    assert run_ranks(WORLD, rank_fn)[0] == ([1, 1], False)
+
+
+def test_fake_dispatch_against_a_readmission_fails():
+    # A rank re-admitting while its peer dispatches is a package bug: the dispatch never
+    # gets its peer's tokens (NCCL-EP would time out and mask); the fake fails it.
     def rank_fn(rank, group):
         rt = _runtime(FleetCache(rank, WORLD, group))
         if rank == 0:
             rt.fleet.clear_faults(readmit=True)
         else:
-            _step(rt, *_inputs(rank))  # a dispatch where rank 0 re-admits
+            _step(rt, *_inputs(rank))
 
-    with pytest.raises(RuntimeError, match="ranks disagree on the collective"):
-        run_ranks(WORLD, rank_fn)
+    with pytest.raises(threading.BrokenBarrierError):
+        run_ranks(WORLD, rank_fn, timeout_s=8)
+
+
+def test_a_rank_its_peers_gave_up_on_reports_the_fault():
+    # Rank 1 reaches the retry after the survivors' agreement timed out on it: their
+    # agreed mask masks it, so its own agreement is refused (FlashInfer raises
+    # MoEEpRankEvictedError) and it must keep reporting the fault, not a clean mask.
+    def rank_fn(rank, group):
+        cache = FleetCache(rank, WORLD, group)
+        rt = _runtime(cache)
+        ft = FaultToleranceAdapter(cache.fleets, CPU)
+        _step(rt, *_inputs(rank))
+        if rank == 0:
+            rt.fleet.mask_rank(1)
+            ft.clean_buffers()
+        else:
+            threading.Event().wait(3.0)  # later than the 2 s agreement timeout
+            ft.clean_buffers()
+        return bool(ft.query_fault()), ft.query_active_mask().tolist()
+
+    assert run_ranks(WORLD, rank_fn, timeout_s=20) == [(True, [0, 1]), (True, [0, 0])]
 
 
 def test_fake_readmission_needs_a_handle_and_refuses_capture(monkeypatch):

@@ -15,11 +15,15 @@ fleet masks it; a fault in any fleet is a fault.
 
 The baseline is the all-active mask, and only that: it is what the fleets start
 with and the only state recovery may return to. `clean_buffers` (vLLM's retry)
-re-admits every masked peer with `clear_faults(readmit=True)`, collective over the
-survivors of each fleet, so after a retry that reached every engine all live peers
-take part again. A peer that could not be re-admitted (dead, or the re-admission
-failed) is still masked afterwards, so it keeps reading as a fault: the adapter
-never reports healthy while any fleet masks a peer (no degraded serving).
+re-admits every masked peer with `clear_faults(readmit=True)`. That is NCCL-EP's
+`ncclEpMaskClean`, whose barrier skips masked peers and which then sets every mask
+to active (nccl_ep.h), a dead peer's too. So the survivors then agree on who took
+part (`reconcile_active_mask`, FlashInfer's store-based agreement: a peer silent
+past the FT timeout is masked). A peer that did not answer the retry (dead, or
+never sent it) is masked again and keeps reading as a fault, as does a fleet whose
+re-admission or agreement failed: the adapter never reports healthy while any
+fleet masks a peer (no degraded serving). At EP world 1 there is no peer to agree
+with, and no store is needed.
 
 None of these calls may run under CUDA-graph capture (FlashInfer raises there too).
 Low latency only: NCCL-EP has no FT for high throughput.
@@ -43,6 +47,7 @@ from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.runtime.capture import is_capturing
 
@@ -64,6 +69,9 @@ class FaultToleranceAdapter:
             fleets if callable(fleets) else (lambda fixed=tuple(fleets): fixed)
         )
         self.device = torch.device(device)
+        # Fleets whose last recovery did not end in an agreed mask (re-admission or
+        # agreement raised): a fault until a later retry recovers them.
+        self._unrecovered: list[str] = []
         # The all-active mask (FlashInfer polarity), built at the first query from the
         # fleets' own mask. Never a snapshot of a live mask: see the module docstring.
         self._baseline: torch.Tensor | None = None
@@ -104,32 +112,42 @@ class FaultToleranceAdapter:
     def query_fault(self) -> torch.Tensor:
         """Scalar bool on the GPU: some FT fleet masks a peer or raised its fault flag."""
         fault = self._masked("query_fault").any()
-        if any(fleet.query_fault() for fleet in self._ft_fleets()):
+        if self._unrecovered or any(fleet.query_fault() for fleet in self._ft_fleets()):
             fault = torch.ones((), dtype=torch.bool, device=fault.device)
         return fault
 
     def clean_buffers(self) -> None:
-        """vLLM's retry: re-admit every masked peer in every FT fleet.
+        """vLLM's retry: re-admit every masked peer in every FT fleet, then agree on who
+        answered.
 
-        `clear_faults(readmit=True)` is collective over the survivors of each fleet
-        (it completes only if vLLM's retry reached every engine) and also clears the
-        fleet's fault flag. It is called on every FT fleet, in the same order on
-        every rank, whatever this rank's own view shows: another rank may mask a
-        peer that this one does not. A failure is logged, not raised, so the retry
-        still re-creates vLLM's DP group on every rank; the peer stays masked (or
-        the flag stays set) and `query_fault` keeps reporting the fault.
+        Both steps are collective over the survivors of each fleet and run on every
+        FT fleet in the same order on every rank, whatever this rank's own view shows
+        (another rank may mask a peer that this one does not). A failure is logged,
+        not raised, so the retry still re-creates vLLM's DP group on every rank; the
+        fault then stays reported (`query_fault`) until a later retry recovers it.
         """
         _reject_capture("clean_buffers")
-        failed: list[str] = []
+        self._unrecovered = []
+        refused: list[str] = []
         for index, fleet in enumerate(self._ft_fleets()):
             try:
                 fleet.clear_faults(readmit=True)
             except Exception as exc:  # noqa: BLE001 - reported through query_fault
-                failed.append(f"fleet {index}: {type(exc).__name__}: {exc}")
+                # E.g. a fleet no round ever ran on (no handle yet) on every rank, or
+                # NCCL-EP's clean failed (its fault flag then stays set).
+                refused.append(f"fleet {index}: {type(exc).__name__}: {exc}")
+                continue
+            if fleet.query_active_mask().numel() == 1:
+                continue  # EP world 1: nobody to agree with
+            try:
+                # A peer silent for the FT timeout is dead: the kernels' own rule.
+                fleet.reconcile_active_mask(timeout_s=envs.ft_timeout_ms() / 1000)
+            except Exception as exc:  # noqa: BLE001 - e.g. the peers evicted this rank
+                self._unrecovered.append(f"fleet {index}: {type(exc).__name__}: {exc}")
         masked = self._masked("clean_buffers").nonzero().flatten().tolist()
         flagged = [i for i, fleet in enumerate(self._ft_fleets()) if fleet.query_fault()]
-        detail = "".join(f"; {f}" for f in failed)
-        if masked or flagged:
+        detail = "".join(f"; {f}" for f in refused + self._unrecovered)
+        if masked or flagged or self._unrecovered:
             logger.error(
                 "flashinfer_ep: recovery incomplete, the fault stays reported (masked EP "
                 "ranks %s, fleets with the fault flag %s%s). Re-admission is collective: "
@@ -138,8 +156,7 @@ class FaultToleranceAdapter:
                 flagged,
                 detail,
             )
-        elif failed:
-            # E.g. a fleet no round ever ran on (no handle yet): nothing was masked here.
+        elif refused:
             logger.warning("flashinfer_ep: re-admission refused, no peer masked here%s", detail)
         else:
             logger.info("flashinfer_ep: recovery re-admitted every EP rank")
