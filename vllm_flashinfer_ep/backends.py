@@ -45,7 +45,7 @@ HELP = {
     ),
     HIGH_THROUGHPUT: (
         "FlashInfer NCCL-EP high-throughput dispatch/combine (flat layout, standard experts; "
-        "prefill). Not CUDA-graph capturable: CUDA graphs are turned off when dp > 1."
+        "prefill). Not CUDA-graph capturable: CUDA graphs are turned off wherever the all2all runs."
     ),
 }
 

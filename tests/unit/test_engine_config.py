@@ -237,6 +237,21 @@ def test_ll_engine_config_without_pool_turns_graphs_off(tiny_moe, monkeypatch):
 
 
 @pytest.mark.usefixtures("graphs_on")
+@pytest.mark.parametrize("backend", [HIGH_THROUGHPUT, LOW_LATENCY])
+def test_context_parallel_runs_the_all2all_at_dp_1_and_gets_the_policy(
+    tiny_moe, backend, monkeypatch
+):
+    # EP with prefill context parallel: vLLM runs the all2all at dp 1 (use_all2all), so HT
+    # (and LL without its handle pool) must lose its graphs there too.
+    monkeypatch.setenv(envs.HANDLE_POOL, "0")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's runner for context parallel
+    cfg = engine_config(tiny_moe, backend, data_parallel_size=1, prefill_context_parallel_size=2)
+    assert cfg.parallel_config.use_all2all
+    assert cfg.compilation_config.cudagraph_mode.name == "NONE"
+    assert cudagraph_policy.LAST_DECISION.backend == backend
+
+
+@pytest.mark.usefixtures("graphs_on")
 def test_policy_is_idle_at_dp_1(tiny_moe):
     vllm_mode = _mode_without_plugin(tiny_moe)
     cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, data_parallel_size=1)

@@ -2,11 +2,18 @@
 
 Called for every engine config (patched `set_splitting_ops_for_v1`), so it applies in
 every compilation mode (vLLM's own DeepEP-HT gate only runs under VLLM_COMPILE). It only
-matters when the all2all runs at all (dp > 1). The decision is logged with its reason.
+matters where the all2all runs at all: vLLM's `ParallelConfig.use_all2all` for a MoE
+model (dp > 1, and also EP with prefill context parallel at dp 1). vLLM passes the
+hook only the data-parallel size, so the engine config being built names the rest
+(`for_engine`, around vLLM's `VllmConfig.__post_init__`). The decision is logged with
+its reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from vllm_flashinfer_ep.backends import Algorithm
@@ -38,12 +45,30 @@ class Decision:
 
 LAST_DECISION: Decision | None = None  # for tests and logs of the last engine config
 
+# Whether the engine config being built runs the all2all (None: no engine config named).
+_ALL2ALL_RUNS: ContextVar[bool | None] = ContextVar("flashinfer_ep_all2all_runs", default=None)
+
+
+@contextlib.contextmanager
+def for_engine(vllm_config) -> Iterator[None]:
+    """While `vllm_config` is built: the all2all runs where vLLM says it does."""
+    model = vllm_config.model_config
+    runs = bool(vllm_config.parallel_config.use_all2all) and (model is None or model.is_moe)
+    token = _ALL2ALL_RUNS.set(runs)
+    try:
+        yield
+    finally:
+        _ALL2ALL_RUNS.reset(token)
+
 
 def apply(compilation_config, backend: str, data_parallel_size: int) -> Decision | None:
     """Turn CUDA graphs off (in place) where `backend` cannot capture; None if not ours."""
     global LAST_DECISION
     algorithm = Algorithm.of(backend)
-    if algorithm is None or data_parallel_size <= 1:
+    runs = _ALL2ALL_RUNS.get()
+    if runs is None:  # outside an engine config: vLLM's effective data-parallel size
+        runs = data_parallel_size > 1
+    if algorithm is None or not runs:
         return None
     from vllm.config import CUDAGraphMode
 

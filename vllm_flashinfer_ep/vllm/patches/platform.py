@@ -61,11 +61,12 @@ def make_use_batched_dp_moe(original):
 
 
 def make_post_init(original):
-    from vllm_flashinfer_ep.vllm import config_validation
+    from vllm_flashinfer_ep.vllm import config_validation, cudagraph_policy
 
     def __post_init__(self) -> None:
         config_validation.validate(self)
-        original(self)
+        with cudagraph_policy.for_engine(self):  # the graph policy sees this engine's layout
+            original(self)
 
     return __post_init__
 
