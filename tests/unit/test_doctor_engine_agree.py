@@ -304,3 +304,41 @@ def test_damaged_hub_download_names_the_cached_file(tmp_path, monkeypatch):
         check.fix
         == f"the cached download is damaged: delete {cached} and run again to fetch it anew"
     )
+
+
+# ------------------------------------------------------------- experts per EP rank
+@pytest.mark.parametrize(
+    ("engine_kwargs", "serve_args"),
+    [
+        ({"data_parallel_size": 3}, ("--data-parallel-size", "3")),
+        (
+            {"enable_eplb": True, "eplb_config": {"num_redundant_experts": 1}},
+            ("--enable-eplb", "--eplb-config", '{"num_redundant_experts": 1}'),
+        ),
+    ],
+    ids=["8-experts-over-3-ranks", "8+1-redundant-over-2-ranks"],
+)
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_experts_that_do_not_split_over_the_ep_ranks_fail_in_both(
+    tmp_path, monkeypatch, backend, engine_kwargs, serve_args
+):
+    # NCCL-EP gives every rank the same number of experts; vLLM's linear placement would
+    # accept the uneven split and the worker would fail at load, naming no flag.
+    import vllm.config.parallel as parallel
+
+    monkeypatch.setattr(parallel.current_platform, "is_cuda_alike", lambda: True)  # EPLB
+    model = write_model(tmp_path / "m", num_experts=8)
+    reason = _engine_refusal(model, backend, **engine_kwargs)
+    assert "do not split evenly" in reason and "--data-parallel-size" in reason
+    argv = ["--all2all-backend", backend, "--enable-expert-parallel", *serve_args]
+    if "--data-parallel-size" not in serve_args:
+        argv += ["--data-parallel-size", "2"]
+    rc, checks = _doctor(monkeypatch, model, *argv)
+    assert rc == 1 and checks["experts per EP rank"].fix == reason
+
+
+def test_experts_that_split_pass_in_both(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "m", num_experts=12)
+    engine_config(model, LOW_LATENCY, data_parallel_size=3)
+    argv = ["--enable-expert-parallel", "--data-parallel-size", "3"]
+    assert _doctor(monkeypatch, model, *argv)[1]["experts per EP rank"].ok

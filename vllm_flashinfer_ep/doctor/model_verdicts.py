@@ -99,6 +99,17 @@ def model_checks(
             )
         )
     checks.append(_dtype_check(shape, settings, flag))
+    if settings.use_all2all and settings.enable_expert_parallel and shape.physical_experts:
+        ranks = rules.ep_ranks(
+            settings.data_parallel_size,
+            settings.tensor_parallel_size,
+            settings.prefill_context_parallel_size,
+        )
+        split = rules.expert_split_reason(
+            flag, shape.physical_experts, shape.redundant_experts, ranks
+        )
+        detail = f"{shape.physical_experts} experts over {ranks} EP ranks"
+        checks.append(Check("experts per EP rank", split is None, detail, split or ""))
     method = settings.quantization or shape.quant_method
     block = shape.weight_block_size
     reason = rules.quantization_reason(flag, method, block)

@@ -310,6 +310,29 @@ def top_k_reason(flag: str, backend: str, top_k: int | None) -> str | None:
     )
 
 
+def ep_ranks(data_parallel: int, tensor_parallel: int, context_parallel: int) -> int:
+    """EP ranks of an expert-parallel MoE layer: vLLM flattens TP across DP and prefill
+    context parallel and hands the experts over all of them (FusedMoEParallelConfig)."""
+    return data_parallel * tensor_parallel * context_parallel
+
+
+def expert_split_reason(flag: str, experts: int | None, redundant: int, ranks: int) -> str | None:
+    """Why the physical experts (logical + EPLB redundant) cannot go to `ranks` EP ranks,
+    or None: NCCL-EP gives every rank the same number of experts."""
+    if experts is None or ranks <= 1 or experts % ranks == 0:
+        return None
+    what = f"{experts} experts"
+    if redundant:
+        what += f" ({experts - redundant} + {redundant} EPLB redundant)"
+    return (
+        f"{flag}: the model's {what} do not split evenly over {ranks} EP ranks (data x "
+        "tensor x prefill-context parallel size); NCCL-EP gives every rank the same number "
+        "of experts. Pick a --data-parallel-size (and --tensor-parallel-size) whose product "
+        f"divides them, or set num_redundant_experts in --eplb-config (with --enable-eplb) "
+        f"so that they are a multiple of {ranks}."
+    )
+
+
 def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
     if backend != backends.LOW_LATENCY or hidden is None or hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
         return None

@@ -77,7 +77,19 @@ def validate(vllm_config: Any) -> None:
         )
     model = vllm_config.model_config
     if model is not None:
-        _validate_model(model, model_shape.from_vllm_config(vllm_config), backend, flag)
+        shape = model_shape.from_vllm_config(vllm_config)
+        _validate_model(model, shape, backend, flag)
+        if par.use_all2all and par.enable_expert_parallel and getattr(model, "is_moe", True):
+            ranks = config_rules.ep_ranks(
+                par.data_parallel_size,
+                par.tensor_parallel_size,
+                par.prefill_context_parallel_size,
+            )
+            split = config_rules.expert_split_reason(
+                flag, shape.physical_experts, shape.redundant_experts, ranks
+            )
+            if split is not None:
+                raise FlashInferEPConfigError(split)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)
     if backend == backends.LOW_LATENCY and par.use_all2all:
