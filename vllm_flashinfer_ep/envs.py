@@ -12,6 +12,7 @@ any worker starts and is never silently read as something else.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,10 @@ NATIVE_EAGER = "VLLM_FLASHINFER_EP_NATIVE_EAGER"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
+# One hour: far above any fault deadline worth having (NCCL-EP's own default is ~100 s),
+# and well inside the unsigned 64-bit nanoseconds NCCL-EP's GroupConfig takes.
+FT_TIMEOUT_MAX_MS = 3_600_000
+FT_TIMEOUT_ACCEPTED = f"an integer number of milliseconds from 1 to {FT_TIMEOUT_MAX_MS} (one hour)"
 # flashinfer.moe_ep split-path transports (flashinfer/moe_ep/backends/split/comm/).
 TRANSPORTS: tuple[str, ...] = ("nccl_ep", "nixl_ep")
 _TRUE = ("1", "true", "yes", "on")
@@ -80,13 +85,19 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise _error(name, raw, BOOL_ACCEPTED)
 
 
-def _int_parser(minimum: int, accepted: str) -> Callable[[str, str], int]:
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _int_parser(
+    minimum: int, accepted: str, maximum: int | None = None
+) -> Callable[[str, str], int]:
     def parse(name: str, raw: str) -> int:
-        try:
-            value = int(raw, 10)
-        except ValueError:
-            raise _error(name, raw, accepted) from None
-        if value < minimum:
+        # ASCII digits with an optional sign only: int() would also take "20_000" and
+        # other scripts' digits, which the accepted text does not promise.
+        if _INTEGER.fullmatch(raw) is None:
+            raise _error(name, raw, accepted)
+        value = int(raw, 10)
+        if value < minimum or (maximum is not None and value > maximum):
             raise _error(name, raw, accepted)
         return value
 
@@ -138,8 +149,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         FT_TIMEOUT_MS,
         str(DEFAULT_FT_TIMEOUT_MS),
-        "an integer number of milliseconds >= 1",
-        _int_parser(1, "an integer number of milliseconds >= 1"),
+        FT_TIMEOUT_ACCEPTED,
+        _int_parser(1, FT_TIMEOUT_ACCEPTED, FT_TIMEOUT_MAX_MS),
         "NCCL-EP fault-detection timeout (LL + --enable-fault-tolerance)",
     ),
     EnvVar(

@@ -122,16 +122,17 @@ def test_the_fleet_s_layout_is_accepted(tiny_moe, monkeypatch):
     engine_config(tiny_moe, LOW_LATENCY)
 
 
-def test_tensor_parallel_widens_the_world_in_the_layout(tmp_path, monkeypatch):
-    """With few experts the dispatch side (one row per EP rank) sizes the layout: DP x TP."""
+def test_tensor_parallel_widens_the_ep_world(tmp_path, monkeypatch):
+    """The EP world is DP x TP: 2 experts go one per rank at dp 2, and do not split over
+    dp 2 x tp 2. (With experts split evenly, E + top_k >= world + 1, so the combine side
+    always sizes the layout and the world never shows in it.)"""
     _gpu(monkeypatch, None)
     model = write_model(tmp_path / "few", num_experts=2, num_experts_per_tok=1)
-    dp_only = buffer_sizes.ll_layout_bytes(256, 2048, 2, 1, 2)
-    need = buffer_sizes.ll_layout_bytes(256, 2048, 2, 1, 4)  # dp 2 x tp 2
-    assert need > dp_only
-    monkeypatch.setenv(envs.RDMA_BUFFER_BYTES, str(dp_only))
+    monkeypatch.setenv(
+        envs.RDMA_BUFFER_BYTES, str(buffer_sizes.ll_layout_bytes(256, 2048, 2, 1, 2))
+    )
     engine_config(model, LOW_LATENCY)
-    with pytest.raises(FlashInferEPConfigError, match=f"from {need} .*EP world 4"):
+    with pytest.raises(FlashInferEPConfigError, match="2 experts do not split evenly over 4 EP"):
         engine_config(model, LOW_LATENCY, tensor_parallel_size=2)
 
 
@@ -183,3 +184,24 @@ def test_checked_estimate_stays_an_info_line(tiny_moe, monkeypatch, caplog):
         engine_config(tiny_moe, LOW_LATENCY)
     assert any("needs about" in m and "budget" in m for m in _ours(caplog, logging.INFO))
     assert not [m for m in _ours(caplog, logging.WARNING) if "needs about" in m]
+
+
+# ------------------------------------------------ refusals whose advice the user can act on
+def test_a_budget_no_step_fits_asks_only_for_more_gpu_memory(tmp_path, monkeypatch):
+    # The buffers' fixed part alone is over the budget: no --max-num-batched-tokens or
+    # --max-num-seqs helps, so the refusal must not suggest "<= 0".
+    _gpu(monkeypatch, 80 * GIB)
+    model = write_model(tmp_path / "m", num_experts=128, num_experts_per_tok=8, hidden_size=2048)
+    with pytest.raises(FlashInferEPConfigError) as info:
+        engine_config(model, LOW_LATENCY, gpu_memory_utilization=0.02)
+    message = str(info.value)
+    assert "Raise --gpu-memory-utilization." in message
+    assert "<= 0" not in message and "--max-num-seqs" not in message
+
+
+def test_ht_does_not_lower_the_step_budget_below_max_num_seqs(tiny_moe):
+    # vLLM refuses a step budget below --max-num-seqs; the HT clamp must not make one.
+    with pytest.raises(FlashInferEPConfigError, match="Pass --max-num-seqs <= 8192"):
+        engine_config(tiny_moe, HIGH_THROUGHPUT, max_num_seqs=10_000, max_num_batched_tokens=20_000)
+    cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, max_num_seqs=256, max_num_batched_tokens=20_000)
+    assert cfg.scheduler_config.max_num_batched_tokens == 8192  # lowered, with a warning

@@ -342,3 +342,37 @@ def test_experts_that_split_pass_in_both(tmp_path, monkeypatch):
     engine_config(model, LOW_LATENCY, data_parallel_size=3)
     argv = ["--enable-expert-parallel", "--data-parallel-size", "3"]
     assert _doctor(monkeypatch, model, *argv)[1]["experts per EP rank"].ok
+
+
+# ------------------------------------------------------- --moe-backend for BF16 models
+@pytest.mark.parametrize(
+    ("backend", "moe_backend"),
+    [
+        (LOW_LATENCY, "flashinfer_trtllm"),  # vLLM: no batched activation format
+        (LOW_LATENCY, "deep_gemm"),  # vLLM: not for unquantized MoE
+        (HIGH_THROUGHPUT, "cutlass"),
+        (HIGH_THROUGHPUT, "batched_triton"),  # batched experts behind HT's flat rows
+    ],
+)
+def test_a_moe_backend_that_cannot_serve_bf16_experts_fails_in_both(
+    tmp_path, monkeypatch, backend, moe_backend
+):
+    model = write_model(tmp_path / "bf16")
+    reason = _engine_refusal(model, backend, moe_backend=moe_backend)
+    assert f"--moe-backend {moe_backend}" in reason and "Pass --moe-backend auto" in reason
+    argv = ["--all2all-backend", backend, "--moe-backend", moe_backend]
+    argv += ["--enable-expert-parallel", "--data-parallel-size", "2"]
+    rc, checks = _doctor(monkeypatch, model, *argv)
+    assert rc == 1 and checks["experts"].fix == reason
+
+
+@pytest.mark.parametrize(
+    ("backend", "moe_backend"),
+    [(LOW_LATENCY, "triton"), (LOW_LATENCY, "batched_triton"), (HIGH_THROUGHPUT, "triton")],
+)
+def test_triton_experts_serve_bf16_in_both(tmp_path, monkeypatch, backend, moe_backend):
+    model = write_model(tmp_path / "bf16")
+    engine_config(model, backend, moe_backend=moe_backend)
+    argv = ["--all2all-backend", backend, "--moe-backend", moe_backend]
+    argv += ["--enable-expert-parallel", "--data-parallel-size", "2"]
+    assert _doctor(monkeypatch, model, *argv)[1]["experts"].ok

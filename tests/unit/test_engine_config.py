@@ -332,3 +332,15 @@ def test_eplb_with_redundant_experts_is_accepted(tmp_path, backend):
 def test_round_robin_expert_placement_is_refused(tiny_moe, backend):
     with pytest.raises(FlashInferEPConfigError, match="--expert-placement-strategy linear"):
         engine_config(tiny_moe, backend, expert_placement_strategy="round_robin")
+
+
+def test_nccl_ep_s_own_timeout_variable_is_named_when_it_overrides_ours(
+    tiny_moe, monkeypatch, caplog
+):
+    # nccl_ep.h: NCCL_EP_TIMEOUT_MS overrides the group's timeout, so the package's
+    # variable would silently stop deciding how long the kernels wait.
+    monkeypatch.setenv("NCCL_EP_TIMEOUT_MS", "5000")
+    kwargs = dict(enable_fault_tolerance=True, data_parallel_external_lb=True, data_parallel_rank=0)
+    with caplog.at_level(logging.WARNING):
+        engine_config(tiny_moe, LOW_LATENCY, **kwargs)
+    assert "NCCL_EP_TIMEOUT_MS=5000 is set" in caplog.text and envs.FT_TIMEOUT_MS in caplog.text

@@ -129,10 +129,28 @@ CASES: dict[str, dict] = {
             ("\t5\n", 5),
             ("+7", 7),
             ("600000", 600_000),
+            (str(envs.FT_TIMEOUT_MAX_MS), envs.FT_TIMEOUT_MAX_MS),
             ("", envs.DEFAULT_FT_TIMEOUT_MS),
             ("  ", envs.DEFAULT_FT_TIMEOUT_MS),
         ],
-        "bad": ["0", "-1", "-20000", "soon", "1.5", "1e3", "20s", "20 000", "0x10", "inf", "nan"],
+        "bad": [
+            "0",
+            "-1",
+            "-20000",
+            "soon",
+            "1.5",
+            "1e3",
+            "20s",
+            "20 000",
+            "0x10",
+            "inf",
+            "nan",
+            "20_000",  # int() takes it; the accepted text does not promise it
+            "\u0661\u0662\u0663",  # Arabic-Indic digits, which int() reads as 123
+            "++5",
+            str(envs.FT_TIMEOUT_MAX_MS + 1),
+            "18446744073710",  # overflowed NCCL-EP's unsigned 64-bit nanoseconds
+        ],
     },
     envs.TRANSPORT: {
         "default": envs.DEFAULT_TRANSPORT,

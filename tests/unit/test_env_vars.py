@@ -37,8 +37,8 @@ BAD = [
     ),
     (envs.TRANSPORT, "foo", "nccl_ep or nixl_ep"),
     (envs.SKIP_ENV_CHECKS, "2", "0/false/no/off"),
-    (envs.FT_TIMEOUT_MS, "0", ">= 1"),
-    (envs.FT_TIMEOUT_MS, "soon", ">= 1"),
+    (envs.FT_TIMEOUT_MS, "0", "from 1 to 3600000"),
+    (envs.FT_TIMEOUT_MS, "soon", "from 1 to 3600000"),
 ]
 
 

@@ -66,7 +66,7 @@ def test_valid_config_fields(tmp_path: Path) -> None:
         ),
         (
             {"env": {"VLLM_FLASHINFER_EP_FT_TIMEOUT_MS": "20s"}},
-            "'env': VLLM_FLASHINFER_EP_FT_TIMEOUT_MS='20s' is not valid: accepted values are an integer number of milliseconds >= 1",
+            "'env': VLLM_FLASHINFER_EP_FT_TIMEOUT_MS='20s' is not valid: accepted values are an integer number of milliseconds from 1 to 3600000 (one hour)",
         ),
         (
             {"env": {"VLLM_FLASHINFER_EP_TRANSPORT": "nvshmem"}},

@@ -128,6 +128,10 @@ def model_checks(
     memory = None
     if fleet is not None:
         memory = _ll_memory_verdict(flag, shape, fleet, settings, total, method, unquantized)
+    if method is None and settings.moe_backend != "auto":
+        asked = settings.moe_backend
+        why = fp8_choice.unquantized_experts_reason(flag, backend, asked)
+        checks.append(Check("experts", why is None, f"--moe-backend {asked}", why or ""))
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.
         tokens = (memory.lowered_to if memory else None) or settings.tokens
@@ -228,7 +232,11 @@ def _ht_tokens_check(flag: str, shape: model_shape.ModelShape, settings: ServeSe
             warn=True,
         )
     verdict = rules.ht_tokens_verdict(
-        flag, tokens, chunked_prefill=chunked, max_model_len=max_model_len
+        flag,
+        tokens,
+        chunked_prefill=chunked,
+        max_model_len=max_model_len,
+        max_num_seqs=settings.max_num_seqs,
     )
     detail = f"--max-num-batched-tokens {tokens}{source}"
     if verdict.refusal is not None:

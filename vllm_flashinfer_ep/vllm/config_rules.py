@@ -75,7 +75,12 @@ class StepBudgetVerdict(NamedTuple):
 
 
 def ht_tokens_verdict(
-    flag: str, tokens: int, *, chunked_prefill: bool, max_model_len: int | None
+    flag: str,
+    tokens: int,
+    *,
+    chunked_prefill: bool,
+    max_model_len: int | None,
+    max_num_seqs: int | None = None,
 ) -> StepBudgetVerdict:
     """The HT step-budget rule, for the engine (`config_validation._clamp_ht_tokens`) and `doctor` alike.
 
@@ -95,6 +100,13 @@ def ht_tokens_verdict(
         chunked_prefill,
         max_model_len,
     )
+    if refusal is None and max_num_seqs is not None and max_num_seqs > limit:
+        # vLLM refuses a step budget below --max-num-seqs; lowering it would make one.
+        refusal = (
+            f"{flag} takes at most {limit} tokens per rank and step, fewer than "
+            f"--max-num-seqs {max_num_seqs}. Pass --max-num-seqs <= {limit} and "
+            f"--max-num-batched-tokens <= {limit}."
+        )
     why = f"NCCL-EP high throughput takes at most {limit} tokens per rank and step"
     return StepBudgetVerdict(None if refusal else limit, refusal, why)
 
@@ -161,7 +173,14 @@ def ll_memory_verdict(
         f"of the {usable / GIB:.1f} GiB vLLM may use; at most {fit} tokens fit"
     )
     refusal = None
-    if fit < max_num_seqs:
+    if fit <= 0:  # the buffers' fixed part alone is over the budget: no step size helps
+        refusal = (
+            f"{flag}: even a step of one token needs more NCCL-EP buffer memory per GPU than "
+            f"{buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} of the {usable / GIB:.1f} GiB vLLM "
+            f"may use (about {need / GIB:.1f} GiB at --max-num-batched-tokens {tokens}). "
+            "Raise --gpu-memory-utilization."
+        )
+    elif fit < max_num_seqs:
         refusal = (
             f"{flag} {why}, fewer than --max-num-seqs {max_num_seqs}. Pass "
             f"--max-num-batched-tokens <= {fit} and --max-num-seqs <= {fit}, or raise "

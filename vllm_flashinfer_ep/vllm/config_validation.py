@@ -41,6 +41,7 @@ from vllm_flashinfer_ep.vllm.fp8_experts_choice import (
     deep_gemm_step,
     draft_moe,
     fp8_experts_reason,
+    unquantized_experts_reason,
     unquantized_moe,
 )
 
@@ -63,6 +64,17 @@ def validate(vllm_config: Any) -> None:
     ):
         if reason is not None:
             raise FlashInferEPConfigError(reason)
+    override = os.environ.get("NCCL_EP_TIMEOUT_MS")
+    if par.enable_fault_tolerance and override is not None:
+        logger.warning(
+            "NCCL_EP_TIMEOUT_MS=%s is set: NCCL-EP's kernels wait that long for a silent "
+            "peer, not %s=%d (which still bounds the survivors' agreement after a retry). "
+            "Unset NCCL_EP_TIMEOUT_MS to use %s.",
+            override,
+            envs.FT_TIMEOUT_MS,
+            envs.ft_timeout_ms(),
+            envs.FT_TIMEOUT_MS,
+        )
     # The host probes the worker and `doctor` use; these two need no GPU.
     for check in (env_checks.check_nccl_ep_installed(), env_checks.check_torch_cuda()):
         if not check.ok:
@@ -95,6 +107,7 @@ def validate(vllm_config: Any) -> None:
     if backend == backends.LOW_LATENCY and par.use_all2all:
         _check_ll_capacity(vllm_config, flag)
     if model is not None and par.use_all2all:  # after the capacity: DeepGEMM reads it
+        _check_unquantized_experts(vllm_config, backend, flag)
         _pin_fp8_experts(vllm_config, backend, flag)
     if par.use_all2all:
         _check_rdma_buffer(vllm_config, backend, flag)
@@ -134,6 +147,7 @@ def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
         sched.max_num_batched_tokens,
         chunked_prefill=sched.enable_chunked_prefill,
         max_model_len=None if model is None else model.max_model_len,
+        max_num_seqs=sched.max_num_seqs,
     )
     if verdict.refusal is not None:
         raise FlashInferEPConfigError(verdict.refusal)
@@ -268,6 +282,18 @@ def _lower_step_budget(vllm_config: Any, flag: str, limit: int, log_why: str) ->
         limit,
         limit,
     )
+
+
+def _check_unquantized_experts(vllm_config: Any, backend: str, flag: str) -> None:
+    """BF16 MoE models: the --moe-backend asked for serves them through this backend."""
+    model, kernel = vllm_config.model_config, getattr(vllm_config, "kernel_config", None)
+    if getattr(model, "quantization", None) or kernel is None:
+        return
+    if getattr(model, "is_moe", True) is False:
+        return
+    reason = unquantized_experts_reason(flag, backend, kernel.moe_backend)
+    if reason is not None:
+        raise FlashInferEPConfigError(reason)
 
 
 def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:

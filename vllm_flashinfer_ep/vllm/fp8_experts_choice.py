@@ -24,6 +24,28 @@ def deep_gemm_step(moe_backend: str | None, ep_world: int) -> int:
     return dg.token_step(ep_world) if moe_backend == dg.MOE_BACKEND else 1
 
 
+# --moe-backend values vLLM 0.33.0 serves unquantized MoE layers with through these
+# backends (oracle/unquantized.py: marlin and humming are quantization-only and fall
+# through to auto; batched_triton forces the batched format, which only LL hands over).
+UNQUANTIZED_MOE_BACKENDS = {
+    backends.LOW_LATENCY: ("auto", "triton", "batched_triton", "marlin", "humming"),
+    backends.HIGH_THROUGHPUT: ("auto", "triton", "marlin", "humming"),
+}
+
+
+def unquantized_experts_reason(flag: str, backend: str, moe_backend: str) -> str | None:
+    """Why a BF16 model's MoE layers cannot run with the --moe-backend asked for (None:
+    they can): vLLM's Triton experts, batched under LL (the received-rows experts of
+    vllm/compact_experts.py patch those), are the ones these backends hand tokens to."""
+    if moe_backend in UNQUANTIZED_MOE_BACKENDS.get(backend, ("auto",)):
+        return None
+    return (
+        f"{flag} runs unquantized MoE layers with vLLM's Triton experts; --moe-backend "
+        f"{moe_backend} takes another activation layout or does not serve unquantized "
+        "layers. Pass --moe-backend auto (or triton)."
+    )
+
+
 def fp8_experts_reason(
     flag: str,
     backend: str,
