@@ -84,6 +84,20 @@ def dtype_name(value: Any) -> str | None:
     return str(value).removeprefix("torch.")
 
 
+def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json with --hf-overrides applied as vLLM applies a dict of them: a nested
+    model config (text_config, ...: a `*_config` other than quantization_config) is
+    updated key by key, any other key (dict-valued ones too) is replaced."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        nested = key.endswith("_config") and key != "quantization_config"
+        if nested and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int = 0) -> ModelShape:
     """The MoE shape of a Hugging Face config: a config.json dict or a transformers
     config object. `text_config`: the language model's part (vLLM's `hf_text_config`);

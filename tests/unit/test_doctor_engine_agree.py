@@ -109,7 +109,7 @@ def test_quantization_refusals_match(tmp_path, monkeypatch, quant):
 
 # ------------------------------------------------------------------------ memory
 def test_memory_refusal_is_doctor_s_failure(big, monkeypatch):
-    _gpu(monkeypatch, 1 * GIB)
+    _gpu(monkeypatch, 4 * GIB)  # 165 tokens fit, fewer than --max-num-seqs 256
     flags = dict(max_num_batched_tokens=4096, max_num_seqs=256, gpu_memory_utilization=0.9)
     reason = _engine_refusal(big, **flags)
     rc, checks = _doctor(
@@ -376,3 +376,79 @@ def test_triton_experts_serve_bf16_in_both(tmp_path, monkeypatch, backend, moe_b
     argv = ["--all2all-backend", backend, "--moe-backend", moe_backend]
     argv += ["--enable-expert-parallel", "--data-parallel-size", "2"]
     assert _doctor(monkeypatch, model, *argv)[1]["experts"].ok
+
+
+# ------------------------------------------- refusals doctor used to list as not checked
+def test_nixl_transport_without_nixl_fails_in_both(tiny_moe_model, monkeypatch):
+    monkeypatch.setenv(envs.TRANSPORT, "nixl_ep")
+    monkeypatch.setattr(config_rules, "transport_reason", _nixl_missing(config_rules))
+    from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
+
+    with pytest.raises(FlashInferEPEnvVarError) as info:
+        engine_config(tiny_moe_model, LOW_LATENCY)
+    rc, _ = _doctor(monkeypatch, tiny_moe_model)
+    assert rc == 1
+    from vllm_flashinfer_ep.doctor.host import variables_check
+
+    check = variables_check()
+    assert not check.ok and check.fix == str(info.value)
+
+
+def _nixl_missing(rules):
+    """The real rule with FlashInfer saying it has no NIXL-EP (what the PyPI wheel says)."""
+    import sys
+    import types
+
+    real = rules.transport_reason
+
+    def reason():
+        fake = types.ModuleType("flashinfer.moe_ep")
+        fake.have_nixl_ep = lambda: False
+        saved = sys.modules.get("flashinfer.moe_ep")
+        sys.modules["flashinfer.moe_ep"] = fake
+        try:
+            return real()
+        finally:
+            if saved is None:
+                sys.modules.pop("flashinfer.moe_ep", None)
+            else:
+                sys.modules["flashinfer.moe_ep"] = saved
+
+    return reason
+
+
+@pytest.fixture()
+def tiny_moe_model(tmp_path):
+    return write_model(tmp_path / "m")
+
+
+def test_round_robin_placement_fails_in_both(tiny_moe_model, monkeypatch):
+    reason = _engine_refusal(tiny_moe_model, expert_placement_strategy="round_robin")
+    argv = ["--enable-expert-parallel", "-dp", "2", "--expert-placement-strategy", "round_robin"]
+    rc, checks = _doctor(monkeypatch, tiny_moe_model, *argv)
+    assert rc == 1 and checks["expert placement"].fix == reason
+
+
+def test_hf_overrides_reach_doctor_as_they_reach_the_engine(tiny_moe_model, monkeypatch):
+    overrides = {"num_experts_per_tok": 20}  # past the LL top_k limit
+    reason = _engine_refusal(tiny_moe_model, hf_overrides=overrides)
+    rc, checks = _doctor(
+        monkeypatch, tiny_moe_model, "--hf-overrides", '{"num_experts_per_tok": 20}'
+    )
+    assert rc == 1 and checks["top_k"].fix == reason
+
+
+def test_overrides_update_a_nested_model_config_and_replace_other_dicts():
+    from vllm_flashinfer_ep.model_shape import with_overrides
+
+    cfg = {"text_config": {"hidden_size": 1, "top": 2}, "quantization_config": {"a": 1, "b": 2}}
+    got = with_overrides(cfg, {"text_config": {"hidden_size": 3}, "quantization_config": {"a": 5}})
+    assert got == {"text_config": {"hidden_size": 3, "top": 2}, "quantization_config": {"a": 5}}
+
+
+def test_an_fp8_checkpoint_in_another_format_is_told_which_fp8_format_is_served(tmp_path):
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    model = write_model(tmp_path / "ct", quantization_config=quant)
+    [check] = [c for c in doctor.model_checks(model) if c.name == "checkpoint precision"]
+    assert not check.ok and "quantized with compressed-tensors" in check.fix
+    assert "vLLM's fp8 format (quant_method fp8" in check.fix

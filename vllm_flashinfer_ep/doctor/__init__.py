@@ -173,6 +173,16 @@ def add_parser(subparsers) -> None:
         "--prefill-context-parallel-size", "-pcp", type=positive, default=1, metavar="N"
     )
     switch(serve, "--enable-expert-parallel", "-ep")
+    serve.add_argument(
+        "--expert-placement-strategy", default="linear", choices=("linear", "round_robin")
+    )
+    serve.add_argument(
+        "--hf-overrides",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="applied to config.json before its shape is read, as vLLM applies them",
+    )
     switch(serve, "--enable-eplb")
     serve.add_argument(
         "--eplb-config",

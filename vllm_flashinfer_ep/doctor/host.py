@@ -8,6 +8,7 @@ import os
 
 from vllm_flashinfer_ep import envs, is_supported_vllm
 from vllm_flashinfer_ep.runtime.env_checks import Check
+from vllm_flashinfer_ep.vllm import config_rules as rules
 
 
 def _version(dist: str) -> str | None:
@@ -92,6 +93,11 @@ def variables_check() -> Check:
         envs.validate_all()
     except Exception as exc:  # noqa: BLE001 - FlashInferEPEnvVarError: one line naming each
         return Check("VLLM_FLASHINFER_EP_* variables", False, str(exc), "fix or unset them")
+    transport = rules.transport_reason()  # the engine's check, FlashInfer asked as there
+    if transport is not None:
+        return Check(
+            "VLLM_FLASHINFER_EP_* variables", False, f"{envs.TRANSPORT}=nixl_ep", transport
+        )
     set_ = sorted(k for k in os.environ if k.startswith(envs.PREFIX))
     return Check(
         "VLLM_FLASHINFER_EP_* variables", True, ", ".join(set_) if set_ else "none set (defaults)"

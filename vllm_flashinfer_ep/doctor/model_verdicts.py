@@ -48,6 +48,7 @@ def model_checks(
         return [
             Check("model config", False, str(exc), "pass a local model dir or a reachable HF id")
         ]
+    cfg = model_shape.with_overrides(cfg, settings.hf_overrides)
     shape = model_shape.read_shape(
         cfg,
         redundant_experts=model_shape.redundant_experts(settings.enable_eplb, settings.eplb_config),

@@ -1,5 +1,5 @@
 """doctor's verdicts on the parallel `vllm serve` arguments: the --all2all-backend name,
-micro-batching, fault tolerance, and whether expert parallelism runs at all."""
+micro-batching, fault tolerance, expert placement, and whether expert parallelism runs."""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def serve_checks(settings: ServeSettings) -> list[Check]:
         reason = rules.fault_tolerance_reason(flag, backend, settings.enable_fault_tolerance)
         detail = f"--enable-fault-tolerance with {backend}"
         checks.append(Check("fault tolerance", reason is None, detail, reason or ""))
+    if settings.expert_placement_strategy != "linear":
+        reason = rules.placement_reason(flag, settings.expert_placement_strategy)
+        detail = f"--expert-placement-strategy {settings.expert_placement_strategy}"
+        checks.append(Check("expert placement", reason is None, detail, reason or ""))
     warning = rules.unused_backend_warning(
         backend, settings.use_all2all, settings.enable_expert_parallel
     )

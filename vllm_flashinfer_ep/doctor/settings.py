@@ -32,6 +32,8 @@ class ServeSettings:
     pipeline_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     enable_eplb: bool = False
     eplb_config: dict[str, Any] = field(default_factory=dict)
     enable_dbo: bool = False
@@ -57,6 +59,8 @@ class ServeSettings:
             pipeline_parallel_size=args.pipeline_parallel_size,
             prefill_context_parallel_size=args.prefill_context_parallel_size,
             enable_expert_parallel=bool(args.enable_expert_parallel),
+            expert_placement_strategy=getattr(args, "expert_placement_strategy", "linear"),
+            hf_overrides=dict(getattr(args, "hf_overrides", None) or {}),
             enable_eplb=bool(args.enable_eplb),
             eplb_config=eplb,
             enable_dbo=bool(args.enable_dbo),

@@ -291,8 +291,9 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
     if method not in FP8_METHODS:
         return (
             f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "
-            f"quantized with {method}. Serve a BF16 or FP8 checkpoint, or pick another "
-            "--all2all-backend (e.g. deepep_low_latency)."
+            f"quantized with {method}. Serve a BF16 or FP8 checkpoint in vLLM's fp8 format "
+            "(quant_method fp8; FP8 in compressed-tensors or modelopt format is not "
+            "supported), or pick another --all2all-backend (e.g. deepep_low_latency)."
         )
     from vllm_flashinfer_ep.vllm.receive_quant import carries_block
 
@@ -326,6 +327,37 @@ def top_k_reason(flag: str, backend: str, top_k: int | None) -> str | None:
     return (
         f"{flag}: the model routes each token to {top_k} experts, more than this backend "
         f"supports ({limit}, see vllm_flashinfer_ep/runtime/limits.py).{other}"
+    )
+
+
+def transport_reason() -> str | None:
+    """Why VLLM_FLASHINFER_EP_TRANSPORT cannot be served here, or None: nixl_ep needs a
+    FlashInfer built with NIXL-EP (FlashInfer is imported only to ask)."""
+    if envs.transport() != "nixl_ep":
+        return None
+    try:
+        from flashinfer.moe_ep import have_nixl_ep
+
+        built = bool(have_nixl_ep())
+    except Exception:  # noqa: BLE001 - an unimportable FlashInfer has no NIXL-EP either
+        built = False
+    if built:
+        return None
+    return (
+        f"{envs.TRANSPORT}=nixl_ep needs a FlashInfer built with NIXL-EP, and "
+        "flashinfer.moe_ep.have_nixl_ep() is False here (the PyPI wheel ships none). "
+        f"Unset {envs.TRANSPORT} to use nccl_ep."
+    )
+
+
+def placement_reason(flag: str, placement: str) -> str | None:
+    """Why --expert-placement-strategy is refused, or None (NCCL-EP routes by ranges)."""
+    if placement == "linear":
+        return None
+    return (
+        f"{flag} needs each rank's experts to be one contiguous range of expert ids "
+        f"(NCCL-EP routes by it); --expert-placement-strategy {placement} places them "
+        "otherwise. Pass --expert-placement-strategy linear."
     )
 
 

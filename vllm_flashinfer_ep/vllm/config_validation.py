@@ -56,7 +56,9 @@ def validate(vllm_config: Any) -> None:
     flag = f"--all2all-backend {backend}"
     # The package's own variables: a bad value fails here, not after a GPU start-up.
     envs.validate_all()
-    _check_transport_built()
+    transport = config_rules.transport_reason()
+    if transport is not None:
+        raise FlashInferEPEnvVarError(transport)
 
     for reason in (
         ubatching_reason(flag, par.use_ubatching),
@@ -80,13 +82,11 @@ def validate(vllm_config: Any) -> None:
         if not check.ok:
             raise FlashInferEPConfigError(f"{flag} cannot run: {check.detail}; {check.fix}.")
 
-    placement = getattr(par, "expert_placement_strategy", "linear")
-    if placement != "linear":
-        raise FlashInferEPConfigError(
-            f"{flag} needs each rank's experts to be one contiguous range of expert ids "
-            f"(NCCL-EP routes by it); --expert-placement-strategy {placement} places them "
-            "otherwise. Pass --expert-placement-strategy linear."
-        )
+    placement = config_rules.placement_reason(
+        flag, getattr(par, "expert_placement_strategy", "linear")
+    )
+    if placement is not None:
+        raise FlashInferEPConfigError(placement)
     model = vllm_config.model_config
     if model is not None:
         shape = model_shape.from_vllm_config(vllm_config)
@@ -116,24 +116,6 @@ def validate(vllm_config: Any) -> None:
     unused = unused_backend_warning(backend, par.use_all2all, par.enable_expert_parallel)
     if unused is not None:
         logger.warning("%s", unused)
-
-
-def _check_transport_built() -> None:
-    """VLLM_FLASHINFER_EP_TRANSPORT=nixl_ep needs a FlashInfer built with NIXL-EP."""
-    if envs.transport() != "nixl_ep":
-        return
-    try:
-        from flashinfer.moe_ep import have_nixl_ep
-
-        built = bool(have_nixl_ep())
-    except Exception:  # noqa: BLE001 - an unimportable FlashInfer has no NIXL-EP either
-        built = False
-    if not built:
-        raise FlashInferEPEnvVarError(
-            f"{envs.TRANSPORT}=nixl_ep needs a FlashInfer built with NIXL-EP, and "
-            "flashinfer.moe_ep.have_nixl_ep() is False here (the PyPI wheel ships none). "
-            f"Unset {envs.TRANSPORT} to use nccl_ep."
-        )
 
 
 def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
