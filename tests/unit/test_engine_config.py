@@ -344,3 +344,36 @@ def test_nccl_ep_s_own_timeout_variable_is_named_when_it_overrides_ours(
     with caplog.at_level(logging.WARNING):
         engine_config(tiny_moe, LOW_LATENCY, **kwargs)
     assert "NCCL_EP_TIMEOUT_MS=5000 is set" in caplog.text and envs.FT_TIMEOUT_MS in caplog.text
+
+
+# ------------------------------------------------------- a speculative draft with MoE layers
+def _draft(tmp_path, **overrides) -> dict:
+    draft = write_model(tmp_path / "draft", **overrides)
+    return dict(
+        speculative_config=dict(method="draft_model", model=draft, num_speculative_tokens=2)
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_experts_per_tok": MAX_TOPK_LL + 1}, "routes each token to"),
+        ({"hidden_size": 10240}, "exceeds the largest NCCL-EP low-latency size"),
+        ({"num_experts": 6, "num_experts_per_tok": 2}, "do not split evenly over 4 EP ranks"),
+    ],
+    ids=["top_k", "hidden", "split"],
+)
+def test_a_moe_draft_the_backend_cannot_take_is_refused_naming_the_draft(
+    tiny_moe, tmp_path, overrides, message
+):
+    # The draft's MoE layers run through the backend too (a fleet of their own shape);
+    # the worker failed on them at load (HandlePool's top_k, the LL hidden round-up).
+    kwargs = _draft(tmp_path, **overrides)
+    with pytest.raises(FlashInferEPConfigError) as info:
+        engine_config(tiny_moe, LOW_LATENCY, data_parallel_size=4, **kwargs)
+    text = str(info.value)
+    assert "the speculative draft model" in text and message in text
+
+
+def test_a_moe_draft_the_backend_takes_is_accepted(tiny_moe, tmp_path):
+    engine_config(tiny_moe, LOW_LATENCY, **_draft(tmp_path))

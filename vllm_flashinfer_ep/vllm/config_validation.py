@@ -102,6 +102,8 @@ def validate(vllm_config: Any) -> None:
             )
             if split is not None:
                 raise FlashInferEPConfigError(split)
+    if par.use_all2all and par.enable_expert_parallel:
+        _validate_draft(vllm_config, backend, flag)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)
     if backend == backends.LOW_LATENCY and par.use_all2all:
@@ -332,6 +334,31 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         why,
         envs.FP8_DISPATCH,
     )
+
+
+def _validate_draft(vllm_config: Any, backend: str, flag: str) -> None:
+    """A speculative draft with MoE layers runs them through the same backend (a fleet of
+    its own shape): the model rules and the expert split apply to it too."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or getattr(draft, "is_moe", False) is not True:
+        return
+    shape = model_shape.read_shape(draft.hf_config, getattr(draft, "hf_text_config", None))
+    par = vllm_config.parallel_config
+    ranks = config_rules.ep_ranks(
+        par.data_parallel_size, par.tensor_parallel_size, par.prefill_context_parallel_size
+    )
+    try:
+        _validate_model(draft, shape, backend, flag)
+        split = config_rules.expert_split_reason(flag, shape.physical_experts, 0, ranks)
+        if split is not None:
+            raise FlashInferEPConfigError(split)
+    except FlashInferEPConfigError as exc:
+        raise FlashInferEPConfigError(
+            f"the speculative draft model ({draft.model}) has MoE layers, which run through "
+            f"this backend too: {exc} (or serve a draft the backend takes, via "
+            "--speculative-config)"
+        ) from None
 
 
 def _validate_model(model: Any, shape: ModelShape, backend: str, flag: str) -> None:
