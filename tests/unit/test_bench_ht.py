@@ -190,7 +190,7 @@ def test_run_times_every_mode_in_rotated_order(bench, monkeypatch):
 
 
 def test_without_ll_hidden_or_flag(capsys):
-    odd = _harness(_args("--hidden", "3000"))  # HT takes any hidden size, LL does not
+    odd = _harness(_args("--hidden", "3000"))  # HT takes any multiple of 8, LL does not
     try:
         assert odd.modes == ("ht", "raw_ht_fresh") and odd.ll_rt is None
         assert len(odd.fleets.fleets()) == 1

@@ -452,3 +452,15 @@ def test_an_fp8_checkpoint_in_another_format_is_told_which_fp8_format_is_served(
     [check] = [c for c in doctor.model_checks(model) if c.name == "checkpoint precision"]
     assert not check.ok and "quantized with compressed-tensors" in check.fix
     assert "vLLM's fp8 format (quant_method fp8" in check.fix
+
+
+def test_an_ht_hidden_size_not_divisible_by_8_fails_in_both(tmp_path, monkeypatch):
+    # nccl_ep.h: HT's max_token_bytes (hidden x 2) must be a multiple of 16 bytes.
+    model = write_model(tmp_path / "odd", hidden_size=132)
+    reason = _engine_refusal(model, HIGH_THROUGHPUT)
+    assert "multiples of 16 bytes" in reason
+    argv = ["--all2all-backend", HIGH_THROUGHPUT, "-dp", "2", "-ep"]
+    rc, checks = _doctor(monkeypatch, model, *argv)
+    assert rc == 1 and checks["hidden size"].fix == reason
+    engine_config(model, LOW_LATENCY)  # LL pads it to 2048
+    engine_config(write_model(tmp_path / "even", hidden_size=136), HIGH_THROUGHPUT)

@@ -62,7 +62,7 @@ def model_checks(
     if hidden is not None:
         reason = rules.hidden_reason(flag, backend, hidden)
         if not low_latency:
-            detail = f"{hidden} (high throughput takes any hidden size)"
+            detail = f"{hidden} (high throughput takes any multiple of 8)"
         elif reason is not None:
             detail = f"{hidden} (LL sizes: {list(SUPPORTED_HIDDEN_SIZES)})"
         elif round_up_ll_hidden_size(hidden) == hidden:

@@ -385,7 +385,18 @@ def expert_split_reason(flag: str, experts: int | None, redundant: int, ranks: i
 
 
 def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
-    if backend != backends.LOW_LATENCY or hidden is None or hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
+    if hidden is None:
+        return None
+    if backend != backends.LOW_LATENCY:
+        # nccl_ep.h: HT's max_token_bytes (hidden x 2 bytes of BF16) must be a multiple of 16.
+        if (hidden * 2) % 16 == 0:
+            return None
+        return (
+            f"{flag}: hidden size {hidden} makes {hidden * 2}-byte token rows, and NCCL-EP high "
+            "throughput moves rows in multiples of 16 bytes (a hidden size divisible by 8). "
+            "Use --all2all-backend flashinfer_ep_low_latency (it pads the hidden size)."
+        )
+    if hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
         return None
     return (
         f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
