@@ -85,17 +85,28 @@ def dtype_name(value: Any) -> str | None:
 
 
 def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """config.json with --hf-overrides applied as vLLM applies a dict of them: a nested
-    model config (text_config, ...: a `*_config` other than quantization_config) is
-    updated key by key, any other key (dict-valued ones too) is replaced."""
+    """config.json with --hf-overrides applied as vLLM applies a dict of them
+    (ModelConfig._apply_dict_overrides): a nested model config (text_config, ...: a
+    top-level `*_config` other than quantization_config) is updated recursively, dicts
+    inside it too; any other top-level key, dict-valued or not, is replaced."""
     merged = dict(config)
     for key, value in overrides.items():
         nested = key.endswith("_config") and key != "quantization_config"
         if nested and isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
+            merged[key] = _merged(merged[key], value)
         else:
             merged[key] = value
     return merged
+
+
+def _merged(target: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    out = dict(target)
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int = 0) -> ModelShape:

@@ -511,7 +511,8 @@ class FakeFleet:
         the rank being masked): each publishes its view, waits up to `timeout_s` for the
         peers it believes alive, ANDs what arrived and masks who did not; the lowest
         survivor's result is the one every rank applies. Raises MoEEpRankEvictedError
-        when that result masks this rank, as FlashInfer does."""
+        when that result masks this rank, as FlashInfer does. Not modelled: a coordinator
+        that dies mid-agreement (FlashInfer elects the next survivor; the fake raises)."""
         self._require_ft("reconcile_active_mask")
         _reject_graph_capture("reconcile_active_mask")
         rank, world = self._bootstrap.rank, self._bootstrap.world_size

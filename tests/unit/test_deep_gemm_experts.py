@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from tiny_models import engine_config, write_model
+from tiny_models import DEEPSEEK_V3_MTP, engine_config, write_model
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     fp8_w8a8_moe_quant_config,
@@ -465,27 +465,29 @@ def test_doctor_reads_the_ignore_list_as_the_engine_does(experts_left_bf16, monk
 
 
 @pytest.fixture(scope="module")
-def bf16_draft(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("draft"))
+def mtp_target(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("dsv3-mtp"), base=DEEPSEEK_V3_MTP)
 
 
-def _with_draft(draft: str, **spec) -> dict:
-    config = dict(method="draft_model", model=draft, num_speculative_tokens=2, **spec)
+def _with_mtp(**spec) -> dict:
+    config = dict(method="mtp", num_speculative_tokens=1, **spec)
     return dict(quantization="fp8_per_block", speculative_config=config)
 
 
 @pytest.mark.usefixtures("hopper")
-def test_auto_keeps_triton_for_a_bf16_moe_draft_that_inherits_it(tiny_moe, bf16_draft, caplog):
-    """A draft model inherits --moe-backend unless its speculative config names one."""
+def test_auto_gives_deep_gemm_to_an_mtp_draft_quantized_like_its_target(mtp_target, caplog):
+    """An MTP draft inherits --moe-backend and the target's quantization: its MoE layers
+    are 128x128 block FP8 too, so `auto` keeps DeepGEMM for both."""
     with caplog.at_level(logging.INFO):
-        cfg = engine_config(tiny_moe, LOW_LATENCY, **_with_draft(bf16_draft))
-    assert cfg.kernel_config.moe_backend == "triton"
-    assert "speculative draft's MoE layers (quantization none)" in caplog.text
+        cfg = engine_config(mtp_target, LOW_LATENCY, **_with_mtp())
+    assert cfg.speculative_config.draft_model_config.is_moe
+    assert cfg.kernel_config.moe_backend == "deep_gemm"
+    assert "speculative draft's MoE layers" not in caplog.text
 
 
 @pytest.mark.usefixtures("hopper")
-def test_a_draft_with_its_own_moe_backend_leaves_deep_gemm_to_the_target(tiny_moe, bf16_draft):
-    cfg = engine_config(tiny_moe, LOW_LATENCY, **_with_draft(bf16_draft, moe_backend="triton"))
+def test_a_draft_with_its_own_moe_backend_leaves_deep_gemm_to_the_target(mtp_target):
+    cfg = engine_config(mtp_target, LOW_LATENCY, **_with_mtp(moe_backend="triton"))
     assert cfg.kernel_config.moe_backend == "deep_gemm"
 
 
@@ -497,3 +499,18 @@ def test_a_budget_lowered_under_auto_keeps_deep_gemm_tiles(tmp_path, monkeypatch
     fit = cfg.scheduler_config.max_num_batched_tokens
     assert fit < 100_001 and fit % 64 == 0
     assert cfg.kernel_config.moe_backend == "deep_gemm"
+
+
+@pytest.mark.usefixtures("hopper")
+def test_a_moe_draft_quantized_otherwise_keeps_auto_off_deep_gemm(mtp_target):
+    """A MoE draft that is not 128x128 block FP8 (an EAGLE head of a BF16 checkpoint; on
+    CPU, the real MTP config with its draft's quantization taken away) cannot take
+    DeepGEMM, and inherits --moe-backend unless the speculative config names its own."""
+    from vllm_flashinfer_ep.vllm.fp8_experts_choice import draft_moe
+
+    cfg = engine_config(mtp_target, LOW_LATENCY, **_with_mtp())
+    assert draft_moe(cfg) is None  # quantized like the target
+    cfg.speculative_config.draft_model_config.quantization = None
+    assert "inherit --moe-backend" in draft_moe(cfg)
+    cfg.speculative_config.moe_backend = "triton"
+    assert draft_moe(cfg) is None

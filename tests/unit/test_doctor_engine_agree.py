@@ -438,12 +438,37 @@ def test_hf_overrides_reach_doctor_as_they_reach_the_engine(tiny_moe_model, monk
     assert rc == 1 and checks["top_k"].fix == reason
 
 
-def test_overrides_update_a_nested_model_config_and_replace_other_dicts():
+def test_overrides_merge_as_vllm_merges_them():
+    """Against vLLM's own ModelConfig._apply_dict_overrides on the transformers config the
+    same config.json loads as: a nested model config is updated recursively (dicts in it
+    too), a top-level dict attribute is replaced."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+    from vllm.config.model import ModelConfig
+
     from vllm_flashinfer_ep.model_shape import with_overrides
 
-    cfg = {"text_config": {"hidden_size": 1, "top": 2}, "quantization_config": {"a": 1, "b": 2}}
-    got = with_overrides(cfg, {"text_config": {"hidden_size": 3}, "quantization_config": {"a": 5}})
-    assert got == {"text_config": {"hidden_size": 3, "top": 2}, "quantization_config": {"a": 5}}
+    cfg = {
+        "text_config": {"hidden_size": 1, "top": 2, "quantization_config": {"a": 1, "b": 2}},
+        "quantization_config": {"a": 1, "b": 2},
+    }
+    overrides = {
+        "text_config": {"hidden_size": 3, "quantization_config": {"a": 5}},
+        "quantization_config": {"a": 5},
+    }
+    hf = PretrainedConfig(quantization_config=dict(cfg["quantization_config"]))
+    hf.text_config = PretrainedConfig(**{k: v for k, v in cfg["text_config"].items()})
+    hf.text_config.quantization_config = dict(cfg["text_config"]["quantization_config"])
+    shim = SimpleNamespace()  # vLLM's methods, without building a whole ModelConfig
+    shim._update_nested = lambda target, updates: ModelConfig._update_nested(shim, target, updates)
+    ModelConfig._apply_dict_overrides(shim, hf, overrides)
+    got = with_overrides(cfg, overrides)
+    assert got["quantization_config"] == hf.quantization_config == {"a": 5}
+    assert got["text_config"]["quantization_config"] == hf.text_config.quantization_config
+    assert got["text_config"]["quantization_config"] == {"a": 5, "b": 2}
+    assert got["text_config"]["hidden_size"] == hf.text_config.hidden_size == 3
+    assert got["text_config"]["top"] == 2
 
 
 def test_an_fp8_checkpoint_in_another_format_is_told_which_fp8_format_is_served(tmp_path):

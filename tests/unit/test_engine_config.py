@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from tiny_models import engine_config, write_model
+from tiny_models import DEEPSEEK_V3_MTP, QWEN3_MOE, engine_config, write_model
 
 import vllm_flashinfer_ep
 from vllm_flashinfer_ep import envs
@@ -252,6 +252,23 @@ def test_context_parallel_runs_the_all2all_at_dp_1_and_gets_the_policy(
 
 
 @pytest.mark.usefixtures("graphs_on")
+def test_policy_is_idle_without_expert_parallel(tiny_moe):
+    # dp 2 without --enable-expert-parallel: vLLM's naive DP path runs, not this backend.
+    vllm_mode = _mode_without_plugin(tiny_moe)
+    cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, enable_expert_parallel=False)
+    assert cfg.compilation_config.cudagraph_mode.name == vllm_mode
+
+
+def test_ht_runs_unquantized_experts_on_triton_under_auto(tiny_moe, caplog):
+    # vLLM's auto would take FlashInfer's TRT-LLM BF16 experts on Blackwell.
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, HIGH_THROUGHPUT)
+    assert cfg.kernel_config.moe_backend == "triton"
+    assert "auto -> triton" in caplog.text
+    assert engine_config(tiny_moe, LOW_LATENCY).kernel_config.moe_backend == "auto"
+
+
+@pytest.mark.usefixtures("graphs_on")
 def test_policy_is_idle_at_dp_1(tiny_moe):
     vllm_mode = _mode_without_plugin(tiny_moe)
     cfg = engine_config(tiny_moe, HIGH_THROUGHPUT, data_parallel_size=1)
@@ -347,33 +364,41 @@ def test_nccl_ep_s_own_timeout_variable_is_named_when_it_overrides_ours(
 
 
 # ------------------------------------------------------- a speculative draft with MoE layers
-def _draft(tmp_path, **overrides) -> dict:
+def _draft_model(tmp_path, **overrides) -> dict:
     draft = write_model(tmp_path / "draft", **overrides)
     return dict(
         speculative_config=dict(method="draft_model", model=draft, num_speculative_tokens=2)
     )
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"num_experts_per_tok": MAX_TOPK_LL + 1}, "routes each token to"),
-        ({"hidden_size": 10240}, "exceeds the largest NCCL-EP low-latency size"),
-        ({"num_experts": 6, "num_experts_per_tok": 2}, "do not split evenly over 4 EP ranks"),
-    ],
-    ids=["top_k", "hidden", "split"],
-)
-def test_a_moe_draft_the_backend_cannot_take_is_refused_naming_the_draft(
-    tiny_moe, tmp_path, overrides, message
-):
-    # The draft's MoE layers run through the backend too (a fleet of their own shape);
-    # the worker failed on them at load (HandlePool's top_k, the LL hidden round-up).
-    kwargs = _draft(tmp_path, **overrides)
+def test_a_moe_draft_model_draft_is_refused_naming_what_to_serve(tiny_moe, tmp_path):
+    # vLLM builds a draft_model draft under its own ParallelConfig (all2all backend
+    # allgather_reducescatter); its MoE layers would all-gather through the EP group's
+    # manager, which is ours and has no dispatch: the first forward would fail.
     with pytest.raises(FlashInferEPConfigError) as info:
-        engine_config(tiny_moe, LOW_LATENCY, data_parallel_size=4, **kwargs)
+        engine_config(tiny_moe, LOW_LATENCY, **_draft_model(tmp_path))
     text = str(info.value)
-    assert "the speculative draft model" in text and message in text
+    assert "the speculative draft model" in text and "method mtp or eagle" in text
 
 
-def test_a_moe_draft_the_backend_takes_is_accepted(tiny_moe, tmp_path):
-    engine_config(tiny_moe, LOW_LATENCY, **_draft(tmp_path))
+def test_a_dense_draft_model_draft_is_accepted(tiny_moe, tmp_path):
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "mlp_only_layers")
+    dense = {k: v for k, v in QWEN3_MOE.items() if k not in moe_keys and k != "decoder_sparse_step"}
+    dense.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    engine_config(tiny_moe, LOW_LATENCY, **_draft_model(tmp_path, base=dense))
+
+
+@pytest.mark.usefixtures("eplb_platform")
+def test_an_mtp_draft_shares_the_target_s_redundant_experts(tmp_path):
+    # MTP layers are built under the target's parallel config: 8 experts + 2 redundant
+    # split over 5 EP ranks for the draft as for the target (8 alone would not).
+    model = write_model(tmp_path / "dsv3", base=DEEPSEEK_V3_MTP)
+    cfg = engine_config(
+        model,
+        LOW_LATENCY,
+        data_parallel_size=5,
+        enable_eplb=True,
+        eplb_config={"num_redundant_experts": 2},
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    assert cfg.speculative_config.draft_model_config.is_moe

@@ -55,6 +55,9 @@ logger = get_logger(__name__)
 
 # flashinfer/moe_ep/core/comm/fault_tolerance.py
 ACTIVE = 1
+# The survivors' agreement is a host round trip through the rendezvous store: it waits
+# for a peer at least this long, however short the kernels' FT timeout is set.
+AGREE_MIN_S = 5.0
 
 
 class FaultToleranceAdapter:
@@ -129,19 +132,23 @@ class FaultToleranceAdapter:
         _reject_capture("clean_buffers")
         self._unrecovered = []
         refused: list[str] = []
+        # A peer silent for the FT timeout is dead (the kernels' own rule), given the
+        # store's round trip at least AGREE_MIN_S.
+        wait_s = max(envs.ft_timeout_ms() / 1000, AGREE_MIN_S)
         for index, fleet in enumerate(self._ft_fleets()):
             try:
                 fleet.clear_faults(readmit=True)
             except Exception as exc:  # noqa: BLE001 - reported through query_fault
-                # E.g. a fleet no round ever ran on (no handle yet) on every rank, or
-                # NCCL-EP's clean failed (its fault flag then stays set).
+                # NCCL-EP's clean failed here (its flag stays set), or no round ever ran
+                # on the fleet (no handle: not after load, where every fleet's pool has
+                # its handles). This rank still takes part in the agreement below.
                 refused.append(f"fleet {index}: {type(exc).__name__}: {exc}")
-                continue
             if fleet.query_active_mask().numel() == 1:
                 continue  # EP world 1: nobody to agree with
             try:
-                # A peer silent for the FT timeout is dead: the kernels' own rule.
-                fleet.reconcile_active_mask(timeout_s=envs.ft_timeout_ms() / 1000)
+                # Every rank agrees on every fleet, in order, even after a failed clean:
+                # FlashInfer numbers each fleet's store keys by the order of first use.
+                fleet.reconcile_active_mask(timeout_s=wait_s)
             except Exception as exc:  # noqa: BLE001 - e.g. the peers evicted this rank
                 self._unrecovered.append(f"fleet {index}: {type(exc).__name__}: {exc}")
         masked = self._masked("clean_buffers").nonzero().flatten().tolist()

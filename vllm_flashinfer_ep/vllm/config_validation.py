@@ -278,6 +278,15 @@ def _check_unquantized_experts(vllm_config: Any, backend: str, flag: str) -> Non
     reason = unquantized_experts_reason(flag, backend, kernel.moe_backend)
     if reason is not None:
         raise FlashInferEPConfigError(reason)
+    if backend == backends.HIGH_THROUGHPUT and kernel.moe_backend == "auto":
+        # vLLM's auto prefers FlashInfer's TRT-LLM BF16 experts on Blackwell (Triton on
+        # Hopper); HT hands its flat rows to vLLM's Triton experts, the ones it is run with.
+        kernel.moe_backend = "triton"
+        logger.info(
+            "%s: unquantized MoE layers use --moe-backend auto -> triton (vLLM's Triton "
+            "experts, what this backend hands its received rows to).",
+            flag,
+        )
 
 
 def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
@@ -337,20 +346,41 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
 
 
 def _validate_draft(vllm_config: Any, backend: str, flag: str) -> None:
-    """A speculative draft with MoE layers runs them through the same backend (a fleet of
-    its own shape): the model rules and the expert split apply to it too."""
+    """A speculative draft with MoE layers. MTP and EAGLE drafts are built under the
+    target's parallel config, so their MoE layers run through this backend (a fleet of
+    their own shape, EPLB's redundant experts included): the model rules and the expert
+    split apply to them. A `draft_model` draft gets a parallel config of its own, whose
+    all2all backend is vLLM's default (allgather_reducescatter): its MoE layers would
+    all-gather through the EP group's all2all manager, which is this backend's and has
+    no such operation, so the worker would fail at its first forward."""
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     if draft is None or getattr(draft, "is_moe", False) is not True:
         return
-    shape = model_shape.read_shape(draft.hf_config, getattr(draft, "hf_text_config", None))
+    if getattr(spec, "method", None) == "draft_model":
+        raise FlashInferEPConfigError(
+            f"{flag}: the speculative draft model ({draft.model}) has MoE layers, and vLLM "
+            "builds a draft_model draft with a parallel config of its own whose all2all "
+            "backend is allgather_reducescatter; that all-gather would run through this "
+            "backend's all2all manager, which has none. Serve a dense draft model, or a "
+            "draft that shares the target's layers' parallel config (method mtp or eagle), "
+            "in --speculative-config."
+        )
+    target = model_shape.from_vllm_config(vllm_config)
+    shape = model_shape.read_shape(
+        draft.hf_config,
+        getattr(draft, "hf_text_config", None),
+        redundant_experts=target.redundant_experts,
+    )
     par = vllm_config.parallel_config
     ranks = config_rules.ep_ranks(
         par.data_parallel_size, par.tensor_parallel_size, par.prefill_context_parallel_size
     )
     try:
         _validate_model(draft, shape, backend, flag)
-        split = config_rules.expert_split_reason(flag, shape.physical_experts, 0, ranks)
+        split = config_rules.expert_split_reason(
+            flag, shape.physical_experts, shape.redundant_experts, ranks
+        )
         if split is not None:
             raise FlashInferEPConfigError(split)
     except FlashInferEPConfigError as exc:

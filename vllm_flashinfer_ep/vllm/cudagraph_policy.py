@@ -2,8 +2,8 @@
 
 Called for every engine config (patched `set_splitting_ops_for_v1`), so it applies in
 every compilation mode (vLLM's own DeepEP-HT gate only runs under VLLM_COMPILE). It only
-matters where the all2all runs at all: vLLM's `ParallelConfig.use_all2all` for a MoE
-model (dp > 1, and also EP with prefill context parallel at dp 1). vLLM passes the
+matters where the all2all runs at all: vLLM's `ParallelConfig.use_all2all` with expert
+parallelism for a MoE model (dp > 1, and also EP with prefill context parallel at dp 1). vLLM passes the
 hook only the data-parallel size, so the engine config being built names the rest
 (`for_engine`, around vLLM's `VllmConfig.__post_init__`). The decision is logged with
 its reason.
@@ -52,8 +52,8 @@ _ALL2ALL_RUNS: ContextVar[bool | None] = ContextVar("flashinfer_ep_all2all_runs"
 @contextlib.contextmanager
 def for_engine(vllm_config) -> Iterator[None]:
     """While `vllm_config` is built: the all2all runs where vLLM says it does."""
-    model = vllm_config.model_config
-    runs = bool(vllm_config.parallel_config.use_all2all) and (model is None or model.is_moe)
+    model, par = vllm_config.model_config, vllm_config.parallel_config
+    runs = bool(par.use_all2all and par.enable_expert_parallel) and (model is None or model.is_moe)
     token = _ALL2ALL_RUNS.set(runs)
     try:
         yield
