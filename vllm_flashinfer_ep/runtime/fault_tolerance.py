@@ -19,7 +19,7 @@ re-admits every masked peer with `clear_faults(readmit=True)`. That is NCCL-EP's
 `ncclEpMaskClean`, whose barrier skips masked peers and which then sets every mask
 to active (nccl_ep.h), a dead peer's too. So the survivors then agree on who took
 part (`reconcile_active_mask`, FlashInfer's store-based agreement: a peer silent
-past the FT timeout is masked). A peer that did not answer the retry (dead, or
+past the FT timeout, and at least AGREE_MIN_S, is masked). A peer that did not answer the retry (dead, or
 never sent it) is masked again and keeps reading as a fault, as does a fleet whose
 re-admission or agreement failed: the adapter never reports healthy while any
 fleet masks a peer (no degraded serving). At EP world 1 there is no peer to agree
