@@ -489,3 +489,17 @@ def test_an_ht_hidden_size_not_divisible_by_8_fails_in_both(tmp_path, monkeypatc
     assert rc == 1 and checks["hidden size"].fix == reason
     engine_config(model, LOW_LATENCY)  # LL pads it to 2048
     engine_config(write_model(tmp_path / "even", hidden_size=136), HIGH_THROUGHPUT)
+
+
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_elastic_ep_fails_in_both(tiny_moe_model, monkeypatch, backend):
+    # Elastic EP's groups are stateless: no torch.distributed group to bootstrap NCCL-EP.
+    import vllm.config.parallel as parallel
+
+    monkeypatch.setattr(parallel.current_platform, "is_cuda_alike", lambda: True)  # EPLB
+    kwargs = dict(enable_elastic_ep=True, enable_eplb=True, eplb_config={"use_async": False})
+    reason = _engine_refusal(tiny_moe_model, backend, **kwargs)
+    assert "Remove --enable-elastic-ep" in reason
+    argv = ["--all2all-backend", backend, "-dp", "2", "-ep", "--enable-elastic-ep"]
+    rc, checks = _doctor(monkeypatch, tiny_moe_model, *argv, "--enable-eplb")
+    assert rc == 1 and checks["elastic EP"].fix == reason

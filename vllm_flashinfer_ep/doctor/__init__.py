@@ -194,6 +194,7 @@ def add_parser(subparsers) -> None:
     switch(serve, "--enable-dbo")
     serve.add_argument("--ubatch-size", type=non_negative, default=0, metavar="N")
     switch(serve, "--enable-fault-tolerance")
+    switch(serve, "--enable-elastic-ep")
     serve.add_argument(
         "--fault-tolerance-config",
         type=json_object,

@@ -65,6 +65,9 @@ def serve_checks(settings: ServeSettings) -> list[Check]:
         reason = rules.fault_tolerance_reason(flag, backend, settings.enable_fault_tolerance)
         detail = f"--enable-fault-tolerance with {backend}"
         checks.append(Check("fault tolerance", reason is None, detail, reason or ""))
+    if settings.enable_elastic_ep:
+        reason = rules.elastic_ep_reason(flag, True)
+        checks.append(Check("elastic EP", False, "--enable-elastic-ep", reason or ""))
     if settings.expert_placement_strategy != "linear":
         reason = rules.placement_reason(flag, settings.expert_placement_strategy)
         detail = f"--expert-placement-strategy {settings.expert_placement_strategy}"

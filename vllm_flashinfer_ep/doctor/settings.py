@@ -39,6 +39,7 @@ class ServeSettings:
     enable_dbo: bool = False
     ubatch_size: int = 0
     enable_fault_tolerance: bool = False
+    enable_elastic_ep: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
@@ -68,6 +69,7 @@ class ServeSettings:
             # vLLM: --fault-tolerance-config turns fault tolerance on (EngineArgs.__post_init__)
             enable_fault_tolerance=bool(args.enable_fault_tolerance)
             or args.fault_tolerance_config is not None,
+            enable_elastic_ep=bool(getattr(args, "enable_elastic_ep", False)),
         )
 
     @property

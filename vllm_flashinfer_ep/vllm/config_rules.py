@@ -24,6 +24,19 @@ from vllm_flashinfer_ep.runtime.limits import (
 GIB = float(1 << 30)
 
 
+def elastic_ep_reason(flag: str, enable_elastic_ep: bool) -> str | None:
+    """Why --enable-elastic-ep is refused, or None: elastic EP makes its EP group without
+    torch.distributed, and NCCL-EP's fleet is bootstrapped from a torch.distributed group
+    (its communicator, the ranks' agreement at load, the FT rendezvous store)."""
+    if not enable_elastic_ep:
+        return None
+    return (
+        f"{flag} bootstraps NCCL-EP from the EP group's torch.distributed process group, "
+        "which elastic EP does not create (its groups are stateless). Remove "
+        "--enable-elastic-ep."
+    )
+
+
 def ubatching_reason(flag: str, use_ubatching: bool) -> str | None:
     """Why micro-batching (vLLM's `ParallelConfig.use_ubatching`: --enable-dbo or
     --ubatch-size > 1) is refused, or None."""

@@ -63,6 +63,7 @@ def validate(vllm_config: Any) -> None:
     for reason in (
         ubatching_reason(flag, par.use_ubatching),
         fault_tolerance_reason(flag, backend, par.enable_fault_tolerance),
+        config_rules.elastic_ep_reason(flag, bool(getattr(par, "enable_elastic_ep", False))),
     ):
         if reason is not None:
             raise FlashInferEPConfigError(reason)
