@@ -9,8 +9,10 @@
 #      temporary copy: nothing is left in the source tree), and left alone when it is the
 #      editable install of this checkout that scripts/test.sh makes;
 #   3. `vllm-flashinfer-ep doctor` with the same serve arguments vllm serve gets;
-#   4. vllm serve --data-parallel-size <GPUs> --enable-expert-parallel
-#      --all2all-backend flashinfer_ep_low_latency [extra args] (later arguments win).
+#   4. vllm serve --data-parallel-size <GPUs / (TP x PP)> --enable-expert-parallel
+#      --all2all-backend flashinfer_ep_low_latency [extra args] (later arguments win;
+#      a --data-parallel-size among them is used as given, and TP x PP from them
+#      divides the GPUs among the data-parallel ranks).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -42,6 +44,38 @@ if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
 fi
 if [ "$gpus" -lt 2 ]; then
   fail "found $gpus usable GPU(s); expert parallelism over NCCL-EP needs 2 or more (with one, --data-parallel-size 1 leaves the backend idle). Nothing was installed."
+fi
+
+# The data-parallel size: the extra arguments' own, or the GPUs over TP x PP.
+arg_value() { # arg_value LONG SHORT ARGS...: the last value given for a flag, or nothing
+  local long="$1" short="$2" value="" prev=""
+  shift 2
+  for arg in "$@"; do
+    case "$prev" in "$long" | "$short") value="$arg" ;; esac
+    case "$arg" in "$long="* | "$short="*) value="${arg#*=}" ;; esac
+    prev="$arg"
+  done
+  printf '%s' "$value"
+}
+positive() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
+tp="$(arg_value --tensor-parallel-size -tp "$@")"
+pp="$(arg_value --pipeline-parallel-size -pp "$@")"
+dp="$(arg_value --data-parallel-size -dp "$@")"
+for pair in "tensor-parallel-size:${tp:-1}" "pipeline-parallel-size:${pp:-1}" "data-parallel-size:${dp:-1}"; do
+  positive "${pair#*:}" || fail "--${pair%%:*} ${pair#*:} is not a positive integer. Nothing was installed."
+done
+per_rank=$((${tp:-1} * ${pp:-1}))
+if [ -z "$dp" ]; then
+  if [ $((gpus % per_rank)) -ne 0 ]; then
+    fail "$gpus GPUs do not divide into data-parallel ranks of --tensor-parallel-size ${tp:-1} x --pipeline-parallel-size ${pp:-1}; pass sizes whose product divides $gpus, or --data-parallel-size. Nothing was installed."
+  fi
+  dp=$((gpus / per_rank))
+  dp_args=(--data-parallel-size "$dp")
+else
+  dp_args=()  # the user's own, among the extra arguments
+fi
+if [ "$dp" -lt 2 ]; then
+  fail "--data-parallel-size $dp: expert parallelism over NCCL-EP needs 2 or more data-parallel ranks (with one, the backend is idle). Nothing was installed."
 fi
 
 # 2. The virtualenv and the package, only when missing or out of date.
@@ -84,12 +118,12 @@ else
 fi
 
 # 3. doctor with the arguments vllm serve gets.
-serve_args=(--data-parallel-size "$gpus" --enable-expert-parallel
+serve_args=("${dp_args[@]}" --enable-expert-parallel
   --all2all-backend flashinfer_ep_low_latency "$@")
 if ! "$venv/bin/vllm-flashinfer-ep" doctor --model "$model" "${serve_args[@]}"; then
   fail "doctor found problems (listed above): fix them and run again. vllm serve was not started."
 fi
 
 # 4. Serve.
-echo "serve.sh: starting vllm serve $model on $gpus GPUs: ${serve_args[*]}" >&2
+echo "serve.sh: starting vllm serve $model on $((dp * per_rank)) GPUs: ${serve_args[*]}" >&2
 exec "$venv/bin/vllm" serve "$model" "${serve_args[@]}"

@@ -62,7 +62,9 @@ def test_dockerfile_contract() -> None:
     for name in ("LD_PRELOAD", "NCCL_EP_JIT_NVCC", "NCCL_EP_JIT_CACHE_DIR"):
         assert re.search(rf"^\s*(ENV )?{name}=/", text, re.M), name
     assert 'VOLUME ["/var/cache/nccl-ep"]' in text
-    assert re.search(r'^HEALTHCHECK .*\n\s*CMD \["vllm-flashinfer-ep", "doctor"\]', text, re.M)
+    # A serving container is as healthy as its server (vLLM's /health), not the host.
+    assert re.search(r"^HEALTHCHECK .*\n\s*CMD \[.*127\.0\.0\.1:8000/health", text, re.M)
+    assert re.search(r'^CMD \["vllm-flashinfer-ep", "doctor"\]', text, re.M)
     assert "vllm-flashinfer-ep doctor --link-runtime /opt/vllm-flashinfer-ep" in text
     assert "RUN vllm-flashinfer-ep doctor --no-gpu" in text
     # Everything COPY'd is let through the build context filter.

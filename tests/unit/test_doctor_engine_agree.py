@@ -503,3 +503,18 @@ def test_elastic_ep_fails_in_both(tiny_moe_model, monkeypatch, backend):
     argv = ["--all2all-backend", backend, "-dp", "2", "-ep", "--enable-elastic-ep"]
     rc, checks = _doctor(monkeypatch, tiny_moe_model, *argv, "--enable-eplb")
     assert rc == 1 and checks["elastic EP"].fix == reason
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"), [("other", False), ("", False), ("x,flashinfer_ep", True)]
+)
+def test_vllm_plugins_that_leave_the_plugin_out_fail_doctor(monkeypatch, value, ok):
+    # vLLM loads only the general plugins VLLM_PLUGINS names (plugins/__init__.py); without
+    # ours, `vllm serve` refuses --all2all-backend flashinfer_ep_* as an invalid choice.
+    from vllm_flashinfer_ep.doctor.host import package_checks
+
+    monkeypatch.setenv("VLLM_PLUGINS", value)
+    [check] = [c for c in package_checks() if c.name == "VLLM_PLUGINS"]
+    assert check.ok is ok
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert not [c for c in package_checks() if c.name == "VLLM_PLUGINS"]

@@ -284,3 +284,51 @@ def test_help_prints_the_usage_and_touches_nothing(host, flag):
     assert result.stdout.splitlines()[0].startswith("Serve an MoE model with expert parallelism")
     assert "bash scripts/serve.sh [MODEL] [extra vllm serve args...]" in result.stdout
     assert host.calls() == [] and not host.venv.exists()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "extra", "dp_flag"),
+    [
+        (4, ["-tp", "2"], ["--data-parallel-size", "2"]),  # 2 ranks of 2 GPUs
+        (
+            8,
+            ["--tensor-parallel-size=2", "--pipeline-parallel-size", "2"],
+            ["--data-parallel-size", "2"],
+        ),
+        (4, ["--data-parallel-size", "2"], []),  # the user's own size, used as given
+    ],
+    ids=["tp2-on-4", "tp2-pp2-on-8", "own-dp"],
+)
+def test_the_data_parallel_size_leaves_room_for_tp_and_pp(host, gpus, extra, dp_flag):
+    # dp = GPUs would start dp x tp x pp ranks on fewer GPUs.
+    host.gpus(gpus)
+    result = host.serve(MODEL, *extra)
+    assert result.returncode == 0, result.stderr
+    serve_args = " ".join(
+        [
+            *dp_flag,
+            "--enable-expert-parallel",
+            "--all2all-backend",
+            "flashinfer_ep_low_latency",
+            *extra,
+        ]
+    )
+    calls = host.calls()
+    assert calls[-2] == f"vllm-flashinfer-ep doctor --model {MODEL} {serve_args}"
+    assert calls[-1] == f"vllm serve {MODEL} {serve_args}"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "extra", "said"),
+    [
+        (4, ["--tensor-parallel-size", "3"], "4 GPUs do not divide into data-parallel ranks"),
+        (2, ["-tp", "2"], "--data-parallel-size 1: expert parallelism over NCCL-EP needs 2"),
+        (4, ["-tp", "two"], "--tensor-parallel-size two is not a positive integer"),
+    ],
+)
+def test_sizes_that_leave_no_two_ranks_stop_before_any_install(host, gpus, extra, said):
+    host.gpus(gpus)
+    result = host.serve(MODEL, *extra)
+    assert result.returncode == 1 and said in _one_message(result)
+    assert "Nothing was installed" in _one_message(result)
+    assert host.calls() == ["nvidia-smi -L"] and not host.venv.exists()

@@ -50,6 +50,18 @@ def package_checks() -> list[Check]:
             "pip install vllm-flashinfer-ep (the entry point makes vLLM load the plugin)",
         )
     )
+    allowed = os.environ.get("VLLM_PLUGINS")  # vLLM loads only the plugins it names
+    if allowed is not None:
+        named = allowed.split(",")
+        checks.append(
+            Check(
+                "VLLM_PLUGINS",
+                "flashinfer_ep" in named,
+                f"VLLM_PLUGINS={allowed!r}",
+                "vLLM loads only the general plugins VLLM_PLUGINS names: add flashinfer_ep "
+                "to it, or unset it",
+            )
+        )
     from vllm_flashinfer_ep.runtime.transport import handle_supports_update
 
     checks.append(
