@@ -518,3 +518,37 @@ def test_vllm_plugins_that_leave_the_plugin_out_fail_doctor(monkeypatch, value, 
     assert check.ok is ok
     monkeypatch.delenv("VLLM_PLUGINS")
     assert not [c for c in package_checks() if c.name == "VLLM_PLUGINS"]
+
+
+def _draft_seen(monkeypatch, model: str, spec: str):
+    from vllm_flashinfer_ep.doctor import model_verdicts
+
+    seen = []
+    real = model_verdicts.draft_check
+    monkeypatch.setattr(doctor, "draft_check", lambda *a: seen.append(real(*a)) or seen[-1])
+    argv = ["doctor", "--model", model, "-dp", "2", "-ep", "--speculative-config", spec]
+    return cli.main(argv), seen[0]
+
+
+def test_a_moe_draft_model_draft_fails_in_both(tmp_path, monkeypatch):
+    import json
+
+    target, draft = write_model(tmp_path / "t"), write_model(tmp_path / "d")
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    reason = _engine_refusal(target, speculative_config=spec)
+    rc, check = _draft_seen(monkeypatch, target, json.dumps(spec))
+    assert rc == 1 and not check.ok and check.fix == reason
+
+
+def test_a_dense_draft_model_draft_passes_doctor(tmp_path, monkeypatch):
+    import json
+
+    from tiny_models import QWEN3_MOE
+
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    dense = {k: v for k, v in QWEN3_MOE.items() if k not in moe_keys}
+    dense.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    target, draft = write_model(tmp_path / "t"), write_model(tmp_path / "d", base=dense)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    engine_config(target, LOW_LATENCY, speculative_config=spec)
+    assert _draft_seen(monkeypatch, target, json.dumps(spec))[1].ok

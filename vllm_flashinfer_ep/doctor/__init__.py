@@ -38,7 +38,7 @@ from vllm_flashinfer_ep.doctor.cli_args import (
 )
 from vllm_flashinfer_ep.doctor.host import driver_consequences, package_checks, variables_check
 from vllm_flashinfer_ep.doctor.model_config import load_model_config
-from vllm_flashinfer_ep.doctor.model_verdicts import model_checks
+from vllm_flashinfer_ep.doctor.model_verdicts import draft_check, model_checks
 from vllm_flashinfer_ep.doctor.serve_args import accepted_backends, serve_checks
 from vllm_flashinfer_ep.doctor.settings import ServeSettings
 from vllm_flashinfer_ep.runtime import env_checks
@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         sections.append(("vllm serve arguments", serve))
     if args.model:
         sections.append((f"model {args.model}", model_checks(args.model, settings=settings)))
+    draft = draft_check(getattr(args, "speculative_config", None), settings)
+    if draft is not None:
+        sections.append(("speculative draft", [draft]))
     failed = []
     for title, checks in sections:
         print(f"\n{title}:")
@@ -195,6 +198,13 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--ubatch-size", type=non_negative, default=0, metavar="N")
     switch(serve, "--enable-fault-tolerance")
     switch(serve, "--enable-elastic-ep")
+    serve.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="a draft_model draft's config.json is read: MoE drafts of that method fail",
+    )
     serve.add_argument(
         "--fault-tolerance-config",
         type=json_object,

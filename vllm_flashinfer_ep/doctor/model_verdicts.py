@@ -149,6 +149,26 @@ def model_checks(
     return checks
 
 
+def draft_check(spec: dict[str, Any] | None, settings: ServeSettings) -> Check | None:
+    """--speculative-config: the engine's verdict on a `draft_model` draft (the one method
+    whose draft runs under a parallel config of its own), from its config.json. MTP and
+    EAGLE drafts share the target's checks; other methods have no draft model."""
+    if not spec or spec.get("method") != "draft_model" or not spec.get("model"):
+        return None
+    if not (settings.use_all2all and settings.enable_expert_parallel):
+        return None
+    flag = f"--all2all-backend {checked_backend(settings.backend)}"
+    draft = str(spec["model"])
+    try:
+        cfg = load_model_config(draft)
+    except Exception as exc:  # noqa: BLE001 - report why the config is unreadable
+        return Check("draft model", True, f"{draft}: not checked ({exc})", "", warn=True)
+    if model_shape.read_shape(cfg).routed_experts is None:
+        return Check("draft model", True, f"{draft} (dense)")
+    reason = rules.draft_model_reason(flag, draft)
+    return Check("draft model", False, f"{draft} (MoE, method draft_model)", reason)
+
+
 def _fp8_experts_check(
     flag: str,
     backend: str,

@@ -24,6 +24,19 @@ from vllm_flashinfer_ep.runtime.limits import (
 GIB = float(1 << 30)
 
 
+def draft_model_reason(flag: str, draft: str) -> str:
+    """Why a `draft_model` speculative draft with MoE layers is refused: vLLM builds it
+    under a ParallelConfig of its own (all2all backend allgather_reducescatter), whose
+    all-gather would run through the EP group's all2all manager, this backend's."""
+    return (
+        f"{flag}: the speculative draft model ({draft}) has MoE layers, and vLLM builds a "
+        "draft_model draft with a parallel config of its own whose all2all backend is "
+        "allgather_reducescatter; that all-gather would run through this backend's all2all "
+        "manager, which has none. Serve a dense draft model, or a draft that shares the "
+        "target's layers' parallel config (method mtp or eagle), in --speculative-config."
+    )
+
+
 def elastic_ep_reason(flag: str, enable_elastic_ep: bool) -> str | None:
     """Why --enable-elastic-ep is refused, or None: elastic EP makes its EP group without
     torch.distributed, and NCCL-EP's fleet is bootstrapped from a torch.distributed group

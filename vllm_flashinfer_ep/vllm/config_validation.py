@@ -359,14 +359,7 @@ def _validate_draft(vllm_config: Any, backend: str, flag: str) -> None:
     if draft is None or getattr(draft, "is_moe", False) is not True:
         return
     if getattr(spec, "method", None) == "draft_model":
-        raise FlashInferEPConfigError(
-            f"{flag}: the speculative draft model ({draft.model}) has MoE layers, and vLLM "
-            "builds a draft_model draft with a parallel config of its own whose all2all "
-            "backend is allgather_reducescatter; that all-gather would run through this "
-            "backend's all2all manager, which has none. Serve a dense draft model, or a "
-            "draft that shares the target's layers' parallel config (method mtp or eagle), "
-            "in --speculative-config."
-        )
+        raise FlashInferEPConfigError(config_rules.draft_model_reason(flag, draft.model))
     target = model_shape.from_vllm_config(vllm_config)
     shape = model_shape.read_shape(
         draft.hf_config,
