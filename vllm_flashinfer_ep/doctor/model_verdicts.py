@@ -101,11 +101,7 @@ def model_checks(
         )
     checks.append(_dtype_check(shape, settings, flag))
     if settings.use_all2all and settings.enable_expert_parallel and shape.physical_experts:
-        ranks = rules.ep_ranks(
-            settings.data_parallel_size,
-            settings.tensor_parallel_size,
-            settings.prefill_context_parallel_size,
-        )
+        ranks = settings.ep_world
         split = rules.expert_split_reason(
             flag, shape.physical_experts, shape.redundant_experts, ranks
         )

@@ -387,12 +387,6 @@ def placement_reason(flag: str, placement: str) -> str | None:
     )
 
 
-def ep_ranks(data_parallel: int, tensor_parallel: int, context_parallel: int) -> int:
-    """EP ranks of an expert-parallel MoE layer: vLLM flattens TP across DP and prefill
-    context parallel and hands the experts over all of them (FusedMoEParallelConfig)."""
-    return data_parallel * tensor_parallel * context_parallel
-
-
 def expert_split_reason(flag: str, experts: int | None, redundant: int, ranks: int) -> str | None:
     """Why the physical experts (logical + EPLB redundant) cannot go to `ranks` EP ranks,
     or None: NCCL-EP gives every rank the same number of experts."""

@@ -93,13 +93,8 @@ def validate(vllm_config: Any) -> None:
         shape = model_shape.from_vllm_config(vllm_config)
         _validate_model(model, shape, backend, flag)
         if par.use_all2all and par.enable_expert_parallel and getattr(model, "is_moe", True):
-            ranks = config_rules.ep_ranks(
-                par.data_parallel_size,
-                par.tensor_parallel_size,
-                par.prefill_context_parallel_size,
-            )
             split = config_rules.expert_split_reason(
-                flag, shape.physical_experts, shape.redundant_experts, ranks
+                flag, shape.physical_experts, shape.redundant_experts, ep_world_size(par)
             )
             if split is not None:
                 raise FlashInferEPConfigError(split)
@@ -366,10 +361,7 @@ def _validate_draft(vllm_config: Any, backend: str, flag: str) -> None:
         getattr(draft, "hf_text_config", None),
         redundant_experts=target.redundant_experts,
     )
-    par = vllm_config.parallel_config
-    ranks = config_rules.ep_ranks(
-        par.data_parallel_size, par.tensor_parallel_size, par.prefill_context_parallel_size
-    )
+    ranks = ep_world_size(vllm_config.parallel_config)
     try:
         _validate_model(draft, shape, backend, flag)
         split = config_rules.expert_split_reason(
