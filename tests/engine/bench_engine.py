@@ -1,7 +1,7 @@
 """End-to-end decode throughput of the engine at EP world size 1, three configurations side by side.
 
     python tests/engine/bench_engine.py --shape tiny|qwen3-30b-a3b --out results.json
-        [--quantization fp8_per_block --configs no_ep,ll_graph,ll_graph_deepgemm]
+        [--quantization fp8_per_block --configs no_ep,ll_graph,ll_graph_triton]
 
 Configurations (one engine process each, run one after the other in this command):
   no_ep     : the same engine without expert parallelism (vLLM's default MoE path)
@@ -44,9 +44,12 @@ CONFIGS = {
     # LL on vLLM's batched experts kernel with the package's per-batch tile (the
     # received-rows experts of vllm/compact_experts.py off); LL with vLLM's own
     # batched-experts path (both off); and that lookup fed a table whose tile does not spill.
-    # LL with vLLM's batched DeepGEMM experts (block-FP8 only: pass --quantization
-    # fp8_per_block); vllm/deep_gemm_experts.py.
+    # FP8 (--quantization fp8_per_block): ll_graph is what `--moe-backend auto` picks, vLLM's
+    # batched DeepGEMM experts on Hopper (vllm/fp8_experts_choice.py; the JSON's "kernels"
+    # names them); ll_graph_deepgemm names them explicitly, ll_graph_triton takes the
+    # package's received-rows Triton experts instead (vllm/compact_experts_fp8.py).
     "ll_graph_deepgemm": ({"backend": LL, "moe_backend": "deep_gemm"}, {}),
+    "ll_graph_triton": ({"backend": LL, "moe_backend": "triton"}, {}),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
     "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
@@ -74,6 +77,18 @@ DEFAULT_CONFIGS = "no_ep,ll_graph,ll_pooloff"
 # first use, during the capture warm-up), no FlashInfer autotuning. Recorded in the JSON.
 FP8_STARTUP_ENV = {"VLLM_DEEP_GEMM_WARMUP": "skip"}
 FP8_STARTUP_SPEC = {"enable_flashinfer_autotune": False}
+# vLLM switches left at their defaults that decide which FP8 kernels are measured (DeepGEMM's
+# power-of-two scales; FlashInfer's block-FP8 GEMM for small linear batches): recorded as set.
+FP8_KERNEL_SWITCHES = ("VLLM_USE_DEEP_GEMM_E8M0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER")
+
+
+def startup_switches() -> dict:
+    """What the FP8 engines ran with: the start-up switches and the kernel switches' values
+    in this environment ("unset": vLLM's default)."""
+    import os
+
+    kernel = {name: os.environ.get(name, "unset") for name in FP8_KERNEL_SWITCHES}
+    return {**FP8_STARTUP_ENV, **FP8_STARTUP_SPEC, **kernel}
 
 
 def _tile_folder(work: Path, experts: int, intermediate: int) -> Path:
@@ -230,7 +245,7 @@ def _run(args, work: Path) -> int:
             doc = {"shape": args.shape, "meta": meta, "results": results}
             if args.quantization:
                 doc["quantization"] = args.quantization
-                doc["startup_switches"] = {**FP8_STARTUP_ENV, **FP8_STARTUP_SPEC}
+                doc["startup_switches"] = startup_switches()
             args.out.write_text(json.dumps(doc, indent=1))
     if not args.no_bench and all(len(r) == len(batches) for r in results.values()):
         print(table(args.shape, batches, results))

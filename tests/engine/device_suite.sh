@@ -8,8 +8,8 @@
 #          fp8-engine-select (the FP8 engine tests FP8_K selects, a pytest -k expression)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
-#          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py)
-#          bench-30b-fp8-CONFIG (one FP8 engine per call: no_ep, ll_graph, ll_graph_deepgemm)
+#          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py), fp8-compact (its received-rows tests alone)
+#          bench-30b-fp8-CONFIG (one FP8 engine per call: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton)
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
@@ -51,6 +51,10 @@ if [ -s "$FLASHINFER_EP_TEST_SERVER_GROUPS" ]; then
   : > "$FLASHINFER_EP_TEST_SERVER_GROUPS"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1  # a call cut at its limit keeps every line written so far
+# The engine test steps stop 575 s after the suite started (SIGINT, so pytest stops its
+# engines and prints its summary; SIGKILL 15 s later), inside the 600 s of one device call.
+left() { local l=$((575 - SECONDS)); [ "$l" -lt 30 ] && l=30; echo "$l"; }
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(doctor tests profile bench)
 rc=0
@@ -67,7 +71,7 @@ for step in "${steps[@]}"; do
       select+=(--ignore tests/engine/test_engine_fp8_world1.py)
       # Speculative decoding (~7 engines, ~100 s each) has its own step too.
       select+=(--ignore tests/engine/test_engine_spec_decode_world1.py)
-      python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
+      timeout -k 15 -s INT "$(left)" python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
     spec-decode|spec-decode-2|spec-decode-4)  # ngram speculation under LL graphs (the pool learns vLLM's captured counts)
@@ -82,6 +86,10 @@ for step in "${steps[@]}"; do
         tests/kernels/test_block_list_gpu.py \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
+    fp8-compact)  # the received-rows FP8 experts' GPU tests alone (about a minute)
+      python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py -p no:cacheprovider -rs -s -q \
+        -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
+      grep -E "passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -8 ;;
     fp8-experts)  # issue 28: the block-FP8 LL experts (received rows, DeepGEMM) against vLLM's, then timed side by side
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_deep_gemm_experts_gpu.py \
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
@@ -148,7 +156,8 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         fp8-engine-select) select=(-k "${FP8_K:?FP8_K=<pytest -k expression>}") ;;
         *) select=(-k "test_${step#fp8-engine-}_") ;;
       esac
-      python3 -m pytest tests/engine/test_engine_fp8_world1.py "${select[@]}" -p no:cacheprovider -rs -s -q \
+      timeout -k 15 -s INT "$(left)" python3 -m pytest tests/engine/test_engine_fp8_world1.py "${select[@]}" \
+        -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "floor|vs no EP|passed|failed|Error" "$out/pytest-$step.txt" | tail -20 ;;
     probe|sweep)  # the LL experts kernels at the 30B shape, side by side with no-EP's
@@ -200,7 +209,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht fp8-experts fp8-compact bench-30b-fp8-CONFIG)"; rc=2 ;;
   esac
 done
 exit "$rc"
