@@ -148,3 +148,54 @@ def test_captured_deep_gemm_follows_new_counts_and_rows(vllm_env, deep_gemm):  #
         assert _rel(counts, got, want, f"deep_gemm graph replay {seed}") < BOUND
         assert _worst_row(counts, got, want, f"deep_gemm graph replay {seed}") < ROW_BOUND
     del graph
+
+
+def test_after_the_warm_up_no_expected_m_compiles_while_serving(vllm_env, deep_gemm, monkeypatch):  # noqa: F811
+    """EP world > 1 (vllm/deep_gemm_warmup.py): the first eager call with DP metadata
+    compiles DeepGEMM's masked tiles for every expected_m vLLM can estimate; afterwards a
+    forward of any size launches at once (a compile takes seconds; a launch of a compiled
+    kernel, milliseconds) and matches vLLM's batched Triton experts."""
+    import time
+    from types import SimpleNamespace
+
+    import vllm.forward_context as fc
+
+    from tests.kernels.test_compact_experts_fp8_gpu import TOP_K
+    from vllm_flashinfer_ep.vllm import deep_gemm_warmup
+
+    def dp(total_tokens: int) -> None:  # vLLM's forward context at EP world 2
+        across = torch.tensor([total_tokens // 2, total_tokens - total_tokens // 2])
+        monkeypatch.setattr(
+            fc,
+            "_forward_context",
+            SimpleNamespace(dp_metadata=SimpleNamespace(num_tokens_across_dp_cpu=across)),
+        )
+
+    deep_gemm_warmup.reset()
+    p = DeepGemmProblem(seed=21)
+    dg, batched = _deep_gemm_experts(p), _experts(p.qc, compact=False)
+    assert deep_gemm_warmup.install(dg)
+    tokens = 32
+    counts = _routed_counts(tokens, 22)
+    p.load(counts, seed=22)
+    got = torch.zeros(EXPERTS, ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    dp(tokens)
+    start = time.monotonic()
+    p.run(dg, tokens, got, "fp8-wire-mn-major")  # the warm-up, then the call
+    torch.cuda.synchronize()
+    print(f"warm-up + first call: {time.monotonic() - start:.1f} s")
+    slowest = 0.0
+    for m in deep_gemm_warmup.expected_m_values(ROWS):
+        dp(-(-m * EXPERTS // TOP_K))  # vLLM's estimate for this many tokens is m
+        assert dg.estimate_expected_m(EXPERTS, ROWS, TOP_K) == m
+        start = time.monotonic()
+        p.run(dg, tokens, got, "fp8-wire-mn-major")
+        torch.cuda.synchronize()
+        slowest = max(slowest, time.monotonic() - start)
+    print(f"slowest call after the warm-up: {slowest * 1e3:.1f} ms")
+    assert slowest < 0.5, f"a call after the warm-up took {slowest:.2f} s (a compile)"
+    want = torch.zeros_like(got)
+    p.run(batched, tokens, want, "fp8-wire")
+    torch.cuda.synchronize()
+    assert _rel(counts, got, want, "deep_gemm after the warm-up") < BOUND
+    deep_gemm_warmup.reset()

@@ -1,7 +1,8 @@
 """Instance patches (kind INSTANCE, vllm/patches/_helper.py) on real vLLM objects.
 
-The two rows replace `apply` on vLLM 0.33.0's BatchedTritonExperts objects, one object at a
-time (vllm/batched_tiles.py, vllm/compact_experts.py). Here they are applied, checked and
+Two rows replace `apply` on vLLM 0.33.0's BatchedTritonExperts objects, one object at a
+time (vllm/batched_tiles.py, vllm/compact_experts.py); a third on its BatchedDeepGemmExperts
+(vllm/deep_gemm_warmup.py, tested in test_deep_gemm_warmup.py). Here they are applied, checked and
 undone on BatchedTritonExperts objects built on CPU (nothing is computed: the wrappers'
 results are tested in test_batched_tiles.py and test_compact_experts.py).
 """
@@ -14,6 +15,9 @@ import gc
 import pytest
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+    BatchedDeepGemmExperts,
+)
 from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
     BatchedTritonExperts,
     NaiveBatchedExperts,
@@ -21,7 +25,7 @@ from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
 
 from tests.unit.test_prepare_finalize_cpu import _moe_config
 from vllm_flashinfer_ep.backends import LOW_LATENCY
-from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, patches
+from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, deep_gemm_warmup, patches
 from vllm_flashinfer_ep.vllm.patches import _helper
 from vllm_flashinfer_ep.vllm.patches._helper import INSTANCE, PatchTargetError
 
@@ -56,11 +60,12 @@ def _is_vllm_s(experts) -> bool:
 
 def test_the_rows_are_instance_patches_that_check_against_this_vllm():
     text = patches.index()
-    assert patches.instance_patches() == (TILES, COMPACT)
+    assert patches.instance_patches() == (TILES, COMPACT, deep_gemm_warmup.PATCH)
     for patch in patches.instance_patches():
         assert patch.kind == INSTANCE and patch not in patches.PATCHES
         owner, attr, method = _helper.check(patch)
-        assert (owner, attr, method) == (BatchedTritonExperts, "apply", BatchedTritonExperts.apply)
+        cls = BatchedDeepGemmExperts if patch is deep_gemm_warmup.PATCH else BatchedTritonExperts
+        assert (owner, attr, method) == (cls, "apply", cls.apply)
         assert patch.expect == batched_tiles.APPLY_PARAMS
         assert patch.entry() in text
         for field in (patch.what, patch.why, patch.how, patch.upstream, patch.removal):

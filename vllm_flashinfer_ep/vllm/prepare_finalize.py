@@ -40,6 +40,7 @@ from vllm_flashinfer_ep.vllm import (
     batched_tiles,
     compact_experts,
     deep_gemm_experts,
+    deep_gemm_warmup,
     receive_quant,
 )
 
@@ -127,7 +128,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         vllm/compact_experts.py) and otherwise get
         their tile per batch (vllm/batched_tiles.py): instance patches of vllm/patches,
         applied to this experts object. vLLM's batched DeepGEMM experts (block FP8,
-        --moe-backend deep_gemm) get their scales MN-major (vllm/deep_gemm_experts.py)."""
+        --moe-backend deep_gemm) get their scales MN-major (vllm/deep_gemm_experts.py)
+        and their masked GEMM tiles compiled at load (vllm/deep_gemm_warmup.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
@@ -144,6 +146,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             if reason is not None:
                 raise FlashInferEPConfigError(reason)
             self._mn_major_scales = True
+            deep_gemm_warmup.install(fused_experts)
         batched_tiles.install(fused_experts)
         rnd = self._round
         compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)

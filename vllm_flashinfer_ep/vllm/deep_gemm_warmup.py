@@ -1,0 +1,172 @@
+"""DeepGEMM's masked GEMMs compiled at load for every tile EP world > 1 can ask for.
+
+Why: vLLM 0.33.0's `BatchedDeepGemmExperts` hands DeepGEMM an `expected_m` estimated for
+each forward from the DP metadata (every rank's tokens x top_k / experts, rounded up to
+16, clamped to [16, rows per expert]); DeepGEMM picks its tile from it and compiles a
+kernel (NVCC) the first time it meets a tile. vLLM's own DeepGEMM warm-up covers linear
+layers and contiguous grouped GEMMs, not the masked ones. At EP world 1 there is no DP
+metadata and `expected_m` is always the rows per expert, which the profile run compiles;
+above it, an eager step (a prefill) whose token count is new would make every rank
+compile inside the MoE layer, between dispatch and combine, while serving.
+
+Here the first eager call with DP metadata (vLLM's profile run, at load) runs vLLM's own
+`apply` once for each value `expected_m` can take, with every expert's received count at
+zero: no row is computed, each tile compiles. One warm-up per weight shape and process
+(compiled kernels are process-wide). `VLLM_DEEP_GEMM_WARMUP=skip` turns it off, as it
+turns off vLLM's warm-up. A warm-up that fails is logged and the call goes on as vLLM's.
+
+The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py), applied to each
+DeepGEMM experts object by the LL prepare/finalize's setup hook (`install`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, leave_to_vllm, named_args
+from vllm_flashinfer_ep.vllm.patches._helper import (
+    INSTANCE,
+    Patch,
+    PatchTargetError,
+    apply_instance,
+)
+
+logger = get_logger(__name__)
+
+TARGET = (
+    "vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe:"
+    "BatchedDeepGemmExperts.apply"
+)
+STEP = 16  # vLLM's estimate rounds up to multiples of 16 and never goes below 16
+_warmed: set[tuple] = set()  # weight shapes whose tiles this process compiled
+
+
+def expected_m_values(rows_per_expert: int) -> list[int]:
+    """Every `expected_m` vLLM 0.33.0's `BatchedDeepGemmExperts.estimate_expected_m` can
+    return for a buffer of `rows_per_expert` rows per expert."""
+    values = {min(rows_per_expert, m) for m in range(STEP, rows_per_expert + STEP, STEP)}
+    return sorted(values | {rows_per_expert})
+
+
+def _skipped_by_user() -> bool:
+    import vllm.envs as envs
+
+    return envs.VLLM_DEEP_GEMM_WARMUP == "skip"
+
+
+def _dp_metadata_present() -> bool:
+    """Whether this forward carries DP metadata (EP world > 1), from which vLLM estimates
+    `expected_m` per forward."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().dp_metadata is not None
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def warm(fused_experts: Any, original: Callable[..., Any], kw: dict) -> int:
+    """Run `original` (vLLM's apply) once per `expected_m` value with zero received rows;
+    returns how many runs. The experts object's `estimate_expected_m` is its own again
+    afterwards, whatever happens."""
+    meta = kw["expert_tokens_meta"]
+    empty = dataclasses.replace(
+        meta,
+        expert_num_tokens=meta.expert_num_tokens.new_zeros(meta.expert_num_tokens.shape),
+        expert_num_tokens_cpu=None,
+    )
+    values = expected_m_values(kw["hidden_states"].shape[1])
+    had_own = "estimate_expected_m" in vars(fused_experts)
+    own = vars(fused_experts).get("estimate_expected_m")
+    try:
+        for m in values:
+            fused_experts.estimate_expected_m = lambda *_, m=m, **__: m
+            original(**{**kw, "expert_tokens_meta": empty})
+    finally:
+        if had_own:
+            fused_experts.estimate_expected_m = own
+        else:
+            del fused_experts.estimate_expected_m
+    return len(values)
+
+
+def _warming_apply(fused_experts: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """`fused_experts.apply` that warms DeepGEMM's masked tiles on its first eager call
+    with DP metadata, around `original` (the instance patch's replacement)."""
+
+    def apply(*args: Any, **kw: Any) -> Any:
+        kw = named_args(args, kw)
+        key = (tuple(kw["w1"].shape), tuple(kw["w2"].shape), kw["hidden_states"].shape[1])
+        if key not in _warmed and _dp_metadata_present() and not _capturing():
+            _warmed.add(key)
+            if _skipped_by_user():
+                logger.info(
+                    "flashinfer_ep_low_latency: VLLM_DEEP_GEMM_WARMUP=skip: DeepGEMM's masked "
+                    "GEMM tiles compile when a forward first needs them, while serving"
+                )
+            else:
+                start = time.monotonic()
+                try:
+                    runs = warm(fused_experts, original, kw)
+                except Exception as exc:  # noqa: BLE001 - vLLM's own call still runs
+                    logger.warning(
+                        "flashinfer_ep_low_latency: warming DeepGEMM's masked GEMM tiles "
+                        "failed (%s: %s); they compile when first needed",
+                        type(exc).__name__,
+                        exc,
+                    )
+                else:
+                    logger.info(
+                        "flashinfer_ep_low_latency: DeepGEMM's masked GEMM tiles warmed for "
+                        "%d expected_m values (w1 %s) in %.1f s",
+                        runs,
+                        tuple(kw["w1"].shape),
+                        time.monotonic() - start,
+                    )
+        return original(**kw)
+
+    apply._flashinfer_ep_deep_gemm_warmup = True  # type: ignore[attr-defined]
+    return apply
+
+
+PATCH = Patch(
+    "deep_gemm_masked_warmup",
+    "worker",
+    TARGET,
+    INSTANCE,
+    _warming_apply,
+    APPLY_PARAMS,
+    what="LL batched DeepGEMM experts compile every masked-GEMM tile an EP world > 1 "
+    "forward can ask for at load",
+    why="vLLM estimates DeepGEMM's expected_m per forward from the DP metadata and its "
+    "DeepGEMM warm-up skips masked GEMMs, so a new prefill size compiles with NVCC "
+    "mid-serving on every rank, between dispatch and combine",
+    how="per experts object, from the LL prepare/finalize's post_init_setup: wrap its "
+    "apply; the first eager call with DP metadata runs vLLM's apply once per expected_m "
+    "value (estimate_expected_m fixed on the object for that run, then restored) with "
+    "zero received rows",
+    upstream="masked grouped GEMMs in vLLM's DeepGEMM warm-up (deep_gemm_warmup.py)",
+    removal="then",
+)
+
+
+def install(fused_experts: Any) -> bool:
+    """Make `fused_experts` (vLLM's BatchedDeepGemmExperts) warm its masked tiles at load.
+    Returns whether it now does (False: not such an object, or its `apply` is not vLLM
+    0.33.0's, logged)."""
+    try:
+        return apply_instance(PATCH, fused_experts)
+    except PatchTargetError as error:
+        return leave_to_vllm(error, "DeepGEMM's masked GEMM compiles")
+
+
+def reset() -> None:
+    """Forget which shapes were warmed (tests)."""
+    _warmed.clear()
