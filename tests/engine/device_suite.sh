@@ -95,7 +95,7 @@ for step in "${steps[@]}"; do
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
-      for scheme in block channel tensor; do
+      for scheme in block channel tensor_static tensor; do
         python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" \
           --json "$out/fp8_experts_probe_$scheme.json" > "$out/fp8-experts-probe-$scheme.txt" 2>&1 || rc=1
         grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe-$scheme.txt"

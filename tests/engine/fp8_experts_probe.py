@@ -1,6 +1,6 @@
 """Time the FP8 LL experts side by side at a real model's shape (GPU).
 
-    python tests/engine/fp8_experts_probe.py [--scheme block|channel|tensor]
+    python tests/engine/fp8_experts_probe.py [--scheme block|channel|tensor|tensor_static]
         [--experts 128 --hidden 2048 --inter 768] [--json out.json]
 
 For each batch (tokens on the rank, world 1, random routing over `--experts` local
@@ -8,8 +8,10 @@ experts) one FP8 MoE layer's experts run over the LL receive buffer (256 rows pe
 as the engine hands it to them: vLLM 0.33.0 experts objects, whole `apply` calls. The
 buffer: for `block` (128x128 weight blocks) what the FP8 wire delivers (E4M3 rows, FP32
 scales per 128, row-major); for `channel` (per-channel weights, per-token activations)
-and `tensor` (one weight scale per expert, a dynamic per-tensor activation scale) what
-the LL prepare quantizes after receive (vllm/receive_quant.py).
+and `tensor` (one weight scale per expert, a dynamic per-tensor activation scale; the
+received-rows path leaves these to vLLM's batched kernel, so both columns run it) or
+`tensor_static` (static input scales, as per-tensor checkpoints carry) what the LL
+prepare quantizes after receive (vllm/receive_quant.py).
   batched_triton : vLLM's BatchedTritonExperts with the package's tile per batch (what
                    --moe-backend triton runs today: compact_experts.FP8_ENABLED off)
   received_rows  : the same object with the package's received-rows experts
@@ -36,7 +38,7 @@ import torch
 
 PATHS = ("batched_triton", "received_rows", "deep_gemm", "no_ep")
 # probe scheme -> the weight layout of tests/kernels/test_fp8_join_gpu.py::_quantize_weight
-WEIGHTS = {"block": "block", "channel": "token", "tensor": "tensor"}
+WEIGHTS = {"block": "block", "channel": "token", "tensor": "tensor", "tensor_static": "tensor"}
 
 
 def _layer(scheme: str, experts: int, hidden: int, inter: int):
@@ -52,8 +54,11 @@ def _layer(scheme: str, experts: int, hidden: int, inter: int):
     if scheme == "channel":
         qc = fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True)
         return q1, q2, qc, None
-    if scheme == "tensor":
+    if scheme == "tensor":  # dynamic activation scales: vLLM's batched kernel (FP8_DYNAMIC_TENSOR)
         return q1, q2, fp8_w8a8_moe_quant_config(s1, s2), None
+    if scheme == "tensor_static":  # a static checkpoint's input scales: received rows
+        static = torch.tensor([0.02], device="cuda")
+        return q1, q2, fp8_w8a8_moe_quant_config(s1, s2, a1_scale=static, a2_scale=static), None
     from vllm.model_executor.layers.quantization.utils.fp8_utils import (
         prepare_fp8_moe_layer_for_deepgemm,
     )
@@ -106,6 +111,7 @@ def main() -> int:
     triton_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
     batched_tiles.install(triton_experts)
     rows_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
+    batched_tiles.install(rows_experts)  # as the LL setup hook: what it leaves gets the tile
     assert compact_experts.install(rows_experts), "received-rows experts refused these"
     dg_experts = None
     if dg_qc is not None and is_deep_gemm_supported():

@@ -132,7 +132,6 @@ def _warming_apply(fused_experts: Any, original: Callable[..., Any]) -> Callable
                     )
         return original(**kw)
 
-    apply._flashinfer_ep_deep_gemm_warmup = True  # type: ignore[attr-defined]
     return apply
 
 
