@@ -59,18 +59,32 @@ def _experts():
     )
 
 
+def _estimates(monkeypatch, experts, rows, global_experts, totals):
+    seen = set()
+    for tokens in totals:
+        _dp(monkeypatch, [tokens // 2, tokens - tokens // 2])
+        seen.add(
+            experts.estimate_expected_m(
+                global_num_experts=global_experts, max_tokens_per_expert=rows, topk=TOP_K
+            )
+        )
+    return seen
+
+
 def test_the_values_are_every_estimate_vllm_makes(monkeypatch):
     experts = _experts()
     for rows in (128, 256, 512, 2048):
-        seen = set()
-        for experts_global in (8, 64, 256):
-            for tokens in range(0, 2 * rows * experts_global // TOP_K + 64, 7):
-                _dp(monkeypatch, [tokens // 2, tokens - tokens // 2])
-                seen.add(
-                    experts.estimate_expected_m(
-                        global_num_experts=experts_global, max_tokens_per_expert=rows, topk=TOP_K
-                    )
-                )
+        for global_experts in (8, 64, 256, 384):  # 384: rows x top_k / experts not whole
+            # What a forward can carry: at most the buffer's rows in tokens over all ranks.
+            seen = _estimates(monkeypatch, experts, rows, global_experts, range(0, rows + 1, 3))
+            seen.add(_estimates(monkeypatch, experts, rows, global_experts, [rows]).pop())
+            bound = deep_gemm_warmup.largest_estimate(rows, TOP_K, global_experts)
+            assert seen == set(deep_gemm_warmup.expected_m_values(rows, bound)), (
+                rows,
+                global_experts,
+            )
+        # Unbounded token counts: every value up to the rows per expert.
+        seen = _estimates(monkeypatch, experts, rows, 8, range(0, 2 * rows + 64, 7))
         _dp(monkeypatch, None)  # no DP metadata: the rows per expert
         seen.add(
             experts.estimate_expected_m(global_num_experts=8, max_tokens_per_expert=rows, topk=1)
@@ -78,6 +92,10 @@ def test_the_values_are_every_estimate_vllm_makes(monkeypatch):
         assert seen == set(deep_gemm_warmup.expected_m_values(rows)), rows
     assert deep_gemm_warmup.expected_m_values(256) == list(range(16, 257, 16))
     assert deep_gemm_warmup.expected_m_values(8) == [8]  # vLLM clamps to the rows
+    # DeepSeek-V3 (256 experts, top_k 8) on 8 ranks at capacity 256: 2048 rows per expert
+    assert deep_gemm_warmup.expected_m_values(
+        2048, deep_gemm_warmup.largest_estimate(2048, 8, 256)
+    ) == [16, 32, 48, 64]
 
 
 class Recorder:
@@ -103,6 +121,8 @@ class Recorder:
 def _kw(rows=ROWS, counts=None):
     counts = torch.tensor([3, 0, 1, 0, 0, 0, 0, 2] if counts is None else counts, dtype=torch.int32)
     return {
+        "topk_ids": torch.zeros(5, TOP_K, dtype=torch.int64),
+        "global_num_experts": EXPERTS,
         "hidden_states": torch.zeros(EXPERTS, rows, 4),
         "w1": torch.zeros(EXPERTS, 512, 2048),
         "w2": torch.zeros(EXPERTS, 2048, 256),
@@ -186,3 +206,12 @@ def test_the_ll_setup_hook_installs_it_on_deep_gemm_experts_only(kernel):  # noq
     assert deep_gemm_warmup.PATCH.entry() in patches.index()
     assert _helper.undo_instance(deep_gemm_warmup.PATCH, experts)
     assert "apply" not in vars(experts)
+
+
+def test_the_warm_up_stops_at_the_largest_estimate_a_forward_can_give(monkeypatch):
+    experts = _experts()
+    inner = Recorder(experts)
+    kw = {**_kw(), "global_num_experts": 64}  # 256 rows x top_k 8 / 64 experts: at most 32
+    _dp(monkeypatch, [128, 128])
+    deep_gemm_warmup._warming_apply(experts, inner)(**kw)
+    assert [m for m, rows in inner.calls if rows == 0] == [16, 32]

@@ -1,19 +1,27 @@
-"""DeepGEMM's masked GEMMs compiled at load for every tile EP world > 1 can ask for.
+"""DeepGEMM's masked GEMMs compiled at load for every tile data parallel forwards ask for.
 
 Why: vLLM 0.33.0's `BatchedDeepGemmExperts` hands DeepGEMM an `expected_m` estimated for
 each forward from the DP metadata (every rank's tokens x top_k / experts, rounded up to
 16, clamped to [16, rows per expert]); DeepGEMM picks its tile from it and compiles a
 kernel (NVCC) the first time it meets a tile. vLLM's own DeepGEMM warm-up covers linear
-layers and contiguous grouped GEMMs, not the masked ones. At EP world 1 there is no DP
-metadata and `expected_m` is always the rows per expert, which the profile run compiles;
-above it, an eager step (a prefill) whose token count is new would make every rank
-compile inside the MoE layer, between dispatch and combine, while serving.
+layers and contiguous grouped GEMMs, not the masked ones. Without DP metadata (data
+parallel size 1) `expected_m` is always the rows per expert, which the profile run
+compiles; with it, an eager step (a prefill, every step under `--enforce-eager`) whose
+token count crosses into a new tile would make every rank compile inside the MoE layer,
+between dispatch and combine, while serving.
 
 Here the first eager call with DP metadata (vLLM's profile run, at load) runs vLLM's own
 `apply` once for each value `expected_m` can take, with every expert's received count at
-zero: no row is computed, each tile compiles. One warm-up per weight shape and process
-(compiled kernels are process-wide). `VLLM_DEEP_GEMM_WARMUP=skip` turns it off, as it
-turns off vLLM's warm-up. A warm-up that fails is logged and the call goes on as vLLM's.
+zero: no row is computed, each tile compiles. The values stop at the largest estimate a
+forward can give (`largest_estimate`: 16-64 for DeepSeek-V3 on 8 ranks at capacity
+256), and a tile compiles once per value range, not per value (a reading of DeepGEMM's
+tile heuristics, not measured: at 8 ranks those values share the tile vLLM's own first
+call compiles; more ranks add a few). Those compiles happen inside the profile run's round, where
+vLLM's first call compiles too: peers wait in NCCL-EP for the slowest rank, so keep
+DeepGEMM's JIT cache (`DG_JIT_CACHE_DIR`) in the same state on every node
+(docs/backends.md). One warm-up per weight shape and process (compiled kernels are
+process-wide). `VLLM_DEEP_GEMM_WARMUP=skip` turns it off, as it turns off vLLM's warm-up.
+A warm-up that fails is logged and the call goes on as vLLM's.
 
 The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py), applied to each
 DeepGEMM experts object by the LL prepare/finalize's setup hook (`install`).
@@ -45,11 +53,27 @@ STEP = 16  # vLLM's estimate rounds up to multiples of 16 and never goes below 1
 _warmed: set[tuple] = set()  # weight shapes whose tiles this process compiled
 
 
-def expected_m_values(rows_per_expert: int) -> list[int]:
+def _round_up(value: int) -> int:
+    return -(-value // STEP) * STEP
+
+
+def largest_estimate(rows_per_expert: int, top_k: int, global_experts: int) -> int:
+    """The largest `expected_m` a forward can give: the DP metadata holds at most the
+    buffer's rows in tokens over all ranks (each rank sends at most its capacity; the
+    buffer holds capacity x ranks rows per expert), so the estimate stays at or below
+    round_up(rows x top_k / experts) (vLLM's rounding and clamps applied)."""
+    if global_experts <= 0:
+        return rows_per_expert
+    return min(rows_per_expert, max(STEP, _round_up(rows_per_expert * top_k // global_experts)))
+
+
+def expected_m_values(rows_per_expert: int, bound: int | None = None) -> list[int]:
     """Every `expected_m` vLLM 0.33.0's `BatchedDeepGemmExperts.estimate_expected_m` can
-    return for a buffer of `rows_per_expert` rows per expert."""
-    values = {min(rows_per_expert, m) for m in range(STEP, rows_per_expert + STEP, STEP)}
-    return sorted(values | {rows_per_expert})
+    return for a buffer of `rows_per_expert` rows per expert, up to `bound` (the largest a
+    forward can give, `largest_estimate`; None: no bound)."""
+    top = rows_per_expert if bound is None else min(bound, rows_per_expert)
+    values = {min(rows_per_expert, m) for m in range(STEP, top + STEP, STEP) if m <= top}
+    return sorted(values | {top})
 
 
 def _skipped_by_user() -> bool:
@@ -82,7 +106,9 @@ def warm(fused_experts: Any, original: Callable[..., Any], kw: dict) -> int:
         expert_num_tokens=meta.expert_num_tokens.new_zeros(meta.expert_num_tokens.shape),
         expert_num_tokens_cpu=None,
     )
-    values = expected_m_values(kw["hidden_states"].shape[1])
+    rows = kw["hidden_states"].shape[1]
+    bound = largest_estimate(rows, kw["topk_ids"].shape[1], kw["global_num_experts"])
+    values = expected_m_values(rows, bound)
     had_own = "estimate_expected_m" in vars(fused_experts)
     own = vars(fused_experts).get("estimate_expected_m")
     try:
@@ -142,7 +168,7 @@ PATCH = Patch(
     INSTANCE,
     _warming_apply,
     APPLY_PARAMS,
-    what="LL batched DeepGEMM experts compile every masked-GEMM tile an EP world > 1 "
+    what="LL batched DeepGEMM experts compile every masked-GEMM tile a data parallel "
     "forward can ask for at load",
     why="vLLM estimates DeepGEMM's expected_m per forward from the DP metadata and its "
     "DeepGEMM warm-up skips masked GEMMs, so a new prefill size compiles with NVCC "
