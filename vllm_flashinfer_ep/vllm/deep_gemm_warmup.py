@@ -11,17 +11,12 @@ token count crosses into a new tile would make every rank compile inside the MoE
 between dispatch and combine, while serving.
 
 Here the first eager call with DP metadata (vLLM's profile run, at load) runs vLLM's own
-`apply` once for each value `expected_m` can take, with every expert's received count at
-zero: no row is computed, each tile compiles. The values stop at the largest estimate a
-forward can give (`largest_estimate`: 16-64 for DeepSeek-V3 on 8 ranks at capacity
-256), and a tile compiles once per value range, not per value (a reading of DeepGEMM's
-tile heuristics, not measured: at 8 ranks those values share the tile vLLM's own first
-call compiles; more ranks add a few). Those compiles happen inside the profile run's round, where
-vLLM's first call compiles too: peers wait in NCCL-EP for the slowest rank, so keep
-DeepGEMM's JIT cache (`DG_JIT_CACHE_DIR`) in the same state on every node
-(docs/backends.md). One warm-up per weight shape and process (compiled kernels are
-process-wide). `VLLM_DEEP_GEMM_WARMUP=skip` turns it off, as it turns off vLLM's warm-up.
-A warm-up that fails is logged and the call goes on as vLLM's.
+`apply` once per value `expected_m` can take, up to the largest a forward can give
+(`largest_estimate`), with every received count at zero: no row is computed, each tile
+compiles. Those compiles run inside the profile run's round, as vLLM's first call's do,
+so the other ranks wait for the slowest: docs/backends.md says to keep DeepGEMM's JIT
+cache alike on every node. Once per weight shape and process; `VLLM_DEEP_GEMM_WARMUP=skip`
+turns it off with vLLM's warm-up; a failed warm-up is logged and vLLM's call still runs.
 
 The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py), applied to each
 DeepGEMM experts object by the LL prepare/finalize's setup hook (`install`).
