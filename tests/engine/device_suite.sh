@@ -101,10 +101,10 @@ for step in "${steps[@]}"; do
         grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe-$scheme.txt"
       done ;;
     bench-30b-fp8-*)  # one FP8 engine per call (merge: bench_engine.py --merge a.json b.json --out all.json)
-      cfg=${step#bench-30b-fp8-}
+      cfg=${step#bench-30b-fp8-}; tag=${cfg//,/-}  # no_ep,ll_graph: both, one file name
       python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --quantization fp8_per_block \
-        --configs "$cfg" --out "$out/engine_qwen3-30b-a3b_fp8_$cfg.json" 2>&1 \
-        | tee "$out/bench-30b-fp8-$cfg.txt" | grep -v "^INFO\|^(EngineCore" | tail -6 || rc=1 ;;
+        --configs "$cfg" --out "$out/engine_qwen3-30b-a3b_fp8_$tag.json" 2>&1 \
+        | tee "$out/bench-30b-fp8-$tag.txt" | grep -v "^INFO\|^(EngineCore" | tail -6 || rc=1 ;;
     padding)  # eager rounds padded onto pooled handles, and the pool under graphs (real NCCL-EP)
       python3 -m pytest tests/kernels/test_transport_gpu.py -k "pad or pool_cuda_graph or unwarmed" \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-padding.txt" 2>&1 || rc=1
