@@ -38,7 +38,7 @@ ROWS, TOP_K = 256, 8
 def _fresh(monkeypatch):
     deep_gemm_warmup.reset()
     monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
-    monkeypatch.setattr(deep_gemm_warmup, "_capturing", lambda: False)
+    monkeypatch.setattr(deep_gemm_warmup, "is_capturing", lambda: False)
     yield
     deep_gemm_warmup.reset()
 
@@ -161,7 +161,7 @@ def test_no_warm_up_where_nothing_needs_it_or_the_user_skips_it(monkeypatch, cap
     apply = deep_gemm_warmup._warming_apply(experts, inner)
     _dp(monkeypatch, None if why == "world 1" else [64, 64])
     if why == "capturing":
-        monkeypatch.setattr(deep_gemm_warmup, "_capturing", lambda: True)
+        monkeypatch.setattr(deep_gemm_warmup, "is_capturing", lambda: True)
     if why == "skip":
         monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
     with caplog.at_level(logging.INFO):
@@ -172,7 +172,7 @@ def test_no_warm_up_where_nothing_needs_it_or_the_user_skips_it(monkeypatch, cap
         return
     # world 1 and a capture leave the warm-up to the next eager call with DP metadata
     _dp(monkeypatch, [64, 64])
-    monkeypatch.setattr(deep_gemm_warmup, "_capturing", lambda: False)
+    monkeypatch.setattr(deep_gemm_warmup, "is_capturing", lambda: False)
     inner.calls.clear()
     apply(**_kw())
     assert len(inner.calls) == len(deep_gemm_warmup.expected_m_values(ROWS)) + 1

@@ -75,6 +75,12 @@ def _runtime(cache: FleetCache, hidden: int = HIDDEN):
     return build_runtime(cache, _spec(hidden), TOP_K, CPU, [TOKENS])
 
 
+def _rank_with_adapter(rank: int, group) -> tuple:
+    """One rank's runtime on a fleet cache of its own, and the FT adapter over that cache."""
+    cache = FleetCache(rank, WORLD, group)
+    return _runtime(cache), FaultToleranceAdapter(cache.fleets, CPU)
+
+
 def _inputs(rank: int, hidden: int = HIDDEN):
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(TOKENS, hidden, generator=gen).to(torch.bfloat16)
@@ -102,9 +108,7 @@ def _healthy(ft: FaultToleranceAdapter) -> bool:
 @pytest.mark.usefixtures("drop_masked_experts")
 def test_retry_readmits_the_masked_peer_and_outputs_match_pre_fault():
     def rank_fn(rank, group):
-        cache = FleetCache(rank, WORLD, group)
-        rt = _runtime(cache)
-        ft = FaultToleranceAdapter(cache.fleets, CPU)
+        rt, ft = _rank_with_adapter(rank, group)
         x, ids, weights = _inputs(rank)
         before = [_step(rt, x, ids, weights) for _ in range(2)]
         assert torch.equal(before[0], before[1]) and _healthy(ft)
@@ -135,9 +139,7 @@ def test_retry_readmits_the_masked_peer_and_outputs_match_pre_fault():
 
 def test_dead_peer_keeps_the_fault_reported():
     def rank_fn(rank, group):
-        cache = FleetCache(rank, WORLD, group)
-        rt = _runtime(cache)
-        ft = FaultToleranceAdapter(cache.fleets, CPU)
+        rt, ft = _rank_with_adapter(rank, group)
         _step(rt, *_inputs(rank))
         if rank == 1:
             return None  # dies: takes part in nothing any more
@@ -208,9 +210,7 @@ def _runtime_at_world_1(cache: FleetCache, hidden: int = HIDDEN):
 def test_a_rank_that_skips_the_retry_leaves_the_fault_reported():
     # Re-admission is collective: a retry that reaches only rank 0 re-admits nobody.
     def rank_fn(rank, group):
-        cache = FleetCache(rank, WORLD, group)
-        rt = _runtime(cache)
-        ft = FaultToleranceAdapter(cache.fleets, CPU)
+        rt, ft = _rank_with_adapter(rank, group)
         _step(rt, *_inputs(rank))
         if rank == 1:
             return None  # never gets the retry
@@ -256,9 +256,7 @@ def test_a_rank_its_peers_gave_up_on_reports_the_fault():
     # agreed mask masks it, so its own agreement is refused (FlashInfer raises
     # MoEEpRankEvictedError) and it must keep reporting the fault, not a clean mask.
     def rank_fn(rank, group):
-        cache = FleetCache(rank, WORLD, group)
-        rt = _runtime(cache)
-        ft = FaultToleranceAdapter(cache.fleets, CPU)
+        rt, ft = _rank_with_adapter(rank, group)
         _step(rt, *_inputs(rank))
         if rank == 0:
             rt.fleet.mask_rank(1)
@@ -293,9 +291,7 @@ def test_two_ranks_recover_concurrently_without_deadlock():
     barrier = threading.Barrier(WORLD)
 
     def rank_fn(rank, group):
-        cache = FleetCache(rank, WORLD, group)
-        rt = _runtime(cache)
-        ft = FaultToleranceAdapter(cache.fleets, CPU)
+        rt, ft = _rank_with_adapter(rank, group)
         rt.fleet.mask_rank(1 - rank)
         barrier.wait(5)
         ft.clean_buffers()

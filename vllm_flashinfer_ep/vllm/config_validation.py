@@ -89,16 +89,17 @@ def validate(vllm_config: Any) -> None:
     if placement is not None:
         raise FlashInferEPConfigError(placement)
     model = vllm_config.model_config
+    shape = None
     if model is not None:
         shape = model_shape.from_vllm_config(vllm_config)
         _validate_model(model, shape, backend, flag)
-        if par.use_all2all and par.enable_expert_parallel and getattr(model, "is_moe", True):
+    if par.use_all2all and par.enable_expert_parallel:
+        if shape is not None and getattr(model, "is_moe", True):
             split = config_rules.expert_split_reason(
                 flag, shape.physical_experts, shape.redundant_experts, ep_world_size(par)
             )
             if split is not None:
                 raise FlashInferEPConfigError(split)
-    if par.use_all2all and par.enable_expert_parallel:
         _validate_draft(vllm_config, backend, flag)
     if backend == backends.HIGH_THROUGHPUT and par.use_all2all:
         _clamp_ht_tokens(vllm_config, flag)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.runtime.capture import is_capturing
 from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, leave_to_vllm, named_args
 from vllm_flashinfer_ep.vllm.patches._helper import (
     INSTANCE,
@@ -67,8 +68,7 @@ def expected_m_values(rows_per_expert: int, bound: int | None = None) -> list[in
     return for a buffer of `rows_per_expert` rows per expert, up to `bound` (the largest a
     forward can give, `largest_estimate`; None: no bound)."""
     top = rows_per_expert if bound is None else min(bound, rows_per_expert)
-    values = {min(rows_per_expert, m) for m in range(STEP, top + STEP, STEP) if m <= top}
-    return sorted(values | {top})
+    return sorted(set(range(STEP, top + 1, STEP)) | {top})
 
 
 def _skipped_by_user() -> bool:
@@ -78,17 +78,11 @@ def _skipped_by_user() -> bool:
 
 
 def _dp_metadata_present() -> bool:
-    """Whether this forward carries DP metadata (EP world > 1), from which vLLM estimates
-    `expected_m` per forward."""
+    """Whether this forward carries DP metadata (data parallel ranks), from which vLLM
+    estimates `expected_m` per forward."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     return is_forward_context_available() and get_forward_context().dp_metadata is not None
-
-
-def _capturing() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def warm(fused_experts: Any, original: Callable[..., Any], kw: dict) -> int:
@@ -118,6 +112,35 @@ def warm(fused_experts: Any, original: Callable[..., Any], kw: dict) -> int:
     return len(values)
 
 
+def _warm_logged(fused_experts: Any, original: Callable[..., Any], kw: dict) -> None:
+    """`warm`, unless the user skips DeepGEMM's warm-up; what happened, logged (a failure
+    too: vLLM's own call runs after it either way)."""
+    if _skipped_by_user():
+        logger.info(
+            "flashinfer_ep_low_latency: VLLM_DEEP_GEMM_WARMUP=skip: DeepGEMM's masked "
+            "GEMM tiles compile when a forward first needs them, while serving"
+        )
+        return
+    start = time.monotonic()
+    try:
+        runs = warm(fused_experts, original, kw)
+    except Exception as exc:  # noqa: BLE001 - vLLM's own call still runs
+        logger.warning(
+            "flashinfer_ep_low_latency: warming DeepGEMM's masked GEMM tiles failed (%s: %s); "
+            "they compile when first needed",
+            type(exc).__name__,
+            exc,
+        )
+        return
+    logger.info(
+        "flashinfer_ep_low_latency: DeepGEMM's masked GEMM tiles warmed for %d expected_m "
+        "values (w1 %s) in %.1f s",
+        runs,
+        tuple(kw["w1"].shape),
+        time.monotonic() - start,
+    )
+
+
 def _warming_apply(fused_experts: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """`fused_experts.apply` that warms DeepGEMM's masked tiles on its first eager call
     with DP metadata, around `original` (the instance patch's replacement)."""
@@ -125,32 +148,9 @@ def _warming_apply(fused_experts: Any, original: Callable[..., Any]) -> Callable
     def apply(*args: Any, **kw: Any) -> Any:
         kw = named_args(args, kw)
         key = (tuple(kw["w1"].shape), tuple(kw["w2"].shape), kw["hidden_states"].shape[1])
-        if key not in _warmed and _dp_metadata_present() and not _capturing():
+        if key not in _warmed and _dp_metadata_present() and not is_capturing():
             _warmed.add(key)
-            if _skipped_by_user():
-                logger.info(
-                    "flashinfer_ep_low_latency: VLLM_DEEP_GEMM_WARMUP=skip: DeepGEMM's masked "
-                    "GEMM tiles compile when a forward first needs them, while serving"
-                )
-            else:
-                start = time.monotonic()
-                try:
-                    runs = warm(fused_experts, original, kw)
-                except Exception as exc:  # noqa: BLE001 - vLLM's own call still runs
-                    logger.warning(
-                        "flashinfer_ep_low_latency: warming DeepGEMM's masked GEMM tiles "
-                        "failed (%s: %s); they compile when first needed",
-                        type(exc).__name__,
-                        exc,
-                    )
-                else:
-                    logger.info(
-                        "flashinfer_ep_low_latency: DeepGEMM's masked GEMM tiles warmed for "
-                        "%d expected_m values (w1 %s) in %.1f s",
-                        runs,
-                        tuple(kw["w1"].shape),
-                        time.monotonic() - start,
-                    )
+            _warm_logged(fused_experts, original, kw)
         return original(**kw)
 
     return apply
