@@ -239,6 +239,7 @@ def _run(args, work: Path) -> int:
                 "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
                 "kernels": probe["kernels"],  # prepare/finalize + experts, as the engine built them
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
+                "device": probe.get("device"),  # the GPU: timings compare only on one card
             }
         print(f"{name}: {meta[name]} {results[name]}", flush=True)
         if args.out:  # after each engine, so a cut-short run keeps what it measured
@@ -261,6 +262,10 @@ def merge(paths: list[Path], out: Path | None) -> int:
     kinds = {(d["shape"], d.get("quantization")) for d in docs}
     if len(kinds) != 1:
         print(f"cannot merge different shapes or quantizations: {sorted(kinds, key=str)}")
+        return 2
+    cards = {m["device"] for d in docs for m in d["meta"].values() if m.get("device")}
+    if len(cards) > 1:
+        print(f"cannot merge runs on different GPUs: {sorted(cards)}")
         return 2
     joined = {k: v for d in docs for k, v in d.items() if k not in ("meta", "results")}
     joined["meta"] = {n: m for d in docs for n, m in d["meta"].items()}

@@ -26,6 +26,12 @@ from typing import Any
 STACK_DUMP_ENV = "FLASHINFER_EP_TEST_STACK_DUMP_S"
 
 
+def _device_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def worker_probe(worker: Any) -> dict[str, Any]:
     """What the worker built: cudagraph mode, capture sizes, manager, runtimes, P/F, kernels."""
     from vllm.distributed.parallel_state import get_ep_group
@@ -38,6 +44,7 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "data_parallel_size": cfg.parallel_config.data_parallel_size,
         "model_runner": "v2" if cfg.use_v2_model_runner else "v1",
+        "device": _device_name(),  # timings compare only on the same card
     }
     try:
         comm = get_ep_group().device_communicator

@@ -204,7 +204,10 @@ def main() -> int:
             return 1
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(shape=vars(args), gpu=torch.cuda.get_device_name(), rows=rows_out), f)
+            shape = {
+                k: v for k, v in vars(args).items() if k != "json"
+            }  # no machine path in results
+            json.dump(dict(shape=shape, gpu=torch.cuda.get_device_name(), rows=rows_out), f)
     return 0
 
 

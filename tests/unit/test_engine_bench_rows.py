@@ -63,6 +63,25 @@ def test_one_engine_per_call_results_merge_into_one_file(tmp_path, capsys):
     assert main(["--merge", str(a), str(c)]) == 2  # a BF16 run never joins an FP8 one
 
 
+def test_runs_on_different_gpus_never_merge(tmp_path, capsys):
+    """An H100 engine and an H200 engine are not one side-by-side table."""
+    import json
+
+    from bench_engine import main
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, name, card in ((a, "no_ep", "NVIDIA H100 80GB HBM3"), (b, "ll_graph", "NVIDIA H200")):
+        doc = json.loads(_doc("fp8_per_block", name, (100, 400)))
+        doc["meta"][name]["device"] = card
+        path.write_text(json.dumps(doc))
+    assert main(["--merge", str(a), str(b)]) == 2
+    assert "different GPUs" in capsys.readouterr().out
+    same = json.loads(b.read_text())
+    same["meta"]["ll_graph"]["device"] = "NVIDIA H100 80GB HBM3"
+    b.write_text(json.dumps(same))
+    assert main(["--merge", str(a), str(b)]) == 0
+
+
 def test_a_partial_run_gives_no_table(tmp_path, capsys):
     """A file whose engine died early lacks batches: the merge says which, not a short table."""
     import json
@@ -95,6 +114,7 @@ def test_every_engine_gets_the_same_budget_and_the_json_names_its_kernels(tmp_pa
             "runtimes": [],
             "kernels": [f"{spec.get('backend')}+Experts"],
             "max_num_batched_tokens": spec["max_num_batched_tokens"],
+            "device": "stand-in GPU",
         }
         rows = [bench_row(b, 128, 0.1, 1.0) for b in (1, 8)]
         return {"startup_seconds": 1.0, "after_load": probe, "bench": rows}
@@ -111,6 +131,7 @@ def test_every_engine_gets_the_same_budget_and_the_json_names_its_kernels(tmp_pa
     assert timeouts == [300, 300]
     meta = json.loads(out.read_text())["meta"]
     assert meta["no_ep"]["kernels"] == ["None+Experts"]
+    assert meta["no_ep"]["device"] == "stand-in GPU"
     assert meta["ll_graph"]["max_num_batched_tokens"] == 256
 
 
