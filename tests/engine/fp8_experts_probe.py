@@ -204,9 +204,8 @@ def main() -> int:
             return 1
     if args.json:
         with open(args.json, "w") as f:
-            shape = {
-                k: v for k, v in vars(args).items() if k != "json"
-            }  # no machine path in results
+            # the arguments less --json: no machine path in the results
+            shape = {k: v for k, v in vars(args).items() if k != "json"}
             json.dump(dict(shape=shape, gpu=torch.cuda.get_device_name(), rows=rows_out), f)
     return 0
 

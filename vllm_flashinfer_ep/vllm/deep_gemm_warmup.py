@@ -49,18 +49,17 @@ STEP = 16  # vLLM's estimate rounds up to multiples of 16 and never goes below 1
 _warmed: set[tuple] = set()  # weight shapes whose tiles this process compiled
 
 
-def _round_up(value: int) -> int:
-    return -(-value // STEP) * STEP
-
-
 def largest_estimate(rows_per_expert: int, top_k: int, global_experts: int) -> int:
     """The largest `expected_m` a forward can give: the DP metadata holds at most the
     buffer's rows in tokens over all ranks (each rank sends at most its capacity; the
     buffer holds capacity x ranks rows per expert), so the estimate stays at or below
     round_up(rows x top_k / experts) (vLLM's rounding and clamps applied)."""
+    from vllm.utils.math_utils import round_up  # the rounding vLLM's estimate applies
+
     if global_experts <= 0:
         return rows_per_expert
-    return min(rows_per_expert, max(STEP, _round_up(rows_per_expert * top_k // global_experts)))
+    estimate = round_up(rows_per_expert * top_k // global_experts, STEP)
+    return min(rows_per_expert, max(STEP, estimate))
 
 
 def expected_m_values(rows_per_expert: int, bound: int | None = None) -> list[int]:
