@@ -17,7 +17,13 @@ prepare quantizes after receive (vllm/receive_quant.py).
   received_rows  : the same object with the package's received-rows experts
                    (vllm/compact_experts_fp8.py), block list built from the counts
   deep_gemm      : block only: vLLM's BatchedDeepGemmExperts (--moe-backend deep_gemm),
-                   the prepare's MN-major copy of the filled rows' scales included
+                   the prepare's MN-major copy of the filled rows' scales included; at
+                   world 1 vLLM hands DeepGEMM expected_m = the buffer's rows per expert
+                   (no DP metadata)
+  deep_gemm_dp   : the same call with the expected_m vLLM estimates when data parallel
+                   ranks give it DP metadata (tokens x top_k / experts, rounded up to 16,
+                   clamped to [16, rows]): what world 1 cannot show in the engine; left
+                   out of "fastest LL path", which names what a world-1 engine can run
   no_ep          : vLLM's fused_experts on the tokens themselves with the same FP8
                    weights (Triton; routing, both GEMMs, activation, weighted sum): what
                    the engine without EP runs per layer with --moe-backend triton
@@ -36,7 +42,7 @@ import json
 
 import torch
 
-PATHS = ("batched_triton", "received_rows", "deep_gemm", "no_ep")
+PATHS = ("batched_triton", "received_rows", "deep_gemm", "deep_gemm_dp", "no_ep")
 # probe scheme -> the weight layout of tests/kernels/test_fp8_join_gpu.py::_quantize_weight
 WEIGHTS = {"block": "block", "channel": "token", "tensor": "tensor", "tensor_static": "tensor"}
 
@@ -90,6 +96,7 @@ def main() -> int:
     )
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
     from vllm.utils.deep_gemm import is_deep_gemm_supported
+    from vllm.utils.math_utils import round_up
 
     from tests.engine.batched_tile_probe import _time
     from tests.helpers import moe_config
@@ -102,6 +109,12 @@ def main() -> int:
     )
 
     E, K, N, R, top_k = args.experts, args.hidden, args.inter, args.rows, args.top_k
+
+    def dp_expected_m(tokens: int) -> int:
+        """vLLM 0.33.0's estimate with DP metadata (BatchedDeepGemmExperts.estimate_expected_m),
+        for `tokens` across the ranks."""
+        return min(R, max(16, round_up(tokens * top_k // E, 16)))
+
     dev = torch.device("cuda")
     torch.manual_seed(0)
     q1, q2, qc, dg_qc = _layer(args.scheme, E, K, N)
@@ -122,7 +135,7 @@ def main() -> int:
     x_bf16 = torch.randn(E, R, K, device=dev).bfloat16()
     ws13 = torch.empty(E * R * max(2 * N, K), device=dev, dtype=torch.bfloat16)
     ws2 = torch.empty(E * R * 2 * N, device=dev, dtype=torch.bfloat16)
-    outputs = {p: torch.zeros(E, R, K, device=dev, dtype=torch.bfloat16) for p in PATHS[:3]}
+    outputs = {p: torch.zeros(E, R, K, device=dev, dtype=torch.bfloat16) for p in PATHS[:4]}
     counts = torch.zeros(E, dtype=torch.int32, device=dev)
 
     def apply(experts, out, tokens: int, hidden, scales) -> None:
@@ -168,15 +181,19 @@ def main() -> int:
                 lambda e=experts, o=outputs[name], t=tokens, a=xq, s=xs: apply(e, o, t, a, s)
             )
         if dg_experts is not None:
-            times["deep_gemm"] = _time(
-                lambda t=tokens, a=xq, s=xs: apply(
-                    dg_experts,
-                    outputs["deep_gemm"],
-                    t,
-                    a,
-                    deep_gemm_experts.mn_major(s, t),  # the rows t senders fill
+            for name, expected_m in (("deep_gemm", None), ("deep_gemm_dp", dp_expected_m(tokens))):
+                if expected_m is not None:  # what vLLM estimates from DP metadata
+                    dg_experts.estimate_expected_m = lambda *_, m=expected_m, **__: m
+                times[name] = _time(
+                    lambda t=tokens, a=xq, s=xs, o=outputs[name]: apply(
+                        dg_experts,
+                        o,
+                        t,
+                        a,
+                        deep_gemm_experts.mn_major(s, t),  # the rows t senders fill
+                    )
                 )
-            )
+                vars(dg_experts).pop("estimate_expected_m", None)
         x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
         weights = torch.rand(tokens, top_k, device=dev, dtype=torch.float32)
         ids32 = ids.to(torch.int32)
@@ -187,10 +204,12 @@ def main() -> int:
         ref = outputs["batched_triton"][valid].float()
         rel = {
             p: float((outputs[p][valid].float() - ref).norm() / ref.norm())
-            for p in ("received_rows", "deep_gemm")
+            for p in ("received_rows", "deep_gemm", "deep_gemm_dp")
             if times[p] is not None
         }
-        ll = {p: t for p, t in times.items() if p != "no_ep" and t is not None}
+        ll = {
+            p: t for p, t in times.items() if p not in ("no_ep", "deep_gemm_dp") and t is not None
+        }
         fastest = min(ll, key=ll.get)
         cells = " | ".join("-" if times[p] is None else f"{times[p]:.1f}" for p in PATHS)
         rels = ", ".join(f"{p} {v:.2g}" for p, v in rel.items())
