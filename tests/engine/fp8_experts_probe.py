@@ -38,6 +38,7 @@ tables (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -96,7 +97,6 @@ def main() -> int:
     )
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
     from vllm.utils.deep_gemm import is_deep_gemm_supported
-    from vllm.utils.math_utils import round_up
 
     from tests.engine.batched_tile_probe import _time
     from tests.helpers import moe_config
@@ -105,15 +105,11 @@ def main() -> int:
         batched_tiles,
         compact_experts,
         deep_gemm_experts,
+        deep_gemm_warmup,
         receive_quant,
     )
 
     E, K, N, R, top_k = args.experts, args.hidden, args.inter, args.rows, args.top_k
-
-    def dp_expected_m(tokens: int) -> int:
-        """vLLM 0.33.0's estimate with DP metadata (BatchedDeepGemmExperts.estimate_expected_m),
-        for `tokens` across the ranks."""
-        return min(R, max(16, round_up(tokens * top_k // E, 16)))
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -181,19 +177,22 @@ def main() -> int:
                 lambda e=experts, o=outputs[name], t=tokens, a=xq, s=xs: apply(e, o, t, a, s)
             )
         if dg_experts is not None:
-            for name, expected_m in (("deep_gemm", None), ("deep_gemm_dp", dp_expected_m(tokens))):
-                if expected_m is not None:  # what vLLM estimates from DP metadata
-                    dg_experts.estimate_expected_m = lambda *_, m=expected_m, **__: m
-                times[name] = _time(
-                    lambda t=tokens, a=xq, s=xs, o=outputs[name]: apply(
-                        dg_experts,
-                        o,
-                        t,
-                        a,
-                        deep_gemm_experts.mn_major(s, t),  # the rows t senders fill
+            # world 1: vLLM's own estimate (no DP metadata); _dp: what it gives with DP ranks
+            dp_m = deep_gemm_warmup.dp_estimate(tokens, top_k, E, R)
+            for name, fixed in (
+                ("deep_gemm", contextlib.nullcontext()),
+                ("deep_gemm_dp", deep_gemm_warmup.fixed_expected_m(dg_experts, dp_m)),
+            ):
+                with fixed:
+                    times[name] = _time(
+                        lambda t=tokens, a=xq, s=xs, o=outputs[name]: apply(
+                            dg_experts,
+                            o,
+                            t,
+                            a,
+                            deep_gemm_experts.mn_major(s, t),  # the rows t senders fill
+                        )
                     )
-                )
-                vars(dg_experts).pop("estimate_expected_m", None)
         x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
         weights = torch.rand(tokens, top_k, device=dev, dtype=torch.float32)
         ids32 = ids.to(torch.int32)

@@ -215,3 +215,16 @@ def test_the_warm_up_stops_at_the_largest_estimate_a_forward_can_give(monkeypatc
     _dp(monkeypatch, [128, 128])
     deep_gemm_warmup._warming_apply(experts, inner)(**kw)
     assert [m for m, rows in inner.calls if rows == 0] == [16, 32]
+
+
+def test_dp_estimate_is_vllm_s_estimate_for_any_token_count(monkeypatch):
+    """What the FP8 experts probe hands DeepGEMM as the data parallel ranks' `expected_m`."""
+    experts = _experts()
+    for rows in (128, 256):
+        for global_experts in (8, 64, 384):
+            for tokens in range(0, 2 * rows + 64, 5):
+                _dp(monkeypatch, [tokens // 2, tokens - tokens // 2])
+                vllm_m = experts.estimate_expected_m(
+                    global_num_experts=global_experts, max_tokens_per_expert=rows, topk=TOP_K
+                )
+                assert deep_gemm_warmup.dp_estimate(tokens, TOP_K, global_experts, rows) == vllm_m

@@ -24,9 +24,10 @@ DeepGEMM experts object by the LL prepare/finalize's setup hook (`install`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm_flashinfer_ep.log import get_logger
@@ -49,17 +50,22 @@ STEP = 16  # vLLM's estimate rounds up to multiples of 16 and never goes below 1
 _warmed: set[tuple] = set()  # weight shapes whose tiles this process compiled
 
 
-def largest_estimate(rows_per_expert: int, top_k: int, global_experts: int) -> int:
-    """The largest `expected_m` a forward can give: the DP metadata holds at most the
-    buffer's rows in tokens over all ranks (each rank sends at most its capacity; the
-    buffer holds capacity x ranks rows per expert), so the estimate stays at or below
-    round_up(rows x top_k / experts) (vLLM's rounding and clamps applied)."""
+def dp_estimate(tokens: int, top_k: int, global_experts: int, rows_per_expert: int) -> int:
+    """The `expected_m` vLLM 0.33.0's `estimate_expected_m` gives when the DP metadata
+    holds `tokens` over all ranks (vLLM's rounding and clamps; no experts: the rows)."""
     from vllm.utils.math_utils import round_up  # the rounding vLLM's estimate applies
 
     if global_experts <= 0:
         return rows_per_expert
-    estimate = round_up(rows_per_expert * top_k // global_experts, STEP)
+    estimate = round_up(tokens * top_k // global_experts, STEP)
     return min(rows_per_expert, max(STEP, estimate))
+
+
+def largest_estimate(rows_per_expert: int, top_k: int, global_experts: int) -> int:
+    """The largest `expected_m` a forward can give: the DP metadata holds at most the
+    buffer's rows in tokens over all ranks (each rank sends at most its capacity; the
+    buffer holds capacity x ranks rows per expert)."""
+    return dp_estimate(rows_per_expert, top_k, global_experts, rows_per_expert)
 
 
 def expected_m_values(rows_per_expert: int, bound: int | None = None) -> list[int]:
@@ -84,10 +90,25 @@ def _dp_metadata_present() -> bool:
     return is_forward_context_available() and get_forward_context().dp_metadata is not None
 
 
+@contextlib.contextmanager
+def fixed_expected_m(fused_experts: Any, m: int) -> Iterator[None]:
+    """Inside, `fused_experts.estimate_expected_m` gives `m`; afterwards it is the object's
+    own again, whatever happens."""
+    had_own = "estimate_expected_m" in vars(fused_experts)
+    own = vars(fused_experts).get("estimate_expected_m")
+    fused_experts.estimate_expected_m = lambda *_, **__: m
+    try:
+        yield
+    finally:
+        if had_own:
+            fused_experts.estimate_expected_m = own
+        else:
+            del fused_experts.estimate_expected_m
+
+
 def warm(fused_experts: Any, original: Callable[..., Any], kw: dict) -> int:
     """Run `original` (vLLM's apply) once per `expected_m` value with zero received rows;
-    returns how many runs. The experts object's `estimate_expected_m` is its own again
-    afterwards, whatever happens."""
+    returns how many runs."""
     meta = kw["expert_tokens_meta"]
     empty = dataclasses.replace(
         meta,
@@ -97,17 +118,9 @@ def warm(fused_experts: Any, original: Callable[..., Any], kw: dict) -> int:
     rows = kw["hidden_states"].shape[1]
     bound = largest_estimate(rows, kw["topk_ids"].shape[1], kw["global_num_experts"])
     values = expected_m_values(rows, bound)
-    had_own = "estimate_expected_m" in vars(fused_experts)
-    own = vars(fused_experts).get("estimate_expected_m")
-    try:
-        for m in values:
-            fused_experts.estimate_expected_m = lambda *_, m=m, **__: m
+    for m in values:
+        with fixed_expected_m(fused_experts, m):
             original(**{**kw, "expert_tokens_meta": empty})
-    finally:
-        if had_own:
-            fused_experts.estimate_expected_m = own
-        else:
-            del fused_experts.estimate_expected_m
     return len(values)
 
 
