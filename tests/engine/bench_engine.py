@@ -52,6 +52,9 @@ CONFIGS = {
     "ll_graph_triton": ({"backend": LL, "moe_backend": "triton"}, {}),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
+    # ll_graph with the received-rows experts' activation on the listed rows only
+    # (vllm/block_list.py LISTED_ACTIVATION, off by default until measured here).
+    "ll_graph_listed_act": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_ACTIVATION": "1"}),
     "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
     "ll_graph_tiles": (
         {"backend": LL},

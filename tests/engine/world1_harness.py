@@ -47,6 +47,7 @@ _installed = False
 FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
 VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
 BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
+LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
 
 
 def _ours(backend: str | None) -> bool:
@@ -73,12 +74,14 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
-    from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts
+    from vllm_flashinfer_ep.vllm import batched_tiles, block_list, compact_experts
 
     if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts path
         batched_tiles.ENABLED = compact_experts.ENABLED = False
     if os.environ.get(BATCHED_KERNEL_ENV) == "1":  # vLLM's batched kernel, the package tile
         compact_experts.ENABLED = False
+    if os.environ.get(LISTED_ACTIVATION_ENV) == "1":  # the listed-rows activation, to measure
+        block_list.LISTED_ACTIVATION = True
     _installed = True
 
 

@@ -1,9 +1,11 @@
-"""The fused block-list kernel (vllm/block_list.py) compiled on the GPU.
+"""The fused block-list kernel and the listed-rows activation (vllm/block_list.py) on the GPU.
 
-It must write what the torch builder writes, for the edge counts (no rows, one row, every
-expert full) and the bounds the experts use, and, captured in a CUDA graph, rebuild the
-list from whatever counts the replay finds. Prints the captured replay time of both
-builders (per layer; a decode step builds one list per MoE layer).
+The kernel must write what the torch builder writes, for the edge counts (no rows, one
+row, every expert full) and the bounds the experts use, and, captured in a CUDA graph,
+rebuild the list from whatever counts the replay finds. The listed activation must write
+what vLLM's masked activation writes on every received row, captured and replayed with new
+counts too. Prints the captured replay times (per layer; a decode step builds one list and
+runs one activation per MoE layer).
 Command (docs/device_vllm.md): python3 -m pytest tests/kernels/test_block_list_gpu.py -rs -s -q
 """
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from vllm_flashinfer_ep.vllm import block_list
+from vllm_flashinfer_ep.vllm.compact_experts import max_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -79,3 +82,103 @@ def test_a_captured_list_follows_the_counts_of_each_replay(experts, rows, block_
         f"captured us per layer fused {times['fused']:.2f} torch {times['torch']:.2f} "
         f"(torch/fused {times['torch'] / times['fused']:.2f}x)"
     )
+
+
+def _vllm_masked_silu(out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> None:
+    from vllm.model_executor.layers.fused_moe.activation import (
+        MoEActivation,
+        apply_moe_activation,
+    )
+
+    apply_moe_activation(MoEActivation.SILU, out, x, valid_token_counts=counts)
+
+
+def _activation_layer(name, out, x, counts, block_m, nb) -> None:
+    """One MoE layer's activation: the block list and the listed rows, or vLLM's op."""
+    experts, rows, d = out.shape
+    if name == "listed":
+        blocks = block_list.fused_expert_blocks(counts, rows, block_m, nb)
+        block_list.listed_silu_and_mul(out.view(-1, d), x.view(-1, 2 * d), blocks)
+    else:
+        _vllm_masked_silu(out, x, counts)
+
+
+def _assert_received_rows_equal(counts, rows, got, want) -> None:
+    """Every received row as vLLM writes it: equal, or one rounding apart where Triton's
+    exp and CUDA's expf differ in the last bit (counted, at most 1 in 1000)."""
+    valid = torch.arange(rows, device="cuda")[None, :] < counts[:, None]
+    g, w = got[valid].float(), want[valid].float()
+    assert torch.isfinite(g).all()
+    eps = torch.finfo(got.dtype).eps
+    assert torch.allclose(g, w, rtol=2 * eps, atol=0), float((g - w).abs().max())
+    assert (g != w).float().mean().item() <= 1e-3
+
+
+@pytest.mark.parametrize(
+    ("experts", "rows", "d", "block_m"), [(128, 256, 768, 16), (64, 256, 512, 64), (8, 32, 96, 16)]
+)
+def test_the_listed_activation_equals_vllm_s_masked_activation(experts, rows, d, block_m):
+    gen = torch.Generator().manual_seed(d)
+    x = (torch.randn(experts, rows, 2 * d, generator=gen) * 3).to(torch.bfloat16).cuda()
+    whole = experts * -(-rows // block_m)
+    for kind in ("empty", "full", "one row", "random"):
+        counts = _counts(kind, experts, rows, gen)
+        blocks = block_list.fused_expert_blocks(counts, rows, block_m, whole)
+        want = torch.full((experts, rows, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = want.clone()
+        _vllm_masked_silu(want, x, counts)
+        block_list.listed_silu_and_mul(got.view(-1, d), x.view(-1, 2 * d), blocks)
+        torch.cuda.synchronize()
+        _assert_received_rows_equal(counts, rows, got, want)
+        assert torch.isnan(got[torch.arange(rows, device="cuda")[None, :] >= counts[:, None]]).all()
+
+
+def test_a_captured_listed_activation_follows_each_replay_s_counts_and_is_timed():
+    """Qwen3-30B-A3B's shape (128 local experts, 256 rows, intermediate 768), the bound of
+    a 1-token and a 128-token forward (8 and 8 x 128 rows): 48 layers captured, replayed
+    with new counts, against vLLM's masked activation; both timed captured."""
+    experts, rows, d, block_m = 128, 256, 768, 16
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(experts, rows, 2 * d, generator=gen) * 3).to(torch.bfloat16).cuda()
+    out = torch.zeros(experts, rows, d, device="cuda", dtype=torch.bfloat16)
+    for tokens in (1, 128):
+        sent = tokens * 8  # top_k 8
+        nb = max_blocks(sent, experts, rows, block_m)  # what the experts size it to
+        counts = _counts("one row" if tokens == 1 else "random", experts, rows, gen)
+        counts.clamp_(max=sent)
+        times = {}
+        for name in ("listed", "vllm"):
+            args = (name, out, x, counts, block_m, nb)
+            _activation_layer(*args)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(48):
+                    _activation_layer(*args)
+            for seed in (4, 5):
+                new = torch.zeros(experts, dtype=torch.int32)
+                ids = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
+                new[ids[: min(sent, experts)]] = 1
+                if tokens > 1:  # the rest of the rows over random experts
+                    extra = torch.randint(0, experts, (sent - experts,), generator=gen)
+                    new += torch.bincount(extra, minlength=experts).int()
+                counts.copy_(new.clamp(max=rows))
+                out.fill_(float("nan"))
+                graph.replay()
+                want = torch.full_like(out, float("nan"))
+                _vllm_masked_silu(want, x, counts)
+                torch.cuda.synchronize()
+                _assert_received_rows_equal(counts, rows, out, want)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[name] = start.elapsed_time(end) / 20 / 48 * 1000
+            del graph
+        print(
+            f"LISTED_ACTIVATION tokens={tokens} blocks={nb}: captured us per layer "
+            f"block list + listed activation {times['listed']:.2f}, "
+            f"vLLM's masked activation {times['vllm']:.2f}"
+        )

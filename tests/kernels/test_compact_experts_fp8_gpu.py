@@ -43,6 +43,16 @@ from vllm_flashinfer_ep.runtime.capture import capture_graph
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["vllm-activation", "listed-activation"])
+def activation(request, monkeypatch):
+    """Every test with vLLM's masked activation and with the listed-rows one
+    (block_list.LISTED_ACTIVATION): the received rows must come out the same."""
+    from vllm_flashinfer_ep.vllm import block_list
+
+    monkeypatch.setattr(block_list, "LISTED_ACTIVATION", request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
     """Production keeps dynamic per-tensor intermediates on vLLM's kernel

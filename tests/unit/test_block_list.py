@@ -91,3 +91,151 @@ def test_cpu_tensors_always_take_the_torch_builder(monkeypatch):
 def test_row_ids_beyond_int32_are_refused():
     with pytest.raises(ValueError, match="int32"):
         block_list.fused_expert_blocks(torch.zeros(2**16, dtype=torch.int32), 2**15, 16, 4)
+
+
+# The listed-rows activation: (experts, rows per expert, d, BLOCK_M, dtype); d a power of
+# two and not (a tile wider than d, and a partial last tile), Qwen3-30B-A3B's 768.
+ACT_SHAPES = [
+    (8, 16, 48, 16, "bfloat16"),
+    (5, 32, 96, 16, "float16"),
+    (4, 64, 768, 64, "bfloat16"),
+    (3, 8, 200, 32, "bfloat16"),
+]
+
+ACT_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    from vllm_flashinfer_ep.vllm import block_list as bl
+    cases = json.loads(sys.argv[1])
+
+    def rounded(t, dtype):
+        # FP32 -> 16 bits as the kernel rounds in the interpreter: Triton 3.8's interpreter
+        # truncates to bfloat16 (compiled kernels round to nearest even, the GPU test's
+        # case) and rounds to nearest even for float16.
+        if dtype == torch.bfloat16:
+            t = (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
+        return t.to(dtype).float()
+
+    for experts, rows, d, bm, dtype, counts, nb in cases:
+        dtype = getattr(torch, dtype)
+        counts = torch.tensor(counts, dtype=torch.int32)
+        gen = torch.Generator().manual_seed(len(counts) * d + nb)
+        x = (torch.randn(experts * rows, 2 * d, generator=gen) * 4).to(dtype)
+        out = torch.full((experts * rows, d), float("nan"), dtype=dtype)
+        blocks = bl.torch_expert_blocks(counts, rows, bm, nb)
+        bl.listed_silu_and_mul(out, x, blocks)
+        g, u = x[:, :d].float(), x[:, d:].float()
+        silu = rounded(g / (1 + torch.exp(-g)), dtype)  # rounded first, as vLLM's kernels
+        want = rounded(silu * u, dtype)
+        ids = blocks[0]
+        listed = torch.zeros(experts * rows, dtype=torch.bool)
+        listed[ids[ids < experts * rows].long()] = True
+        if not torch.isnan(out[~listed].float()).all():
+            print("WROTE AN UNLISTED ROW", experts, rows, d, bm, counts.tolist(), nb)
+            sys.exit(1)
+        got = out[listed].float()
+        ref = want[listed].float()
+        # numpy's and torch's FP32 exp may differ in the last bit, which can move a
+        # rounding: within two units of the 16-bit type's precision, and almost all equal
+        eps = torch.finfo(dtype).eps
+        close = torch.allclose(got, ref, rtol=2 * eps, atol=0)
+        if not close or (got != ref).float().mean().item() > 0.01:
+            err = (got - ref).abs().max().item()
+            print("MISMATCH", experts, rows, d, bm, dtype, counts.tolist(), nb, err)
+            sys.exit(1)
+    print("OK", len(cases))
+    """
+)
+
+
+def _activation_cases() -> list:
+    gen = torch.Generator().manual_seed(1)
+    cases = []
+    for experts, rows, d, bm, dtype in ACT_SHAPES:
+        kinds = [
+            torch.zeros(experts, dtype=torch.int32),
+            torch.full((experts,), rows, dtype=torch.int32),
+            torch.nn.functional.one_hot(torch.tensor(experts // 2), experts).int(),
+            torch.randint(0, rows + 1, (experts,), generator=gen, dtype=torch.int32),
+        ]
+        whole = experts * -(-rows // bm)
+        for counts in kinds:
+            for nb in (1, 3, whole):  # a bound under the blocks in use, and the whole buffer
+                cases.append([experts, rows, d, bm, dtype, counts.tolist(), nb])
+    return cases
+
+
+def test_the_listed_activation_equals_silu_and_mul_on_listed_rows_only():
+    """In Triton's interpreter: every listed row gets SiLU(gate) x up, the SiLU rounded to
+    16 bits before the product as vLLM's kernels round it, and no other row is written."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", ACT_CHILD, json.dumps(_activation_cases())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("OK"), (
+        result.stdout + result.stderr[-3000:]
+    )
+
+
+def test_the_listed_activation_refuses_shapes_it_does_not_compute():
+    blocks = block_list.torch_expert_blocks(torch.tensor([2], dtype=torch.int32), 4, 16, 1)
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out"):
+        block_list.listed_silu_and_mul(torch.zeros(4, 3, dtype=torch.bfloat16), x, blocks)
+    with pytest.raises(ValueError, match="16-bit"):
+        block_list.listed_silu_and_mul(torch.zeros(4, 4), x.float(), blocks)
+
+
+def test_only_plain_silu_and_mul_takes_the_listed_activation():
+    """vLLM's own activation config decides: a clamp, alpha or beta (GPT-OSS's SwiGLU,
+    clamped SiLU) or another activation keeps vLLM's masked op."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import (
+        ApplyMoEActivationConfig,
+        MoEActivation,
+    )
+
+    def experts(**config):
+        return SimpleNamespace(activation_config=ApplyMoEActivationConfig(**config))
+
+    assert block_list.plain_silu_and_mul(experts(), MoEActivation.SILU)
+    assert block_list.plain_silu_and_mul(experts(), "silu")
+    assert not block_list.plain_silu_and_mul(experts(), MoEActivation.GELU)
+    assert not block_list.plain_silu_and_mul(experts(), MoEActivation.SWIGLUOAI)
+    assert not block_list.plain_silu_and_mul(experts(clamp_limit=7.0), MoEActivation.SILU)
+    assert not block_list.plain_silu_and_mul(experts(alpha=1.702), MoEActivation.SILU)
+    assert not block_list.plain_silu_and_mul(experts(beta=1.0), MoEActivation.SILU)
+    assert not block_list.plain_silu_and_mul(SimpleNamespace(), MoEActivation.SILU)
+
+
+def test_cpu_tensors_and_the_switch_off_keep_vllm_s_activation(monkeypatch):
+    calls = []
+
+    class Experts:
+        activation_config = None
+
+        def activation(self, name, out, x, valid_token_counts=None):
+            calls.append(valid_token_counts)
+
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
+
+    e = Experts()
+    e.activation_config = ApplyMoEActivationConfig()
+    monkeypatch.setattr(
+        block_list, "listed_silu_and_mul", lambda *a: pytest.fail("listed on CPU tensors")
+    )
+    counts = torch.tensor([1, 0], dtype=torch.int32)
+    blocks = block_list.torch_expert_blocks(counts, 4, 16, 2)
+    x, out = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 4, dtype=torch.bfloat16)
+    for switch in (False, True):
+        monkeypatch.setattr(block_list, "LISTED_ACTIVATION", switch)
+        block_list.activation(e, "silu", out, x, counts, blocks)
+    assert len(calls) == 2 and all(c is counts for c in calls)

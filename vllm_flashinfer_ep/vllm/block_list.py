@@ -6,7 +6,10 @@ about fifteen small kernels per layer (a cumsum, a searchsorted, gathers, compar
 casts); inside a captured decode step each is a kernel node of its own, launched for
 every MoE layer, and launches, not bytes, are their cost. `fused_expert_blocks` builds the
 same three tensors in one Triton kernel. `listed_gemm` is what reads them: vLLM's kernel,
-the one call for 16-bit and FP8 weights alike.
+the one call for 16-bit and FP8 weights alike. `listed_silu_and_mul` is the activation
+between the two GEMMs on the listed rows only: vLLM's masked activation runs a grid over
+every expert's whole buffer slot, which a decode step pays in every MoE layer whatever the
+batch (the profile in docs/benchmarks.md).
 
 Both builders write exactly the same values (tests/unit/test_block_list.py compares them
 in Triton's interpreter on CPU; tests/kernels/test_compact_experts_gpu.py on the GPU);
@@ -27,6 +30,10 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 
 FUSED = True
 BLOCKS_PER_PROGRAM = 16  # blocks one program writes: [16, experts] compares fit registers
+# The listed-rows activation: off until its GPU test and the engine profile have run on it
+# (checked against torch in Triton's interpreter only, tests/unit/test_block_list.py).
+LISTED_ACTIVATION = False
+ACTIVATION_TILE = 4096  # elements one activation program handles: BLOCK_M x BLOCK_N
 
 
 def expert_blocks(
@@ -179,3 +186,92 @@ def listed_gemm(
         per_channel_quant=bool(per_channel),
         block_shape=block_shape,
     )
+
+
+def activation(
+    fused_experts, name, out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, blocks: tuple
+) -> None:
+    """The activation between the two GEMMs of the received-rows experts: x [E, rows, 2d]
+    (GEMM1's output) -> out [E, rows, d'] on every received row. The listed rows only
+    (`listed_silu_and_mul`) when LISTED_ACTIVATION is on and the layer's is plain
+    SiLU-and-mul; vLLM's masked activation (`fused_experts.activation`, its config:
+    clamps, alpha, beta) otherwise."""
+    if LISTED_ACTIVATION and plain_silu_and_mul(fused_experts, name) and x.is_cuda:
+        rows = x.shape[0] * x.shape[1]
+        listed_silu_and_mul(out.view(rows, out.shape[-1]), x.view(rows, x.shape[-1]), blocks)
+        return
+    fused_experts.activation(name, out, x, valid_token_counts=counts)
+
+
+def plain_silu_and_mul(fused_experts, name) -> bool:
+    """SiLU(gate) x up with vLLM's defaults: no clamp, alpha 1, beta 0 (what
+    `listed_silu_and_mul` computes); a layer with anything else keeps vLLM's op."""
+    if getattr(name, "value", name) != "silu":
+        return False
+    config = getattr(fused_experts, "activation_config", None)
+    return (
+        config is not None
+        and config.clamp_limit is None
+        and config.alpha == 1.0
+        and config.beta == 0.0
+    )
+
+
+def listed_silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: tuple) -> None:
+    """out[row] = silu(x[row, :d]) * x[row, d:] for the rows in the block list only.
+
+    x [rows, 2d] and out [rows, d], contiguous, one 16-bit dtype; `blocks` from
+    `expert_blocks` over these rows (the sentinel `rows` where a block has none). Rows
+    that are not listed are left as they were: the GEMM after reads listed rows only.
+    Rounds as vLLM's SiLU-and-mul kernels do (the SiLU to the 16-bit type, then the
+    product), so a listed row gets what vLLM's masked activation writes there, up to
+    where Triton's exp and CUDA's differ in the last bit.
+    One launch with the block list's fixed grid; programs past the used blocks return."""
+    if triton is None:
+        raise RuntimeError("listed_silu_and_mul needs Triton")
+    sorted_ids, expert_ids, blocks_rows = blocks
+    rows, width = x.shape
+    d = width // 2
+    if width != 2 * d or out.shape != (rows, d):
+        raise ValueError(f"listed_silu_and_mul: x {tuple(x.shape)} and out {tuple(out.shape)}")
+    if x.dtype != out.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"listed_silu_and_mul: 16-bit x and out, got {x.dtype}, {out.dtype}")
+    if not (x.is_contiguous() and out.is_contiguous()):
+        raise ValueError("listed_silu_and_mul: x and out must be contiguous")
+    num_blocks = expert_ids.numel()
+    block_m = sorted_ids.numel() // max(num_blocks, 1)
+    if num_blocks == 0 or d == 0:
+        return
+    block_n = max(16, min(triton.next_power_of_2(d), ACTIVATION_TILE // block_m))
+    grid = (num_blocks, triton.cdiv(d, block_n))
+    _listed_silu_and_mul_kernel[grid](
+        x, out, sorted_ids, blocks_rows, rows, d, BLOCK_M=block_m, BLOCK_N=block_n
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _listed_silu_and_mul_kernel(
+        x_ptr,
+        out_ptr,
+        sorted_ids_ptr,
+        blocks_rows_ptr,
+        rows,
+        d,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        if b * BLOCK_M >= tl.load(blocks_rows_ptr):
+            return
+        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (ids < rows)[:, None] & (cols < d)[None, :]
+        gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
+        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
+        kind = out_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(kind)
+        y = (act.to(tl.float32) * up).to(kind)
+        tl.store(out_ptr + ids[:, None] * d + cols[None, :], y, mask=mask)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.vllm import compact_experts_fp8
+from vllm_flashinfer_ep.vllm import block_list, compact_experts_fp8
 from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, TARGET, leave_to_vllm, named_args
 from vllm_flashinfer_ep.vllm.block_list import (  # noqa: F401 - expert_blocks also for callers
     expert_blocks,
@@ -228,7 +228,7 @@ def compact_apply(fused_experts: Any, kw: dict, sent_per_rank: int | None = None
         return
     compute_type = tl.bfloat16 if hidden.dtype == torch.bfloat16 else tl.float16
     _gemm(hidden.view(total, k), w1, cache1.view(total, 1, n), blocks, config, compute_type)
-    fused_experts.activation(kw["activation"], cache2, cache1, valid_token_counts=counts)
+    block_list.activation(fused_experts, kw["activation"], cache2, cache1, counts, blocks)
     _gemm(cache2.view(total, act_n), w2, output.view(total, 1, k), blocks, config, compute_type)
 
 

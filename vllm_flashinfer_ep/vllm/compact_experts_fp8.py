@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep.vllm import block_list
 from vllm_flashinfer_ep.vllm.block_list import listed_gemm
 
 FP8 = torch.float8_e4m3fn
@@ -316,12 +317,8 @@ def apply(
     else:  # BF16 arrived: the listed rows quantized as vLLM's prepare would
         a1, a1_scale = quantize_listed_rows(hidden.view(total, k), listed, qc)
     gemm(a1, w1, cache1.view(total, 1, n), blocks, config, a1_scale, qc.w1_scale, kind)
-    fused_experts.activation(
-        kw["activation"],
-        cache2,
-        cache1,
-        valid_token_counts=kw["expert_tokens_meta"].expert_num_tokens,
-    )
+    counts = kw["expert_tokens_meta"].expert_num_tokens
+    block_list.activation(fused_experts, kw["activation"], cache2, cache1, counts, blocks)
     x2 = cache2.view(total, act_n)
     if kind == TENSOR:
         a2, a2_scale = quantize_listed_rows_per_tensor(x2, listed, rows, qc, kw["a2_scale"])
