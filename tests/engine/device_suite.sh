@@ -95,7 +95,7 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
         tests/kernels/test_block_list_gpu.py \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
-      grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
+      grep -E "BLOCK_LIST|LISTED_ACTIVATION|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
     fp8-compact)  # the received-rows FP8 experts' GPU tests alone (about a minute)
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
@@ -104,7 +104,7 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_deep_gemm_experts_gpu.py \
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
-      grep -E "BLOCK_LIST|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
+      grep -E "BLOCK_LIST|LISTED_ACTIVATION|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
       for scheme in block channel tensor_static tensor; do
         python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" \
           --json "$out/fp8_experts_probe_$scheme.json" > "$out/fp8-experts-probe-$scheme.txt" 2>&1 || rc=1

@@ -50,3 +50,23 @@ def ep_group_world1():
         dist.init_process_group("gloo", rank=0, world_size=1)
     torch.cuda.set_device(0)
     yield dist.group.WORLD
+
+
+@pytest.fixture(params=[False, True], ids=["vllm-activation", "listed-activation"])
+def listed_activation(request, monkeypatch):
+    """The received-rows experts with vLLM's masked activation and with the listed-rows
+    one (block_list.LISTED_ACTIVATION): the received rows must come out the same. With
+    the switch on, the listed kernel must have run (not a quiet fallback to vLLM's)."""
+    from vllm_flashinfer_ep.vllm import block_list
+
+    monkeypatch.setattr(block_list, "LISTED_ACTIVATION", request.param)
+    calls = []
+    listed = block_list.listed_silu_and_mul
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return listed(*args, **kwargs)
+
+    monkeypatch.setattr(block_list, "listed_silu_and_mul", counted)
+    yield request.param
+    assert bool(calls) == request.param, f"listed activation calls: {len(calls)}"

@@ -94,11 +94,13 @@ def _vllm_masked_silu(out: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) 
 
 
 def _activation_layer(name, out, x, counts, block_m, nb) -> None:
-    """One MoE layer's activation: the block list and the listed rows, or vLLM's op."""
+    """One MoE layer's activation: the block list ("list"), the block list and the listed
+    rows ("listed"), or vLLM's op ("vllm")."""
     experts, rows, d = out.shape
-    if name == "listed":
+    if name in ("list", "listed"):
         blocks = block_list.fused_expert_blocks(counts, rows, block_m, nb)
-        block_list.listed_silu_and_mul(out.view(-1, d), x.view(-1, 2 * d), blocks)
+        if name == "listed":
+            block_list.listed_silu_and_mul(out.view(-1, d), x.view(-1, 2 * d), blocks)
     else:
         _vllm_masked_silu(out, x, counts)
 
@@ -111,7 +113,7 @@ def _assert_received_rows_equal(counts, rows, got, want) -> None:
     assert torch.isfinite(g).all()
     eps = torch.finfo(got.dtype).eps
     assert torch.allclose(g, w, rtol=2 * eps, atol=0), float((g - w).abs().max())
-    assert (g != w).float().mean().item() <= 1e-3
+    assert int((g != w).sum()) <= 1e-3 * g.numel()
 
 
 @pytest.mark.parametrize(
@@ -133,21 +135,27 @@ def test_the_listed_activation_equals_vllm_s_masked_activation(experts, rows, d,
         assert torch.isnan(got[torch.arange(rows, device="cuda")[None, :] >= counts[:, None]]).all()
 
 
+def _routed(experts: int, tokens: int, seed: int) -> torch.Tensor:
+    """Rows per expert when `tokens` tokens each pick 8 distinct experts (top_k 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:8] for _ in range(tokens)])
+    return torch.bincount(ids.flatten(), minlength=experts).to(torch.int32)
+
+
 def test_a_captured_listed_activation_follows_each_replay_s_counts_and_is_timed():
-    """Qwen3-30B-A3B's shape (128 local experts, 256 rows, intermediate 768), the bound of
-    a 1-token and a 128-token forward (8 and 8 x 128 rows): 48 layers captured, replayed
-    with new counts, against vLLM's masked activation; both timed captured."""
+    """Qwen3-30B-A3B's shape (128 local experts, 256 rows, intermediate 768) at the bound
+    of a 1-token and a 128-token forward: 48 layers captured, replayed with new routings,
+    against vLLM's masked activation; timed captured, the block list alone too (the GEMMs
+    build it anyway, so the listed activation's own cost is the difference)."""
     experts, rows, d, block_m = 128, 256, 768, 16
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(experts, rows, 2 * d, generator=gen) * 3).to(torch.bfloat16).cuda()
     out = torch.zeros(experts, rows, d, device="cuda", dtype=torch.bfloat16)
     for tokens in (1, 128):
-        sent = tokens * 8  # top_k 8
-        nb = max_blocks(sent, experts, rows, block_m)  # what the experts size it to
-        counts = _counts("one row" if tokens == 1 else "random", experts, rows, gen)
-        counts.clamp_(max=sent)
+        nb = max_blocks(tokens * 8, experts, rows, block_m)  # what the experts size it to
+        counts = _routed(experts, tokens, 3).cuda()
         times = {}
-        for name in ("listed", "vllm"):
+        for name in ("list", "listed", "vllm"):
             args = (name, out, x, counts, block_m, nb)
             _activation_layer(*args)  # compile outside the capture
             torch.cuda.synchronize()
@@ -155,14 +163,8 @@ def test_a_captured_listed_activation_follows_each_replay_s_counts_and_is_timed(
             with torch.cuda.graph(graph):
                 for _ in range(48):
                     _activation_layer(*args)
-            for seed in (4, 5):
-                new = torch.zeros(experts, dtype=torch.int32)
-                ids = torch.randperm(experts, generator=torch.Generator().manual_seed(seed))
-                new[ids[: min(sent, experts)]] = 1
-                if tokens > 1:  # the rest of the rows over random experts
-                    extra = torch.randint(0, experts, (sent - experts,), generator=gen)
-                    new += torch.bincount(extra, minlength=experts).int()
-                counts.copy_(new.clamp(max=rows))
+            for seed in (4, 5) if name != "list" else ():
+                counts.copy_(_routed(experts, tokens, seed))
                 out.fill_(float("nan"))
                 graph.replay()
                 want = torch.full_like(out, float("nan"))
@@ -178,7 +180,7 @@ def test_a_captured_listed_activation_follows_each_replay_s_counts_and_is_timed(
             times[name] = start.elapsed_time(end) / 20 / 48 * 1000
             del graph
         print(
-            f"LISTED_ACTIVATION tokens={tokens} blocks={nb}: captured us per layer "
-            f"block list + listed activation {times['listed']:.2f}, "
-            f"vLLM's masked activation {times['vllm']:.2f}"
+            f"LISTED_ACTIVATION tokens={tokens} blocks={nb}: captured us per layer: "
+            f"listed activation {times['listed'] - times['list']:.2f} (with the block list "
+            f"{times['listed']:.2f}), vLLM's masked activation {times['vllm']:.2f}"
         )

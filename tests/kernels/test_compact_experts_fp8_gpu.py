@@ -43,16 +43,6 @@ from vllm_flashinfer_ep.runtime.capture import capture_graph
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["vllm-activation", "listed-activation"])
-def activation(request, monkeypatch):
-    """Every test with vLLM's masked activation and with the listed-rows one
-    (block_list.LISTED_ACTIVATION): the received rows must come out the same."""
-    from vllm_flashinfer_ep.vllm import block_list
-
-    monkeypatch.setattr(block_list, "LISTED_ACTIVATION", request.param)
-    return request.param
-
-
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
     """Production keeps dynamic per-tensor intermediates on vLLM's kernel
@@ -240,6 +230,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("listed_activation")
 @pytest.mark.parametrize("arrival", ["fp8-wire", "bf16"])
 @pytest.mark.parametrize(("tokens", "counts", "sent"), CASES)
 def test_block_fp8_received_rows_match_vllm_s_batched_kernel(
@@ -272,6 +263,7 @@ def test_block_fp8_received_rows_match_vllm_s_batched_kernel(
         assert _rel(counts, want, p.torch_reference(counts), "vLLM batched vs fp32") < 0.1
 
 
+@pytest.mark.usefixtures("listed_activation")
 @pytest.mark.parametrize("arrival", ["fp8-wire", "bf16"])
 def test_captured_block_fp8_experts_follow_new_counts_and_rows(vllm_env, arrival):  # noqa: F811
     p = Problem(seed=5)
@@ -412,6 +404,7 @@ SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [
 ]
 
 
+@pytest.mark.usefixtures("listed_activation")
 @pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
 @pytest.mark.parametrize(("tokens", "counts", "sent"), CASES)
 def test_per_tensor_and_per_channel_received_rows_match_vllm_s_batched_kernel(
@@ -435,6 +428,7 @@ def test_per_tensor_and_per_channel_received_rows_match_vllm_s_batched_kernel(
     assert torch.isnan(got[~Problem.received(counts)].float()).all()  # nothing else written
 
 
+@pytest.mark.usefixtures("listed_activation")
 @pytest.mark.parametrize("kind", SCHEMES)
 def test_per_tensor_and_per_channel_experts_without_rows_write_nothing(vllm_env, kind):  # noqa: F811
     p = SchemeProblem(kind, seed=1)
@@ -445,6 +439,7 @@ def test_per_tensor_and_per_channel_experts_without_rows_write_nothing(vllm_env,
     assert torch.isnan(got.float()).all()
 
 
+@pytest.mark.usefixtures("listed_activation")
 @pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
 def test_captured_per_tensor_and_per_channel_experts_follow_new_counts_and_rows(
     vllm_env,  # noqa: F811

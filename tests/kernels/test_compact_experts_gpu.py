@@ -22,17 +22,7 @@ from tests.kernels.test_vllm_join_gpu import (
 )
 from vllm_flashinfer_ep.runtime.capture import capture_graph
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, params=[False, True], ids=["vllm-activation", "listed-activation"])
-def activation(request, monkeypatch):
-    """Every test with vLLM's masked activation and with the listed-rows one
-    (block_list.LISTED_ACTIVATION): the received rows must come out the same."""
-    from vllm_flashinfer_ep.vllm import block_list
-
-    monkeypatch.setattr(block_list, "LISTED_ACTIVATION", request.param)
-    return request.param
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("listed_activation")]
 
 
 EXPERTS, HIDDEN, ROWS = 64, 2048, 256  # INTER 512, TOP_K 8: the join test's

@@ -93,8 +93,9 @@ def test_row_ids_beyond_int32_are_refused():
         block_list.fused_expert_blocks(torch.zeros(2**16, dtype=torch.int32), 2**15, 16, 4)
 
 
-# The listed-rows activation: (experts, rows per expert, d, BLOCK_M, dtype); d a power of
-# two and not (a tile wider than d, and a partial last tile), Qwen3-30B-A3B's 768.
+# The listed-rows activation: (experts, rows per expert, d, BLOCK_M, dtype); widths whose
+# tile is wider than d (48, 96, 200: masked columns) and one with several tiles
+# (Qwen3-30B-A3B's 768 at BLOCK_M 64: 64-column tiles).
 ACT_SHAPES = [
     (8, 16, 48, 16, "bfloat16"),
     (5, 32, 96, 16, "float16"),

@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 
 FUSED = True
 BLOCKS_PER_PROGRAM = 16  # blocks one program writes: [16, experts] compares fit registers
-# The listed-rows activation: off until its GPU test and the engine profile have run on it
-# (checked against torch in Triton's interpreter only, tests/unit/test_block_list.py).
+# The listed-rows activation: on once the engine benchmark shows it no slower at any batch
+# (docs/device_vllm.md, "Open").
 LISTED_ACTIVATION = False
 ACTIVATION_TILE = 4096  # elements one activation program handles: BLOCK_M x BLOCK_N
 
@@ -193,10 +193,18 @@ def activation(
 ) -> None:
     """The activation between the two GEMMs of the received-rows experts: x [E, rows, 2d]
     (GEMM1's output) -> out [E, rows, d'] on every received row. The listed rows only
-    (`listed_silu_and_mul`) when LISTED_ACTIVATION is on and the layer's is plain
-    SiLU-and-mul; vLLM's masked activation (`fused_experts.activation`, its config:
-    clamps, alpha, beta) otherwise."""
-    if LISTED_ACTIVATION and plain_silu_and_mul(fused_experts, name) and x.is_cuda:
+    (`listed_silu_and_mul`) when LISTED_ACTIVATION is on, the layer's is plain
+    SiLU-and-mul and the buffers are the 16-bit CUDA tensors it takes; vLLM's masked
+    activation (`fused_experts.activation`, as its config asks) otherwise."""
+    if (
+        LISTED_ACTIVATION
+        and plain_silu_and_mul(fused_experts, name)
+        and x.is_cuda
+        and x.dtype == out.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.is_contiguous()
+        and out.is_contiguous()
+    ):
         rows = x.shape[0] * x.shape[1]
         listed_silu_and_mul(out.view(rows, out.shape[-1]), x.view(rows, x.shape[-1]), blocks)
         return
@@ -271,7 +279,7 @@ if triton is not None:
         gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
         gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
-        kind = out_ptr.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(kind)
-        y = (act.to(tl.float32) * up).to(kind)
+        out_ty = out_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+        y = (act.to(tl.float32) * up).to(out_ty)
         tl.store(out_ptr + ids[:, None] * d + cols[None, :], y, mask=mask)
