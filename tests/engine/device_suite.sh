@@ -15,7 +15,9 @@
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations (PROFILE_CONFIGS the
-# profile's, e.g. no_ep,ll_graph,ll_graph_listed_act); HTBENCH_ARGS adds
+# profile's, e.g. no_ep,ll_graph,ll_graph_listed_act; PROFILE_ARGS adds arguments to it,
+# e.g. "--quantization fp8_per_block", after bench-30b-fp8 on the same machine so that
+# FlashInfer's JIT is built); HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
 # One device call may run 600 s: engine-tests alone take about 8 minutes, so give the
 # steps to separate calls. Periodic stack dumps of engine processes are opt-in
@@ -178,7 +180,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
       for batch in 1 128; do  # issue 28's breakdown: LL and no EP, batch 1 and 128
         FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs/profile-b$batch" \
           python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs "${PROFILE_CONFIGS:-no_ep,ll_graph}" \
-          --profile-batch "$batch" --no-bench >> "$out/profile.txt" 2>&1 || rc=1
+          --profile-batch "$batch" --no-bench ${PROFILE_ARGS:-} >> "$out/profile.txt" 2>&1 || rc=1
       done
       for f in "$out"/elogs/profile-b*/engine-bench-qwen3-30b-a3b-*.log; do
         echo "== $f"; grep -h -A16 "engine_run: breakdown" "$f" | head -18
