@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_flashinfer_ep.runtime.capture import capture_graph
 from vllm_flashinfer_ep.vllm import block_list
 from vllm_flashinfer_ep.vllm.compact_experts import max_blocks
 
@@ -48,6 +49,17 @@ def test_the_compiled_kernel_equals_the_torch_builder(experts, rows, block_m):
                 assert w.dtype == g.dtype and torch.equal(w, g), (kind, nb)
 
 
+def _us_per_layer(graph, layers: int = 48, replays: int = 20) -> float:
+    """GPU us per layer of a graph that captured `layers` layers, over `replays` replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays / layers * 1000
+
+
 @pytest.mark.parametrize(("experts", "rows", "block_m"), [(64, 256, 16), (128, 256, 64)])
 def test_a_captured_list_follows_the_counts_of_each_replay(experts, rows, block_m):
     gen = torch.Generator().manual_seed(1)
@@ -70,13 +82,7 @@ def test_a_captured_list_follows_the_counts_of_each_replay(experts, rows, block_
             want = block_list.torch_expert_blocks(new, rows, block_m, nb)
             for w, g in zip(want, outs[-1]):
                 assert torch.equal(w, g), (name, kind)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times[name] = start.elapsed_time(end) / 20 / 48 * 1000
+        times[name] = _us_per_layer(graph)
     print(
         f"BLOCK_LIST experts={experts} rows={rows} block_m={block_m} blocks={nb}: "
         f"captured us per layer fused {times['fused']:.2f} torch {times['torch']:.2f} "
@@ -157,12 +163,8 @@ def test_a_captured_listed_activation_follows_each_replay_s_counts_and_is_timed(
         times = {}
         for name in ("list", "listed", "vllm"):
             args = (name, out, x, counts, block_m, nb)
-            _activation_layer(*args)  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(48):
-                    _activation_layer(*args)
+            # one eager pass first (Triton compiles outside the capture), then 48 layers
+            graph = capture_graph(lambda a=args: [_activation_layer(*a) for _ in range(48)])
             for seed in (4, 5) if name != "list" else ():
                 counts.copy_(_routed(experts, tokens, seed))
                 out.fill_(float("nan"))
@@ -171,13 +173,7 @@ def test_a_captured_listed_activation_follows_each_replay_s_counts_and_is_timed(
                 _vllm_masked_silu(want, x, counts)
                 torch.cuda.synchronize()
                 _assert_received_rows_equal(counts, rows, out, want)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = start.elapsed_time(end) / 20 / 48 * 1000
+            times[name] = _us_per_layer(graph)
             del graph
         print(
             f"LISTED_ACTIVATION tokens={tokens} blocks={nb}: captured us per layer: "

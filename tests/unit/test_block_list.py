@@ -60,12 +60,14 @@ def _cases() -> list:
     return cases
 
 
-def test_the_fused_kernel_equals_the_torch_builder_in_triton_s_interpreter():
+def _assert_ok_in_the_interpreter(child: str, cases: list) -> None:
+    """Run `child` over `cases` in a child process under TRITON_INTERPRET=1 (set before
+    Triton compiles anything); it prints OK or what differs."""
     import json
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(_cases())],
+        [sys.executable, "-c", child, json.dumps(cases)],
         env=env,
         capture_output=True,
         text=True,
@@ -75,6 +77,10 @@ def test_the_fused_kernel_equals_the_torch_builder_in_triton_s_interpreter():
     assert result.returncode == 0 and result.stdout.startswith("OK"), (
         result.stdout + result.stderr[-3000:]
     )
+
+
+def test_the_fused_kernel_equals_the_torch_builder_in_triton_s_interpreter():
+    _assert_ok_in_the_interpreter(CHILD, _cases())
 
 
 def test_cpu_tensors_always_take_the_torch_builder(monkeypatch):
@@ -169,20 +175,7 @@ def _activation_cases() -> list:
 def test_the_listed_activation_equals_silu_and_mul_on_listed_rows_only():
     """In Triton's interpreter: every listed row gets SiLU(gate) x up, the SiLU rounded to
     16 bits before the product as vLLM's kernels round it, and no other row is written."""
-    import json
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", ACT_CHILD, json.dumps(_activation_cases())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0 and result.stdout.startswith("OK"), (
-        result.stdout + result.stderr[-3000:]
-    )
+    _assert_ok_in_the_interpreter(ACT_CHILD, _activation_cases())
 
 
 def test_the_listed_activation_refuses_shapes_it_does_not_compute():

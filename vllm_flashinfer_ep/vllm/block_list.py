@@ -200,10 +200,7 @@ def activation(
         LISTED_ACTIVATION
         and plain_silu_and_mul(fused_experts, name)
         and x.is_cuda
-        and x.dtype == out.dtype
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and x.is_contiguous()
-        and out.is_contiguous()
+        and _unlisted_buffers(out, x) is None
     ):
         rows = x.shape[0] * x.shape[1]
         listed_silu_and_mul(out.view(rows, out.shape[-1]), x.view(rows, x.shape[-1]), blocks)
@@ -225,6 +222,15 @@ def plain_silu_and_mul(fused_experts, name) -> bool:
     )
 
 
+def _unlisted_buffers(out: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why `listed_silu_and_mul` does not take these buffers (None: it does)."""
+    if x.dtype != out.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return f"16-bit x and out, got {x.dtype}, {out.dtype}"
+    if not (x.is_contiguous() and out.is_contiguous()):
+        return "x and out must be contiguous"
+    return None
+
+
 def listed_silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: tuple) -> None:
     """out[row] = silu(x[row, :d]) * x[row, d:] for the rows in the block list only.
 
@@ -242,10 +248,9 @@ def listed_silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: tuple) -> No
     d = width // 2
     if width != 2 * d or out.shape != (rows, d):
         raise ValueError(f"listed_silu_and_mul: x {tuple(x.shape)} and out {tuple(out.shape)}")
-    if x.dtype != out.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"listed_silu_and_mul: 16-bit x and out, got {x.dtype}, {out.dtype}")
-    if not (x.is_contiguous() and out.is_contiguous()):
-        raise ValueError("listed_silu_and_mul: x and out must be contiguous")
+    unlisted = _unlisted_buffers(out, x)
+    if unlisted is not None:
+        raise ValueError(f"listed_silu_and_mul: {unlisted}")
     num_blocks = expert_ids.numel()
     block_m = sorted_ids.numel() // max(num_blocks, 1)
     if num_blocks == 0 or d == 0:
