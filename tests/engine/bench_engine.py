@@ -241,6 +241,7 @@ def _run(args, work: Path) -> int:
                 "startup_seconds": round(res["startup_seconds"], 1),
                 "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
                 "kernels": probe["kernels"],  # prepare/finalize + experts, as the engine built them
+                "listed_activation": probe.get("listed_activation"),  # block_list's switch
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
                 "device": probe.get("device"),  # the GPU: timings compare only on one card
             }

@@ -5,7 +5,8 @@
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests; engine-tests = engine-tests-a + -b) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
 #          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
-#          fp8-engine-select (the FP8 engine tests FP8_K selects, a pytest -k expression)
+#          fp8-engine-select (the FP8 engine tests FP8_K selects, a pytest -k expression),
+#          engine-select (the world-1 engine tests ENGINE_K selects)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 #          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py), fp8-compact (its received-rows tests alone)
@@ -86,6 +87,13 @@ for step in "${steps[@]}"; do
       timeout -k 15 -s INT "$(left)" python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
+    engine-select)  # chosen world-1 engine tests (ENGINE_K: a pytest -k expression), e.g. with
+      # FLASHINFER_EP_TEST_LISTED_ACTIVATION=1: "every_moe_layer or ll_with_cuda_graphs_matches_the_engine_without_ep"
+      export FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models
+      timeout -k 15 -s INT "$(left)" python3 -m pytest tests/engine/test_engine_world1.py \
+        -k "${ENGINE_K:?ENGINE_K=<pytest -k expression>}" -m "not multigpu" -p no:cacheprovider -rs -s -q \
+        -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
+      grep -E "vs no EP|floor|kept from|passed|failed|Error" "$out/pytest-$step.txt" | tail -12 ;;
     spec-decode|spec-decode-2|spec-decode-4)  # ngram speculation under LL graphs (the pool learns vLLM's captured counts)
       sel=(-k "agree and 2")
       [ "$step" = spec-decode-4 ] && sel=(-k "agree and 4 or v1_runner")
@@ -221,7 +229,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep direct fp8wire fp8bench fp8bench-ht fp8-experts fp8-compact bench-30b-fp8-CONFIG)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts fp8-compact bench-30b-fp8-CONFIG)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -93,6 +93,9 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         }
     )
     out["num_kernels"] = len(impls)
+    from vllm_flashinfer_ep.vllm import block_list
+
+    out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switch as the worker sees it
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )

@@ -19,6 +19,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 HARNESS_DIST = "vllm_flashinfer_ep_world1_harness-0.0.0.dist-info"
 LOG_DIR_ENV = "FLASHINFER_EP_TEST_ENGINE_LOG_DIR"
+# Harness switches read by the engine processes (world1_harness): they change what an
+# engine computes, so a kept result is keyed by them too.
+ENGINE_SWITCHES = (
+    "FLASHINFER_EP_TEST_LISTED_ACTIVATION",
+    "FLASHINFER_EP_TEST_VLLM_TILES",
+    "FLASHINFER_EP_TEST_BATCHED_KERNEL",
+    "FLASHINFER_EP_TEST_FAULT",
+)
 
 
 def write_plugin_dist(root: Path) -> Path:
@@ -96,8 +104,9 @@ class EngineRunner:
         env: dict[str, str] | None = None,
         timeout: float = 540,  # within one 600 s device call
     ) -> dict[str, Any]:
+        switches = {name: os.environ.get(name) for name in ENGINE_SWITCHES}
         key = hashlib.sha1(
-            json.dumps([spec, env, self._code], sort_keys=True).encode()
+            json.dumps([spec, env, switches, self._code], sort_keys=True).encode()
         ).hexdigest()[:12]
         if key in self._results:
             return self._results[key]

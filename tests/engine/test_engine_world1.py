@@ -22,6 +22,7 @@ engine with every routing weight set to 1/top_k and requires the bound to fail.
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
@@ -121,6 +122,9 @@ def test_every_moe_layer_runs_through_the_package(ll_graph):
     )
     assert probe["max_num_batched_tokens"] == LL_CAPACITY
     assert rt["capacity"] == LL_CAPACITY and rt["world_size"] == 1
+    # the harness switch reached the worker (an accuracy run with it on tests that kernel)
+    listed = os.environ.get("FLASHINFER_EP_TEST_LISTED_ACTIVATION") == "1"
+    assert probe["listed_activation"] is listed
 
 
 def test_ll_with_cuda_graphs_matches_the_engine_without_ep(ll_graph, no_ep, floor):
