@@ -51,10 +51,11 @@ CONFIGS = {
     "ll_graph_deepgemm": ({"backend": LL, "moe_backend": "deep_gemm"}, {}),
     "ll_graph_triton": ({"backend": LL, "moe_backend": "triton"}, {}),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
+    "no_ep_eager": ({"backend": None, "enforce_eager": True}, {}),  # ll_eager's reference
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
-    # ll_graph with the received-rows experts' activation on the listed rows only
-    # (vllm/block_list.py LISTED_ACTIVATION, off by default until measured here).
-    "ll_graph_listed_act": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_ACTIVATION": "1"}),
+    # ll_graph with vLLM's masked activation over the whole buffer instead of the listed
+    # rows' (vllm/block_list.py LISTED_ACTIVATION, on by default since measured here).
+    "ll_graph_vllm_act": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_ACTIVATION": "0"}),
     "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
     "ll_graph_tiles": (
         {"backend": LL},
@@ -288,11 +289,14 @@ def merge(paths: list[Path], out: Path | None) -> int:
 
 
 def table(shape: str, batches: list[int], results: dict[str, list[dict]]) -> str:
-    """Markdown: tokens/s per configuration, each EP configuration over no_ep, graphs over pool-off."""
+    """Markdown: tokens/s per configuration, each EP configuration over no_ep, graphs over
+    pool-off, eager LL over eager no EP."""
     names = list(results)
     ratios = [(n, "no_ep") for n in names if n != "no_ep" and "no_ep" in results]
     if "ll_graph" in results and "ll_pooloff" in results:
         ratios.append(("ll_graph", "ll_pooloff"))
+    if "ll_eager" in results and "no_ep_eager" in results:
+        ratios.append(("ll_eager", "no_ep_eager"))
     head = ["batch"] + [f"{n} tok/s" for n in names] + [f"{a} / {b}" for a, b in ratios]
     lines = [
         f"decode throughput, {shape} (output tokens/s)",

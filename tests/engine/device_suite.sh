@@ -16,7 +16,7 @@
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
 # `compact` = the GPU tests of the LL experts path alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations (PROFILE_CONFIGS the
-# profile's, e.g. no_ep,ll_graph,ll_graph_listed_act; PROFILE_ARGS adds arguments to it,
+# profile's, e.g. no_ep,ll_graph,ll_graph_vllm_act; PROFILE_ARGS adds arguments to it,
 # e.g. "--quantization fp8_per_block", after bench-30b-fp8 on the same machine so that
 # FlashInfer's JIT is built); HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -88,7 +88,7 @@ for step in "${steps[@]}"; do
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
     engine-select)  # chosen world-1 engine tests (ENGINE_K: a pytest -k expression), e.g. with
-      # FLASHINFER_EP_TEST_LISTED_ACTIVATION=1: "every_moe_layer or ll_with_cuda_graphs_matches_the_engine_without_ep"
+      # FLASHINFER_EP_TEST_LISTED_ACTIVATION=0: "every_moe_layer or ll_with_cuda_graphs_matches_the_engine_without_ep"
       export FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models
       timeout -k 15 -s INT "$(left)" python3 -m pytest tests/engine/test_engine_world1.py \
         -k "${ENGINE_K:?ENGINE_K=<pytest -k expression>}" -m "not multigpu" -p no:cacheprovider -rs -s -q \

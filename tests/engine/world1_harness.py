@@ -80,8 +80,11 @@ def install() -> None:
         batched_tiles.ENABLED = compact_experts.ENABLED = False
     if os.environ.get(BATCHED_KERNEL_ENV) == "1":  # vLLM's batched kernel, the package tile
         compact_experts.ENABLED = False
-    if os.environ.get(LISTED_ACTIVATION_ENV) == "1":  # the listed-rows activation, to measure
-        block_list.LISTED_ACTIVATION = True
+    listed = os.environ.get(LISTED_ACTIVATION_ENV)  # "0": vLLM's masked activation, to measure
+    if listed in ("0", "1"):
+        block_list.LISTED_ACTIVATION = listed == "1"
+    elif listed:
+        raise ValueError(f"{LISTED_ACTIVATION_ENV}: 0 or 1, got {listed!r}")
     _installed = True
 
 

@@ -155,3 +155,18 @@ def test_the_profiled_prompts_prefill_in_one_step(tmp_path, monkeypatch):
         profile = specs[0]["profile"]
         assert profile["prompt_len"] == prompt
         assert profile["batch"] * profile["prompt_len"] <= specs[0]["max_num_batched_tokens"]
+
+
+def test_the_table_sets_eager_ll_against_eager_no_ep():
+    """ll_eager's reference is the eager engine without EP (every step eager, as mixed
+    steps run under FULL_DECODE_ONLY), not no EP's graphs."""
+    from bench_engine import CONFIGS, table
+
+    assert CONFIGS["no_ep_eager"][0] == {"backend": None, "enforce_eager": True}
+    rows = {
+        name: [bench_row(b, 128, 0.1, 0.1 + 128 * b / t) for b, t in zip((1, 8), tps)]
+        for name, tps in {"no_ep_eager": (50, 200), "ll_eager": (40, 100)}.items()
+    }
+    text = table("qwen3-30b-a3b", [1, 8], rows)
+    assert "ll_eager / no_ep_eager" in text
+    assert "| 8 | 200 | 100 | 0.50 |" in text

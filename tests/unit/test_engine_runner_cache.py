@@ -64,3 +64,20 @@ def test_an_unreadable_kept_result_is_run_again(tmp_path, monkeypatch):
     again = engine_runner.EngineRunner(tmp_path / "b").run("ref", {"model": "/m"})
     assert len(calls) == 2 and again["n"] == 2
     assert not list((tmp_path / "kept").glob("*.partial"))
+
+
+def test_a_harness_switch_keys_the_kept_result(tmp_path, monkeypatch):
+    """The harness switches change what an engine computes (e.g. the listed activation
+    off): a call with a switch set never reads the result of a call without it."""
+    calls: list[dict] = []
+    monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
+    monkeypatch.setenv(engine_runner.CACHE_ENV, str(tmp_path / "kept"))
+    monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
+    for name in engine_runner.ENGINE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    engine_runner.EngineRunner(tmp_path / "a").run("ll", {"model": "/m"})
+    monkeypatch.setenv("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "0")
+    engine_runner.EngineRunner(tmp_path / "b").run("ll", {"model": "/m"})
+    assert len(calls) == 2
+    engine_runner.EngineRunner(tmp_path / "c").run("ll", {"model": "/m"})
+    assert len(calls) == 2  # the same switch again: kept

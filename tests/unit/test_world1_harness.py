@@ -96,3 +96,34 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
         r = harness_result[name]
         assert not r["use_all2all"] and not r["use_ep"] and not r["all2all_kernels"], name
         assert not r["decided"], name
+
+
+@pytest.mark.parametrize(
+    "value, expected", [(None, "True"), ("0", "False"), ("1", "True"), ("yes", "error")]
+)
+def test_the_listed_activation_switch_reaches_block_list(value, expected):
+    """FLASHINFER_EP_TEST_LISTED_ACTIVATION: unset keeps the package's default (on), 0 gives
+    vLLM's masked activation to measure against, anything else is refused by name."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "engine"), str(REPO)])
+    env["VLLM_CONFIGURE_LOGGING"] = "0"
+    env.pop("FLASHINFER_EP_TEST_LISTED_ACTIVATION", None)
+    if value is not None:
+        env["FLASHINFER_EP_TEST_LISTED_ACTIVATION"] = value
+    script = (
+        "import world1_harness\n"
+        "try:\n"
+        "    world1_harness.install()\n"
+        "except ValueError as e:\n"
+        "    print('RESULT error', e)\n"
+        "else:\n"
+        "    from vllm_flashinfer_ep.vllm import block_list\n"
+        "    print('RESULT', block_list.LISTED_ACTIVATION)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), "")
+    assert line.split()[1:2] == [expected], proc.stdout[-2000:] + proc.stderr[-2000:]
+    if expected == "error":
+        assert "FLASHINFER_EP_TEST_LISTED_ACTIVATION" in line

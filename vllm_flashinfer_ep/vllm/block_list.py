@@ -30,9 +30,9 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 
 FUSED = True
 BLOCKS_PER_PROGRAM = 16  # blocks one program writes: [16, experts] compares fit registers
-# The listed-rows activation: on once the engine benchmark shows it no slower at any batch
-# (docs/device_vllm.md, "Open").
-LISTED_ACTIVATION = False
+# The listed-rows activation, on since the engine benchmark measured it faster than vLLM's
+# masked activation at every batch (docs/benchmarks.md); off gives vLLM's op back.
+LISTED_ACTIVATION = True
 ACTIVATION_TILE = 4096  # elements one activation program handles: BLOCK_M x BLOCK_N
 
 
