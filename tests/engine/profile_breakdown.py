@@ -19,7 +19,13 @@ from collections.abc import Iterable
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("transport", r"nccl|ncclep|\bep_|dispatch_kernel|combine_kernel|low_latency|_ll_"),
     ("block list", r"_block_list_kernel|searchsorted|cumsum|devicescan|scan_kernel"),
-    ("experts GEMMs", r"fused_moe_kernel|batched_triton_kernel|moe_align|grouped_gemm|m_grouped"),
+    # DeepGEMM's grouped GEMMs carry their GemmType in the name: 1 contiguous, 2 masked (LL's
+    # experts), 5 contiguous with psum layout; 0 (Normal) is a dense layer's GEMM.
+    (
+        "experts GEMMs",
+        r"fused_moe_kernel|batched_triton_kernel|moe_align|grouped_gemm|m_grouped"
+        r"|gemmtype\)[125][,>]",
+    ),
     ("activation", r"act_and_mul|silu|gelu|swiglu"),
     ("quantization", r"quant|per_token_group|scaled_fp8|dynamic_scaled"),
     ("attention", r"attn|attention|fmha|flash_fwd|paged|reshape_and_cache"),

@@ -24,6 +24,18 @@ import profile_breakdown as pb  # noqa: E402
         ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "activation"),
         ("_per_token_group_quant_fp8", "quantization"),
         ("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_TNT", "dense GEMMs"),
+        (  # DeepGEMM's masked grouped GEMM (LL's block-FP8 experts)
+            "void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 1536u, 2048u, "
+            "128u, 64u, 128u, 128u, 128u, 128u, 5u, 128u, 256u, 1u, false, 132u, "
+            "(deep_gemm::GemmType)2, deep_gemm::EpilogueIdentity>(float*, int*)",
+            "experts GEMMs",
+        ),
+        (  # the same kernel for a dense layer (GemmType Normal)
+            "void deep_gemm::sm90_fp8_gemm_1d2d_impl<(cute::UMMA::Major)0, 0u, 4096u, 2048u, "
+            "1u, 64u, 128u, 128u, 128u, 128u, 5u, 128u, 256u, 1u, false, 132u, "
+            "(deep_gemm::GemmType)0, deep_gemm::EpilogueIdentity>(float*, int*)",
+            "dense GEMMs",
+        ),
         ("void vllm::rms_norm_kernel<c10::BFloat16>", "norms and rotary"),
         ("void at::native::vectorized_elementwise_kernel<4, ...>", "small torch kernels"),
         ("something_new_kernel", "other"),
