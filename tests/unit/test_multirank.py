@@ -29,6 +29,11 @@ def _one_fails_one_waits(rank: int, world: int) -> None:
 
 
 def _one_hangs(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    # Both ranks joined first: rank 0 hosts the rendezvous store, and leaving while rank 1
+    # still connects would make rank 1 die at start-up instead of hanging.
+    dist.barrier()
     if rank == 1:
         time.sleep(600)
 
@@ -68,7 +73,7 @@ def test_a_failure_ends_the_wait_after_the_grace():
 
 def test_a_hang_is_named_at_the_deadline():
     with pytest.raises(AssertionError, match=r"ranks hung: \[1\]"):
-        run_ranks(2, _one_hangs, timeout_s=8)
+        run_ranks(2, _one_hangs, timeout_s=15)  # room for a slow start on a loaded machine
 
 
 def test_a_huge_traceback_does_not_block_its_rank():
