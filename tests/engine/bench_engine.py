@@ -50,6 +50,12 @@ CONFIGS = {
     # package's received-rows Triton experts instead (vllm/compact_experts_fp8.py).
     "ll_graph_deepgemm": ({"backend": LL, "moe_backend": "deep_gemm"}, {}),
     "ll_graph_triton": ({"backend": LL, "moe_backend": "triton"}, {}),
+    # the received-rows FP8 experts with the activation and quantization in one kernel
+    # (vllm/listed_quant.py, off by default until measured here)
+    "ll_graph_triton_listed_quant": (
+        {"backend": LL, "moe_backend": "triton"},
+        {"FLASHINFER_EP_TEST_LISTED_QUANT": "1"},
+    ),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "no_ep_eager": ({"backend": None, "enforce_eager": True}, {}),  # ll_eager's reference
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
@@ -243,6 +249,7 @@ def _run(args, work: Path) -> int:
                 "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
                 "kernels": probe["kernels"],  # prepare/finalize + experts, as the engine built them
                 "listed_activation": probe.get("listed_activation"),  # block_list's switch
+                "listed_quant": probe.get("listed_quant"),  # listed_quant.ENABLED
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
                 "device": probe.get("device"),  # the GPU: timings compare only on one card
             }

@@ -9,7 +9,7 @@
 #          engine-select (the world-1 engine tests ENGINE_K selects)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
-#          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py), fp8-compact (its received-rows tests alone)
+#          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py), fp8-compact (its received-rows tests alone, and listed_quant's)
 #          bench-30b-fp8-CONFIG (one FP8 engine per call: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton)
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
@@ -107,9 +107,9 @@ for step in "${steps[@]}"; do
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|LISTED_ACTIVATION|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
     fp8-compact)  # the received-rows FP8 experts' GPU tests alone (about a minute)
-      python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py -p no:cacheprovider -rs -s -q \
-        -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
-      grep -E "passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -8 ;;
+      python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_listed_quant_gpu.py \
+        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
+      grep -E "LISTED_QUANT|passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -8 ;;
     fp8-experts)  # issue 28: the block-FP8 LL experts (received rows, DeepGEMM) against vLLM's, then timed side by side
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_deep_gemm_experts_gpu.py \
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
@@ -121,8 +121,11 @@ for step in "${steps[@]}"; do
         grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe-$scheme.txt"
       done ;;
     bench-30b-fp8-*)  # one FP8 engine per call (merge: bench_engine.py --merge a.json b.json --out all.json)
+      # BENCH_QUANT: vLLM's online scheme (fp8_per_block by default; fp8_per_channel)
+      quant=${BENCH_QUANT:-fp8_per_block}
       cfg=${step#bench-30b-fp8-}; tag=${cfg//,/-}  # no_ep,ll_graph: both, one file name
-      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --quantization fp8_per_block \
+      [ "$quant" != fp8_per_block ] && tag="${quant}_$tag"
+      python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --quantization "$quant" \
         --configs "$cfg" --out "$out/engine_qwen3-30b-a3b_fp8_$tag.json" 2>&1 \
         | tee "$out/bench-30b-fp8-$tag.txt" | grep -v "^INFO\|^(EngineCore" | tail -6 || rc=1 ;;
     padding)  # eager rounds padded onto pooled handles, and the pool under graphs (real NCCL-EP)

@@ -93,9 +93,10 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         }
     )
     out["num_kernels"] = len(impls)
-    from vllm_flashinfer_ep.vllm import block_list
+    from vllm_flashinfer_ep.vllm import block_list, listed_quant
 
-    out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switch as the worker sees it
+    out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switches as the worker sees them
+    out["listed_quant"] = listed_quant.ENABLED
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )

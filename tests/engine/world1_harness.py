@@ -48,6 +48,7 @@ FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
 VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
 BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
 LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
+LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
 
 
 def _ours(backend: str | None) -> bool:
@@ -74,17 +75,22 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
-    from vllm_flashinfer_ep.vllm import batched_tiles, block_list, compact_experts
+    from vllm_flashinfer_ep.vllm import batched_tiles, block_list, compact_experts, listed_quant
 
     if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts path
         batched_tiles.ENABLED = compact_experts.ENABLED = False
     if os.environ.get(BATCHED_KERNEL_ENV) == "1":  # vLLM's batched kernel, the package tile
         compact_experts.ENABLED = False
-    listed = os.environ.get(LISTED_ACTIVATION_ENV)  # "0": vLLM's masked activation, to measure
-    if listed in ("0", "1"):
-        block_list.LISTED_ACTIVATION = listed == "1"
-    elif listed:
-        raise ValueError(f"{LISTED_ACTIVATION_ENV}: 0 or 1, got {listed!r}")
+    # "0" / "1": the FP8 received rows' intermediate kernels off / on, to measure
+    for name, module, attr in (
+        (LISTED_ACTIVATION_ENV, block_list, "LISTED_ACTIVATION"),
+        (LISTED_QUANT_ENV, listed_quant, "ENABLED"),
+    ):
+        value = os.environ.get(name)
+        if value in ("0", "1"):
+            setattr(module, attr, value == "1")
+        elif value:
+            raise ValueError(f"{name}: 0 or 1, got {value!r}")
     _installed = True
 
 

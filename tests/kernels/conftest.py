@@ -52,6 +52,19 @@ def ep_group_world1():
     yield dist.group.WORLD
 
 
+def _counting(monkeypatch, module, name: str) -> list:
+    """Replace module.name with a wrapper that records each call; returns the record."""
+    calls: list = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @pytest.fixture(params=[False, True], ids=["vllm-activation", "listed-activation"])
 def listed_activation(request, monkeypatch):
     """The received-rows experts with vLLM's masked activation and with the listed-rows
@@ -60,13 +73,32 @@ def listed_activation(request, monkeypatch):
     from vllm_flashinfer_ep.vllm import block_list
 
     monkeypatch.setattr(block_list, "LISTED_ACTIVATION", request.param)
-    calls = []
-    listed = block_list.listed_silu_and_mul
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return listed(*args, **kwargs)
-
-    monkeypatch.setattr(block_list, "listed_silu_and_mul", counted)
+    calls = _counting(monkeypatch, block_list, "listed_silu_and_mul")
     yield request.param
     assert bool(calls) == request.param, f"listed activation calls: {len(calls)}"
+
+
+@pytest.fixture(params=["vllm-activation", "listed-activation", "listed-quant"])
+def fp8_intermediate(request, monkeypatch):
+    """The FP8 received-rows experts' intermediate three ways: vLLM's masked activation,
+    the listed activation, and the activation and quantization in one kernel
+    (listed_quant.ENABLED; block and per-token layers, the others keep the listed
+    activation). The received rows must come out the same, and the kernel each way names
+    must have run (not a quiet fallback)."""
+    from vllm_flashinfer_ep.vllm import block_list, listed_quant
+
+    mode = request.param
+    monkeypatch.setattr(block_list, "LISTED_ACTIVATION", mode != "vllm-activation")
+    monkeypatch.setattr(listed_quant, "ENABLED", mode == "listed-quant")
+    act = _counting(monkeypatch, block_list, "listed_silu_and_mul")
+    fused = _counting(monkeypatch, listed_quant, "silu_mul_quant")
+    yield mode
+    kind = getattr(request.node, "callspec", None)
+    kind = kind.params.get("kind", "block") if kind is not None else "block"
+    takes_fused = kind == "block" or kind.startswith("token")
+    if mode == "vllm-activation":
+        assert not act and not fused, (len(act), len(fused))
+    elif mode == "listed-quant" and takes_fused:
+        assert fused and not act, (len(act), len(fused))
+    else:
+        assert act and not fused, (len(act), len(fused))

@@ -21,7 +21,10 @@ order of the FP32 sums inside a K group: it flips a BF16 rounding of GEMM1's out
 and then, which flips an E4M3 rounding of the intermediate more rarely still. That is
 noise of order 1e-3 at most; a wrong scale view, row or block shape is off by O(1).
 Printed values (pytest -s) say how far below the bound the H200 lands.
-Per-tensor and per-channel layers: the second half of this module.
+Per-tensor and per-channel layers: the second half of this module. The `fp8_intermediate`
+fixture runs each received-rows test three ways: vLLM's masked activation, the listed
+activation, and the listed activation and quantization in one kernel (vllm/listed_quant.py,
+which writes vLLM's bytes up to the last bit of exp: tests/kernels/test_listed_quant_gpu.py).
 Needs the real vLLM runtime on the GPU (docs/device_vllm.md).
 """
 
@@ -230,7 +233,7 @@ CASES = [
 ]
 
 
-@pytest.mark.usefixtures("listed_activation")
+@pytest.mark.usefixtures("fp8_intermediate")
 @pytest.mark.parametrize("arrival", ["fp8-wire", "bf16"])
 @pytest.mark.parametrize(("tokens", "counts", "sent"), CASES)
 def test_block_fp8_received_rows_match_vllm_s_batched_kernel(
@@ -263,7 +266,7 @@ def test_block_fp8_received_rows_match_vllm_s_batched_kernel(
         assert _rel(counts, want, p.torch_reference(counts), "vLLM batched vs fp32") < 0.1
 
 
-@pytest.mark.usefixtures("listed_activation")
+@pytest.mark.usefixtures("fp8_intermediate")
 @pytest.mark.parametrize("arrival", ["fp8-wire", "bf16"])
 def test_captured_block_fp8_experts_follow_new_counts_and_rows(vllm_env, arrival):  # noqa: F811
     p = Problem(seed=5)
@@ -404,7 +407,7 @@ SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [
 ]
 
 
-@pytest.mark.usefixtures("listed_activation")
+@pytest.mark.usefixtures("fp8_intermediate")
 @pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
 @pytest.mark.parametrize(("tokens", "counts", "sent"), CASES)
 def test_per_tensor_and_per_channel_received_rows_match_vllm_s_batched_kernel(
@@ -428,7 +431,7 @@ def test_per_tensor_and_per_channel_received_rows_match_vllm_s_batched_kernel(
     assert torch.isnan(got[~Problem.received(counts)].float()).all()  # nothing else written
 
 
-@pytest.mark.usefixtures("listed_activation")
+@pytest.mark.usefixtures("fp8_intermediate")
 @pytest.mark.parametrize("kind", SCHEMES)
 def test_per_tensor_and_per_channel_experts_without_rows_write_nothing(vllm_env, kind):  # noqa: F811
     p = SchemeProblem(kind, seed=1)
@@ -439,7 +442,7 @@ def test_per_tensor_and_per_channel_experts_without_rows_write_nothing(vllm_env,
     assert torch.isnan(got.float()).all()
 
 
-@pytest.mark.usefixtures("listed_activation")
+@pytest.mark.usefixtures("fp8_intermediate")
 @pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
 def test_captured_per_tensor_and_per_channel_experts_follow_new_counts_and_rows(
     vllm_env,  # noqa: F811

@@ -99,17 +99,26 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
 
 
 @pytest.mark.parametrize(
-    "value, expected", [(None, "True"), ("0", "False"), ("1", "True"), ("yes", "error")]
+    "name, attr, default",
+    [
+        ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
+        ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "False"),
+    ],
 )
-def test_the_listed_activation_switch_reaches_block_list(value, expected):
-    """FLASHINFER_EP_TEST_LISTED_ACTIVATION: unset keeps the package's default (on), 0 gives
-    vLLM's masked activation to measure against, anything else is refused by name."""
+@pytest.mark.parametrize("value", [None, "0", "1", "yes"])
+def test_the_intermediate_switches_reach_the_package(name, attr, default, value):
+    """FLASHINFER_EP_TEST_LISTED_ACTIVATION / _LISTED_QUANT: unset keeps the package's
+    default, 0 and 1 turn the kernel off and on to measure it, anything else is refused by
+    name."""
+    expected = {None: default, "0": "False", "1": "True", "yes": "error"}[value]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "engine"), str(REPO)])
     env["VLLM_CONFIGURE_LOGGING"] = "0"
     env.pop("FLASHINFER_EP_TEST_LISTED_ACTIVATION", None)
+    env.pop("FLASHINFER_EP_TEST_LISTED_QUANT", None)
     if value is not None:
-        env["FLASHINFER_EP_TEST_LISTED_ACTIVATION"] = value
+        env[name] = value
+    module, field = attr.split(".")
     script = (
         "import world1_harness\n"
         "try:\n"
@@ -117,8 +126,8 @@ def test_the_listed_activation_switch_reaches_block_list(value, expected):
         "except ValueError as e:\n"
         "    print('RESULT error', e)\n"
         "else:\n"
-        "    from vllm_flashinfer_ep.vllm import block_list\n"
-        "    print('RESULT', block_list.LISTED_ACTIVATION)\n"
+        f"    from vllm_flashinfer_ep.vllm import {module}\n"
+        f"    print('RESULT', {module}.{field})\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
@@ -126,4 +135,4 @@ def test_the_listed_activation_switch_reaches_block_list(value, expected):
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), "")
     assert line.split()[1:2] == [expected], proc.stdout[-2000:] + proc.stderr[-2000:]
     if expected == "error":
-        assert "FLASHINFER_EP_TEST_LISTED_ACTIVATION" in line
+        assert name in line

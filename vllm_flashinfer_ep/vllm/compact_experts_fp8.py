@@ -21,7 +21,9 @@ Activations arrive in E4M3 with the prepare's scales (the FP8 wire or
 vllm/receive_quant.py), read in place through the same row indices; BF16 ones (block and
 token) are quantized here. The intermediate between the GEMMs is quantized with vLLM's
 `moe_kernel_quantize_input`, as vLLM's batched experts quantize it, for the listed rows
-only (gathered, quantized, scattered back: the pass follows the batch, not the buffer):
+only (gathered, quantized, scattered back: the pass follows the batch, not the buffer;
+with `listed_quant.ENABLED`, block and token intermediates are activated and quantized
+in one kernel over the listed rows instead, vllm/listed_quant.py):
 
 - block and token scales are per row, so those rows get the bytes quantizing the whole
   buffer would give them; a static per-tensor scale likewise.
@@ -45,7 +47,7 @@ from typing import Any
 
 import torch
 
-from vllm_flashinfer_ep.vllm import block_list
+from vllm_flashinfer_ep.vllm import block_list, listed_quant
 from vllm_flashinfer_ep.vllm.block_list import listed_gemm
 
 FP8 = torch.float8_e4m3fn
@@ -289,6 +291,14 @@ def gemm(
     listed_gemm(a, w, c, blocks, config, tl.bfloat16, (a_scale, w_scale, kind != BLOCK, block))
 
 
+def _e8m0_scales() -> bool:
+    """Whether vLLM's group quantization rounds block scales to powers of two here (its
+    `per_token_group_quant_fp8` asks this when not told)."""
+    from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+
+    return bool(is_deep_gemm_e8m0_used())
+
+
 def apply(
     fused_experts: Any,
     kw: dict,
@@ -318,10 +328,17 @@ def apply(
         a1, a1_scale = quantize_listed_rows(hidden.view(total, k), listed, qc)
     gemm(a1, w1, cache1.view(total, 1, n), blocks, config, a1_scale, qc.w1_scale, kind)
     counts = kw["expert_tokens_meta"].expert_num_tokens
-    block_list.activation(fused_experts, kw["activation"], cache2, cache1, counts, blocks)
-    x2 = cache2.view(total, act_n)
-    if kind == TENSOR:
-        a2, a2_scale = quantize_listed_rows_per_tensor(x2, listed, rows, qc, kw["a2_scale"])
+    x1 = cache1.view(total, n)
+    group = GROUP if kind == BLOCK else None
+    if kind != TENSOR and listed_quant.takes(fused_experts, kw["activation"], x1, group):
+        # activation and quantization in one launch, scales as vLLM's op would round them
+        ue8m0 = kind == BLOCK and _e8m0_scales()
+        a2, a2_scale = listed_quant.silu_mul_quant(x1, blocks, group, ue8m0)
     else:
-        a2, a2_scale = quantize_listed_rows(x2, listed, qc)
+        block_list.activation(fused_experts, kw["activation"], cache2, cache1, counts, blocks)
+        x2 = cache2.view(total, act_n)
+        if kind == TENSOR:
+            a2, a2_scale = quantize_listed_rows_per_tensor(x2, listed, rows, qc, kw["a2_scale"])
+        else:
+            a2, a2_scale = quantize_listed_rows(x2, listed, qc)
     gemm(a2, w2, output.view(total, 1, k), blocks, config, a2_scale, qc.w2_scale, kind)

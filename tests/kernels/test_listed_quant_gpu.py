@@ -1,0 +1,126 @@
+"""The FP8 received-rows experts' activation and quantization in one kernel
+(vllm/listed_quant.py) on the GPU, against vLLM's own ops.
+
+vLLM's path for the intermediate is its SiLU-and-mul, then its dynamic FP8 quantization
+(`per_token_group_quant_fp8` for block layers, with and without power-of-two scales;
+`scaled_fp8_quant` per token for per-channel layers). On every received row the kernel
+must write the bytes vLLM's ops write (up to where Triton's exp and CUDA's expf differ in
+the last bit), for the edge counts and inside a captured graph replayed with new counts.
+Prints the captured time per layer against the path it replaces (the listed activation,
+then the gather, vLLM's quantization and the scatters of compact_experts_fp8).
+Command (docs/device_vllm.md): python3 -m pytest tests/kernels/test_listed_quant_gpu.py -rs -s -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.test_block_list_gpu import _counts, _routed, _us_per_layer
+from vllm_flashinfer_ep.runtime.capture import capture_graph
+from vllm_flashinfer_ep.vllm import block_list, compact_experts_fp8, listed_quant
+from vllm_flashinfer_ep.vllm.compact_experts import max_blocks
+
+pytestmark = pytest.mark.gpu
+
+SCHEMES = [(128, False), (128, True), (None, False)]  # (group, ue8m0); None: per token
+
+
+def _vllm(x: torch.Tensor, group: int | None, ue8m0: bool):
+    """vLLM's activation, then its quantization, over every row of x [rows, 2d]."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        per_token_group_quant_fp8,
+    )
+
+    y = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+    torch.ops._C.silu_and_mul(y, x)
+    if group is None:
+        return ops.scaled_fp8_quant(y, use_per_token_if_dynamic=True)
+    return per_token_group_quant_fp8(y, group, use_ue8m0=ue8m0)
+
+
+def _assert_listed_rows_equal(blocks, rows, got, want) -> None:
+    ids = blocks[0]
+    listed = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    listed[ids[ids < rows].long()] = True
+    (gq, gs), (wq, ws) = got, want
+    gs, ws = gs[listed], ws[listed]
+    assert torch.allclose(gs, ws, rtol=2**-7, atol=0), float((gs - ws).abs().max())
+    assert int((gs != ws).sum()) <= max(1, 1e-3 * gs.numel())
+    gq, wq = gq[listed].float(), wq[listed].float()
+    assert torch.allclose(gq, wq, rtol=2**-3, atol=2**-9), float((gq - wq).abs().max())
+    assert int((gq != wq).sum()) <= 1e-3 * max(1, gq.numel())
+
+
+@pytest.mark.parametrize(("group", "ue8m0"), SCHEMES)
+@pytest.mark.parametrize(
+    ("experts", "rows", "d", "block_m"),
+    [(128, 256, 768, 16), (64, 256, 512, 64), (8, 32, 1536, 16)],
+)
+def test_listed_rows_get_vllm_s_bytes(experts, rows, d, block_m, group, ue8m0):
+    gen = torch.Generator().manual_seed(d)
+    x = (torch.randn(experts * rows, 2 * d, generator=gen) * 3).to(torch.bfloat16).cuda()
+    x[0, :d] = 0  # an all-zero row: the floors on the scale
+    whole = experts * -(-rows // block_m)
+    for kind in ("empty", "full", "one row", "random"):
+        counts = _counts(kind, experts, rows, gen)
+        blocks = block_list.fused_expert_blocks(counts, rows, block_m, whole)
+        got = listed_quant.silu_mul_quant(x, blocks, group, ue8m0)
+        want = _vllm(x, group, ue8m0)
+        torch.cuda.synchronize()
+        _assert_listed_rows_equal(blocks, experts * rows, got, want)
+
+
+def _layer(name, x, counts, rows, block_m, nb, group):
+    """One MoE layer's intermediate: the block list ("list"), then the fused kernel
+    ("fused"), or the listed activation and the gather / quantize / scatter ("split")."""
+    total, d = x.shape[0], x.shape[1] // 2
+    blocks = block_list.fused_expert_blocks(counts, rows, block_m, nb)
+    if name == "fused":
+        return listed_quant.silu_mul_quant(x, blocks, group)
+    if name == "split":
+        from types import SimpleNamespace
+
+        out = torch.empty(total, d, dtype=x.dtype, device=x.device)
+        block_list.listed_silu_and_mul(out, x, blocks)
+        qc = SimpleNamespace(
+            quant_dtype=torch.float8_e4m3fn,
+            per_act_token_quant=group is None,
+            block_shape=None if group is None else [group, group],
+        )
+        return compact_experts_fp8.quantize_listed_rows(out, blocks[0], qc)
+    return None
+
+
+@pytest.mark.parametrize("group", [128, None])
+def test_a_captured_kernel_follows_each_replay_s_counts_and_is_timed(group):
+    """Qwen3-30B-A3B's shape (128 local experts, 256 rows, intermediate 768) at the bound
+    of a 1-token and a 128-token forward: 48 layers captured, replayed with new routings,
+    against vLLM's ops; timed against the split path it replaces, the block list alone too."""
+    experts, rows, d, block_m = 128, 256, 768, 16
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(experts * rows, 2 * d, generator=gen) * 3).to(torch.bfloat16).cuda()
+    for tokens in (1, 128):
+        nb = max_blocks(tokens * 8, experts, rows, block_m)
+        counts = _routed(experts, tokens, 3).cuda()
+        times = {}
+        for name in ("list", "fused", "split"):
+            outs = []
+            args = (name, x, counts, rows, block_m, nb, group)
+            graph = capture_graph(lambda a=args, o=outs: o.append([_layer(*a) for _ in range(48)]))
+            for seed in (4, 5) if name == "fused" else ():
+                counts.copy_(_routed(experts, tokens, seed))
+                graph.replay()
+                blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
+                torch.cuda.synchronize()
+                _assert_listed_rows_equal(
+                    blocks, experts * rows, outs[-1][-1], _vllm(x, group, False)
+                )
+            times[name] = _us_per_layer(graph)
+            del graph
+        print(
+            f"LISTED_QUANT {'group 128' if group else 'per token'} tokens={tokens} blocks={nb}: "
+            f"captured us per layer past the block list: fused {times['fused'] - times['list']:.2f}, "
+            f"listed activation + gather/quantize/scatter {times['split'] - times['list']:.2f}"
+        )

@@ -1,0 +1,182 @@
+"""The FP8 received-rows experts' activation and quantization in one kernel
+(vllm_flashinfer_ep/vllm/listed_quant.py), checked in Triton's interpreter against a
+torch statement of vLLM's rounding; its GPU test compares it with vLLM's own ops."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm_flashinfer_ep.vllm import block_list, listed_quant
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    from vllm_flashinfer_ep.vllm import block_list as bl, listed_quant as lq
+    cases = json.loads(sys.argv[1])
+    _empty = torch.empty
+
+    def filled(*args, **kwargs):
+        # the kernel's outputs start as a sentinel, so a write to an unlisted row shows
+        t = _empty(*args, **kwargs)
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x55)
+        else:
+            t.fill_(float("nan"))
+        return t
+
+    torch.empty = filled  # this child only: what silu_mul_quant allocates
+
+    def rounded(t, dtype):
+        # FP32 -> 16 bits as the interpreter rounds: Triton 3.8's interpreter truncates to
+        # bfloat16 (compiled kernels round to nearest even) and rounds float16 to nearest.
+        if dtype == torch.bfloat16:
+            t = (t.contiguous().view(torch.int32) & -65536).view(torch.float32)
+        return t.to(dtype).float()
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _to_e4m3(src, dst, n, BLOCK: tl.constexpr):
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + at, mask=at < n)
+        tl.store(dst + at, v.to(dst.dtype.element_ty), mask=at < n)
+
+    def e4m3(v):
+        # FP32 -> E4M3 through the interpreter's own conversion, as the kernel's q goes:
+        # Triton 3.8's interpreter rounds ties away from zero and mishandles some carries
+        # and subnormals, where compiled kernels round to nearest even (the GPU test's
+        # case, against vLLM's ops). The comparison is of the kernel's arithmetic.
+        v = v.contiguous()
+        out = _empty(v.shape, dtype=torch.float8_e4m3fn)
+        _to_e4m3[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
+        return out.float()
+
+    for experts, rows, d, bm, dtype, counts, nb, group, ue8m0 in cases:
+        dtype = getattr(torch, dtype)
+        counts = torch.tensor(counts, dtype=torch.int32)
+        total = experts * rows
+        gen = torch.Generator().manual_seed(len(counts) * d + nb)
+        x = (torch.randn(total, 2 * d, generator=gen) * 3).to(dtype)
+        x[0, :d] = 0  # a row (or group) of zeros: the scale floors
+        blocks = bl.torch_expert_blocks(counts, rows, bm, nb)
+        q, s = lq.silu_mul_quant(x, blocks, group, ue8m0)
+        g, u = x[:, :d].float(), x[:, d:].float()
+        y = rounded(rounded(g / (1 + torch.exp(-g)), dtype) * u, dtype)
+        if group is None:
+            amax = y.abs().amax(dim=1, keepdim=True)
+            scale = torch.maximum(amax / 448.0, torch.tensor(1.0 / (448.0 * 512.0)))
+            wide = scale
+        else:
+            amax = y.view(total, d // group, group).abs().amax(dim=2).clamp(min=1e-10)
+            scale = amax / 448.0
+            if ue8m0:
+                # vLLM's CUDA kernel floors the scale at 1e-10 before rounding it up
+                scale = torch.exp2(torch.ceil(torch.log2(scale.clamp(min=1e-10))))
+            wide = scale.repeat_interleave(group, dim=1)
+        want_q = e4m3((y / wide).clamp(-448.0, 448.0))
+        ids = blocks[0]
+        listed = torch.zeros(total, dtype=torch.bool)
+        listed[ids[ids < total].long()] = True
+        if not (q.view(torch.uint8)[~listed] == 0x55).all() or not s[~listed].isnan().all():
+            print("WROTE AN UNLISTED ROW", experts, rows, d, bm, group, counts.tolist(), nb)
+            sys.exit(1)
+        got_s, ref_s = s[listed], scale[listed]
+        # numpy's and torch's exp may differ in the last bit, which can move a 16-bit
+        # rounding, an amax and so a scale: scales within 2 units of bfloat16, q bytes
+        # equal almost everywhere (all of them in the runs so far) and near where not
+        if not torch.allclose(got_s, ref_s, rtol=2 ** -7, atol=0):
+            print("SCALES", experts, rows, d, bm, group, ue8m0, (got_s - ref_s).abs().max().item())
+            sys.exit(1)
+        got_q, ref_q = q[listed].float(), want_q[listed]
+        same = (got_q == ref_q).float().mean().item() if got_q.numel() else 1.0
+        near = torch.allclose(got_q, ref_q, rtol=2 ** -3, atol=2 ** -9)
+        if same < 0.999 or not near:
+            print("Q", experts, rows, d, bm, dtype, group, ue8m0, counts.tolist(), nb, same)
+            sys.exit(1)
+    print("OK", len(cases))
+    """
+)
+
+# (experts, rows per expert, d, BLOCK_M, dtype); d a multiple of 128 for block groups,
+# 768 (Qwen3-30B-A3B) over several per-token chunks, 200 with masked columns per token.
+SHAPES = [
+    (4, 16, 256, 16, "bfloat16"),
+    (3, 64, 768, 64, "bfloat16"),
+    (5, 32, 128, 16, "float16"),
+]
+
+
+def _cases() -> list:
+    gen = torch.Generator().manual_seed(2)
+    cases = []
+    for experts, rows, d, bm, dtype in SHAPES:
+        kinds = [
+            torch.zeros(experts, dtype=torch.int32),
+            torch.full((experts,), rows, dtype=torch.int32),
+            torch.nn.functional.one_hot(torch.tensor(experts // 2), experts).int(),
+            torch.randint(0, rows + 1, (experts,), generator=gen, dtype=torch.int32),
+        ]
+        whole = experts * -(-rows // bm)
+        for counts in kinds:
+            for nb in (1, whole):
+                for group, ue8m0 in ((128, False), (128, True), (None, False)):
+                    cases.append([experts, rows, d, bm, dtype, counts.tolist(), nb, group, ue8m0])
+    cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, None, False])  # masked columns
+    return cases
+
+
+def _assert_ok_in_the_interpreter(cases: list) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("OK"), (
+        result.stdout + result.stderr[-3000:]
+    )
+
+
+def test_listed_rows_get_vllm_s_activation_and_quantization():
+    """Groups of 128 (with and without power-of-two scales) and per token: every listed
+    row gets SiLU(gate) x up rounded to 16 bits, then vLLM's dynamic FP8 quantization of
+    those values (the floors on an all-zero row included); no unlisted row is written
+    (GEMM2 never reads one, and writing them would cost what the block list saves)."""
+    _assert_ok_in_the_interpreter(_cases())
+
+
+def test_shapes_it_does_not_compute_are_refused():
+    blocks = block_list.torch_expert_blocks(torch.tensor([2], dtype=torch.int32), 4, 16, 1)
+    with pytest.raises(ValueError, match="16-bit"):
+        listed_quant.silu_mul_quant(torch.zeros(4, 256), blocks, 128)
+    with pytest.raises(ValueError, match="multiple of the group"):
+        listed_quant.silu_mul_quant(torch.zeros(4, 400, dtype=torch.bfloat16), blocks, 128)
+    assert listed_quant.unlisted_reason(torch.zeros(4, 400, dtype=torch.bfloat16), None) is None
+
+
+def test_it_is_taken_only_when_on_for_plain_silu_on_cuda(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
+
+    experts = SimpleNamespace(activation_config=ApplyMoEActivationConfig())
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(listed_quant, "ENABLED", True)
+    assert not listed_quant.takes(experts, "silu", x, 128)  # CPU tensors: vLLM's ops
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert listed_quant.takes(experts, "silu", x, 128)
+    assert not listed_quant.takes(experts, "gelu", x, 128)
+    assert not listed_quant.takes(experts, "silu", x.float(), 128)
+    monkeypatch.setattr(listed_quant, "ENABLED", False)
+    assert not listed_quant.takes(experts, "silu", x, 128)

@@ -1,0 +1,170 @@
+"""The FP8 received-rows experts' activation and the intermediate's quantization in one
+kernel, over the block list's rows.
+
+Why: between the two GEMMs of vllm/compact_experts_fp8.py the intermediate is activated
+(block_list.activation), then its listed rows are gathered, quantized with vLLM's op and
+scattered back: five launches per layer whose cost does not shrink with the batch, in the
+path `--moe-backend auto` gives per-channel layers (and block layers off Hopper). Here one
+launch over the block list's fixed grid reads GEMM1's output and writes E4M3 and FP32
+scales to the rows GEMM2 reads.
+
+It rounds as vLLM does: SiLU to the 16-bit type, the product to the 16-bit type (what
+vLLM's activation writes), then vLLM's dynamic quantization of those 16-bit values:
+- groups of 128 (block layers, vLLM's `per_token_group_fp8_quant`): scale = max(amax,
+  1e-10) / 448, rounded up to a power of two where vLLM's DeepGEMM E8M0 setting is on;
+- per token (`dynamic_per_token_scaled_fp8_quant`): scale = max(amax / 448, 1 / (448 x
+  512)), the row's amax gathered over column chunks;
+- q = clamp(x / scale, -448, 448) as E4M3, true divisions as vLLM's CUDA kernels divide.
+Off (`ENABLED`) until its GPU test against vLLM's ops and the engine benchmark run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # Triton comes with vLLM's CUDA builds
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without Triton
+    triton = None
+
+ENABLED = False
+GROUP = 128  # elements per scale of block layers (vLLM's block_shape[1])
+FP8_MAX = 448.0
+EPS = 1e-10  # vLLM's group quantization floor on amax
+MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's per-token floor on the scale
+TILE = 4096  # elements one program holds at a time: BLOCK_M x BLOCK_N
+
+
+def unlisted_reason(x: torch.Tensor, group: int | None) -> str | None:
+    """Why `silu_mul_quant` does not take GEMM1's output `x` [rows, 2d] (None: it does)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"16-bit x, got {x.dtype}"
+    if not x.is_contiguous() or x.dim() != 2 or x.shape[1] % 2:
+        return f"contiguous [rows, 2d], got {tuple(x.shape)}"
+    if group is not None and (x.shape[1] // 2) % group:
+        return f"d = {x.shape[1] // 2} not a multiple of the group {group}"
+    return None
+
+
+def silu_mul_quant(
+    x: torch.Tensor, blocks: tuple, group: int | None, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, 2d] (GEMM1's output, 16-bit) -> (E4M3 [rows, d], FP32 scales [rows, d /
+    group] or [rows, 1] when `group` is None: per token). Only the rows in the block list
+    (`blocks` from block_list.expert_blocks over these rows) are written; the others are
+    undefined, and GEMM2 reads listed rows only. `ue8m0`: block scales rounded up to a
+    power of two (vLLM's `is_deep_gemm_e8m0_used()` decides it for vLLM's op)."""
+    if triton is None:
+        raise RuntimeError("silu_mul_quant needs Triton")
+    why = unlisted_reason(x, group)
+    if why is not None:
+        raise ValueError(f"silu_mul_quant: {why}")
+    sorted_ids, expert_ids, blocks_rows = blocks
+    rows, d = x.shape[0], x.shape[1] // 2
+    groups = 1 if group is None else d // group
+    q = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    num_blocks = expert_ids.numel()
+    if num_blocks == 0 or d == 0:
+        return q, scales
+    block_m = sorted_ids.numel() // num_blocks
+    if group is None:  # one program per block: the row's chunks, twice (amax, then quantize)
+        block_n = max(16, min(triton.next_power_of_2(d), TILE // block_m))
+        grid = (num_blocks, 1)
+    else:
+        block_n, grid = group, (num_blocks, groups)
+    _silu_mul_quant_kernel[grid](
+        x,
+        q,
+        scales,
+        sorted_ids,
+        blocks_rows,
+        rows,
+        d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PER_TOKEN=group is None,
+        UE8M0=bool(ue8m0),
+    )
+    return q, scales
+
+
+def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | None) -> bool:
+    """Whether this layer's intermediate goes through `silu_mul_quant`: on, a plain
+    SiLU-and-mul layer (block_list.plain_silu_and_mul), CUDA buffers it takes."""
+    from vllm_flashinfer_ep.vllm import block_list
+
+    return (
+        ENABLED
+        and triton is not None
+        and x.is_cuda
+        and block_list.plain_silu_and_mul(fused_experts, activation)
+        and unlisted_reason(x, group) is None
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul(x_ptr, ids, cols, mask, d):
+        """SiLU(gate) x up on these rows and columns as vLLM's activation writes it (16 bits)."""
+        gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
+        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
+        ty = x_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty)
+        return (act.to(tl.float32) * up).to(ty).to(tl.float32)
+
+    @triton.jit
+    def _store_q(q_ptr, y, scale, ids, cols, mask, d):
+        q = tl.clamp(tl.math.div_rn(y, scale[:, None]), -448.0, 448.0)
+        tl.store(q_ptr + ids[:, None] * d + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        sorted_ids_ptr,
+        blocks_rows_ptr,
+        rows,
+        d,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PER_TOKEN: tl.constexpr,
+        UE8M0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        if b * BLOCK_M >= tl.load(blocks_rows_ptr):
+            return
+        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        listed = ids < rows
+        span = tl.arange(0, BLOCK_N)
+        if PER_TOKEN:
+            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for c0 in range(0, d, BLOCK_N):
+                cols = c0 + span
+                mask = listed[:, None] & (cols < d)[None, :]
+                y = _silu_mul(x_ptr, ids, cols, mask, d)
+                amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
+            scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+            tl.store(s_ptr + ids, scale, mask=listed)
+            for c0 in range(0, d, BLOCK_N):
+                cols = c0 + span
+                mask = listed[:, None] & (cols < d)[None, :]
+                y = _silu_mul(x_ptr, ids, cols, mask, d)
+                _store_q(q_ptr, y, scale, ids, cols, mask, d)
+        else:
+            g = tl.program_id(1)
+            cols = g * BLOCK_N + span
+            mask = listed[:, None] & (cols < d)[None, :]
+            y = _silu_mul(x_ptr, ids, cols, mask, d)
+            amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10)
+            scale = tl.math.div_rn(amax, 448.0)
+            if UE8M0:
+                scale = tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(scale, 1e-10))))
+            tl.store(s_ptr + ids * (d // BLOCK_N) + g, scale, mask=listed)
+            _store_q(q_ptr, y, scale, ids, cols, mask, d)
