@@ -72,13 +72,14 @@ def test_listed_rows_get_vllm_s_bytes(experts, rows, d, block_m, group, ue8m0):
         _assert_listed_rows_equal(blocks, experts * rows, got, want)
 
 
-def _layer(name, x, counts, rows, block_m, nb, group):
+def _layer(name, x, counts, rows, block_m, nb, group, ue8m0):
     """One MoE layer's intermediate: the block list ("list"), then the fused kernel
-    ("fused"), or the listed activation and the gather / quantize / scatter ("split")."""
+    ("fused"), or the listed activation and the gather / quantize / scatter ("split",
+    whose vLLM quantization makes the same E8M0 choice)."""
     total, d = x.shape[0], x.shape[1] // 2
     blocks = block_list.fused_expert_blocks(counts, rows, block_m, nb)
     if name == "fused":
-        return listed_quant.silu_mul_quant(x, blocks, group)
+        return listed_quant.silu_mul_quant(x, blocks, group, ue8m0)
     if name == "split":
         from types import SimpleNamespace
 
@@ -97,8 +98,10 @@ def _layer(name, x, counts, rows, block_m, nb, group):
 def test_a_captured_kernel_follows_each_replay_s_counts_and_is_timed(group):
     """Qwen3-30B-A3B's shape (128 local experts, 256 rows, intermediate 768) at the bound
     of a 1-token and a 128-token forward: 48 layers captured, replayed with new routings,
-    against vLLM's ops; timed against the split path it replaces, the block list alone too."""
+    against vLLM's ops (new inputs and sentinel outputs before each replay); timed against
+    the split path it replaces, the block list alone too."""
     experts, rows, d, block_m = 128, 256, 768, 16
+    ue8m0 = group is not None and compact_experts_fp8._e8m0_scales()  # as vLLM chooses here
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(experts * rows, 2 * d, generator=gen) * 3).to(torch.bfloat16).cuda()
     for tokens in (1, 128):
@@ -107,16 +110,18 @@ def test_a_captured_kernel_follows_each_replay_s_counts_and_is_timed(group):
         times = {}
         for name in ("list", "fused", "split"):
             outs = []
-            args = (name, x, counts, rows, block_m, nb, group)
+            args = (name, x, counts, rows, block_m, nb, group, ue8m0)
             graph = capture_graph(lambda a=args, o=outs: o.append([_layer(*a) for _ in range(48)]))
             for seed in (4, 5) if name == "fused" else ():
                 counts.copy_(_routed(experts, tokens, seed))
+                x.copy_(torch.randn(x.shape, generator=gen).mul_(3).to(torch.bfloat16))
+                q, s = outs[-1][-1]
+                q.view(torch.uint8).fill_(0x55)
+                s.fill_(float("nan"))
                 graph.replay()
                 blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
                 torch.cuda.synchronize()
-                _assert_listed_rows_equal(
-                    blocks, experts * rows, outs[-1][-1], _vllm(x, group, False)
-                )
+                _assert_listed_rows_equal(blocks, experts * rows, (q, s), _vllm(x, group, ue8m0))
             times[name] = _us_per_layer(graph)
             del graph
         print(

@@ -92,7 +92,8 @@ CHILD = textwrap.dedent(
         # numpy's and torch's exp may differ in the last bit, which can move a 16-bit
         # rounding, an amax and so a scale: scales within 2 units of bfloat16, q bytes
         # equal almost everywhere (all of them in the runs so far) and near where not
-        if not torch.allclose(got_s, ref_s, rtol=2 ** -7, atol=0):
+        moved = int((got_s != ref_s).sum())
+        if not torch.allclose(got_s, ref_s, rtol=2 ** -7, atol=0) or moved > max(1, got_s.numel() // 1000):
             print("SCALES", experts, rows, d, bm, group, ue8m0, (got_s - ref_s).abs().max().item())
             sys.exit(1)
         got_q, ref_q = q[listed].float(), want_q[listed]
@@ -165,7 +166,7 @@ def test_shapes_it_does_not_compute_are_refused():
     assert listed_quant.unlisted_reason(torch.zeros(4, 400, dtype=torch.bfloat16), None) is None
 
 
-def test_it_is_taken_only_when_on_for_plain_silu_on_cuda(monkeypatch):
+def test_it_is_taken_only_when_on_for_plain_silu_on_an_fp8_gpu(monkeypatch):
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
@@ -175,6 +176,9 @@ def test_it_is_taken_only_when_on_for_plain_silu_on_cuda(monkeypatch):
     monkeypatch.setattr(listed_quant, "ENABLED", True)
     assert not listed_quant.takes(experts, "silu", x, 128)  # CPU tensors: vLLM's ops
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not listed_quant.takes(experts, "silu", x, 128)  # no E4M3 conversion: vLLM's ops
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert listed_quant.takes(experts, "silu", x, 128)
     assert not listed_quant.takes(experts, "gelu", x, 128)
     assert not listed_quant.takes(experts, "silu", x.float(), 128)

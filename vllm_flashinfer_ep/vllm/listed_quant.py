@@ -94,13 +94,15 @@ def silu_mul_quant(
 
 def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | None) -> bool:
     """Whether this layer's intermediate goes through `silu_mul_quant`: on, a plain
-    SiLU-and-mul layer (block_list.plain_silu_and_mul), CUDA buffers it takes."""
+    SiLU-and-mul layer (block_list.plain_silu_and_mul), CUDA buffers it takes on a GPU
+    that converts to E4M3 (sm_89 and newer)."""
     from vllm_flashinfer_ep.vllm import block_list
 
     return (
         ENABLED
         and triton is not None
         and x.is_cuda
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)  # E4M3 conversion in-kernel
         and block_list.plain_silu_and_mul(fused_experts, activation)
         and unlisted_reason(x, group) is None
     )
