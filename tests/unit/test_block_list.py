@@ -155,18 +155,23 @@ ACT_CHILD = textwrap.dedent(
 )
 
 
+def count_kinds(experts: int, rows: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Received rows per expert at the edges (none, every expert full, one expert with
+    one row) and one random mix: the counts the listed-rows kernels' tests run."""
+    return [
+        torch.zeros(experts, dtype=torch.int32),
+        torch.full((experts,), rows, dtype=torch.int32),
+        torch.nn.functional.one_hot(torch.tensor(experts // 2), experts).int(),
+        torch.randint(0, rows + 1, (experts,), generator=gen, dtype=torch.int32),
+    ]
+
+
 def _activation_cases() -> list:
     gen = torch.Generator().manual_seed(1)
     cases = []
     for experts, rows, d, bm, dtype in ACT_SHAPES:
-        kinds = [
-            torch.zeros(experts, dtype=torch.int32),
-            torch.full((experts,), rows, dtype=torch.int32),
-            torch.nn.functional.one_hot(torch.tensor(experts // 2), experts).int(),
-            torch.randint(0, rows + 1, (experts,), generator=gen, dtype=torch.int32),
-        ]
         whole = experts * -(-rows // bm)
-        for counts in kinds:
+        for counts in count_kinds(experts, rows, gen):
             for nb in (1, 3, whole):  # a bound under the blocks in use, and the whole buffer
                 cases.append([experts, rows, d, bm, dtype, counts.tolist(), nb])
     return cases

@@ -4,15 +4,12 @@ torch statement of vLLM's rounding; its GPU test compares it with vLLM's own ops
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from tests.unit.test_block_list import _assert_ok_in_the_interpreter, count_kinds
 from vllm_flashinfer_ep.vllm import block_list, listed_quant
 
 CHILD = textwrap.dedent(
@@ -119,14 +116,8 @@ def _cases() -> list:
     gen = torch.Generator().manual_seed(2)
     cases = []
     for experts, rows, d, bm, dtype in SHAPES:
-        kinds = [
-            torch.zeros(experts, dtype=torch.int32),
-            torch.full((experts,), rows, dtype=torch.int32),
-            torch.nn.functional.one_hot(torch.tensor(experts // 2), experts).int(),
-            torch.randint(0, rows + 1, (experts,), generator=gen, dtype=torch.int32),
-        ]
         whole = experts * -(-rows // bm)
-        for counts in kinds:
+        for counts in count_kinds(experts, rows, gen):
             for nb in (1, whole):
                 for group, ue8m0 in ((128, False), (128, True), (None, False)):
                     cases.append([experts, rows, d, bm, dtype, counts.tolist(), nb, group, ue8m0])
@@ -134,27 +125,12 @@ def _cases() -> list:
     return cases
 
 
-def _assert_ok_in_the_interpreter(cases: list) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(cases)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0 and result.stdout.startswith("OK"), (
-        result.stdout + result.stderr[-3000:]
-    )
-
-
 def test_listed_rows_get_vllm_s_activation_and_quantization():
     """Groups of 128 (with and without power-of-two scales) and per token: every listed
     row gets SiLU(gate) x up rounded to 16 bits, then vLLM's dynamic FP8 quantization of
     those values (the floors on an all-zero row included); no unlisted row is written
     (GEMM2 never reads one, and writing them would cost what the block list saves)."""
-    _assert_ok_in_the_interpreter(_cases())
+    _assert_ok_in_the_interpreter(CHILD, _cases())
 
 
 def test_shapes_it_does_not_compute_are_refused():

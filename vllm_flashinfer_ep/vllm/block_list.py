@@ -265,6 +265,18 @@ def listed_silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: tuple) -> No
 if triton is not None:
 
     @triton.jit
+    def silu_mul_rows(x_ptr, ids, cols, mask, d):
+        """SiLU(gate) x up of x [rows, 2d] on these rows and columns, rounded as vLLM's
+        activation rounds it (the SiLU, then the product, to x's 16-bit type); returned in
+        FP32 holding those 16-bit values. Shared with vllm/listed_quant.py's kernel."""
+        gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
+        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
+        ty = x_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty)
+        return (act.to(tl.float32) * up).to(ty).to(tl.float32)
+
+    @triton.jit
     def _listed_silu_and_mul_kernel(
         x_ptr,
         out_ptr,
@@ -281,10 +293,7 @@ if triton is not None:
         ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (ids < rows)[:, None] & (cols < d)[None, :]
-        gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
-        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
-        out_ty = out_ptr.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
-        y = (act.to(tl.float32) * up).to(out_ty)
-        tl.store(out_ptr + ids[:, None] * d + cols[None, :], y, mask=mask)
+        y = silu_mul_rows(x_ptr, ids, cols, mask, d)  # out has x's type (_unlisted_buffers)
+        tl.store(
+            out_ptr + ids[:, None] * d + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
+        )

@@ -30,6 +30,8 @@ try:  # Triton comes with vLLM's CUDA builds
 except ImportError:  # pragma: no cover - CPU-only installs without Triton
     triton = None
 
+from vllm_flashinfer_ep.vllm import block_list
+
 ENABLED = False
 GROUP = 128  # elements per scale of block layers (vLLM's block_shape[1])
 FP8_MAX = 448.0
@@ -96,8 +98,6 @@ def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | Non
     """Whether this layer's intermediate goes through `silu_mul_quant`: on, a plain
     SiLU-and-mul layer (block_list.plain_silu_and_mul), CUDA buffers it takes on a GPU
     that converts to E4M3 (sm_89 and newer)."""
-    from vllm_flashinfer_ep.vllm import block_list
-
     return (
         ENABLED
         and triton is not None
@@ -109,16 +109,7 @@ def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | Non
 
 
 if triton is not None:
-
-    @triton.jit
-    def _silu_mul(x_ptr, ids, cols, mask, d):
-        """SiLU(gate) x up on these rows and columns as vLLM's activation writes it (16 bits)."""
-        gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
-        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
-        ty = x_ptr.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(ty)
-        return (act.to(tl.float32) * up).to(ty).to(tl.float32)
+    silu_mul_rows = block_list.silu_mul_rows  # the activation, as the listed one computes it
 
     @triton.jit
     def _store_q(q_ptr, y, scale, ids, cols, mask, d):
@@ -150,20 +141,20 @@ if triton is not None:
             for c0 in range(0, d, BLOCK_N):
                 cols = c0 + span
                 mask = listed[:, None] & (cols < d)[None, :]
-                y = _silu_mul(x_ptr, ids, cols, mask, d)
+                y = silu_mul_rows(x_ptr, ids, cols, mask, d)
                 amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
             scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
             tl.store(s_ptr + ids, scale, mask=listed)
             for c0 in range(0, d, BLOCK_N):
                 cols = c0 + span
                 mask = listed[:, None] & (cols < d)[None, :]
-                y = _silu_mul(x_ptr, ids, cols, mask, d)
+                y = silu_mul_rows(x_ptr, ids, cols, mask, d)
                 _store_q(q_ptr, y, scale, ids, cols, mask, d)
         else:
             g = tl.program_id(1)
             cols = g * BLOCK_N + span
             mask = listed[:, None] & (cols < d)[None, :]
-            y = _silu_mul(x_ptr, ids, cols, mask, d)
+            y = silu_mul_rows(x_ptr, ids, cols, mask, d)
             amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10)
             scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
