@@ -401,10 +401,9 @@ def _takes_the_path(experts, p: SchemeProblem, arrival: str) -> None:
     assert compact_experts_fp8.scheme(experts, kw) == want
 
 
-SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [
-    ("token-channel", "bf16"),
-    ("token-tensor", "bf16"),
-]
+# bf16: what the LL prepare hands the received-rows experts of a layer without FP8 on the
+# wire (compact_experts.quantizes_input); they quantize the listed rows as it would.
+SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [(kind, "bf16") for kind in SCHEMES]
 
 
 @pytest.mark.usefixtures("fp8_intermediate")
@@ -471,6 +470,27 @@ def test_captured_per_tensor_and_per_channel_experts_follow_new_counts_and_rows(
         torch.cuda.synchronize()
         assert _rel(counts, got, want, f"{kind} {arrival} graph replay {seed}") < BOUND
     del compact_graph, batched_graph
+
+
+@pytest.mark.parametrize("kind", SCHEMES)
+def test_bf16_the_path_does_not_take_reaches_vllm_s_kernel_quantized(vllm_env, monkeypatch, kind):  # noqa: F811
+    """A BF16 call the received-rows path leaves to vLLM's batched kernel (here: its FP8
+    switch off after install) gets the whole buffer quantized as the LL prepare would
+    have, on the real ops: vLLM's output, bit for bit."""
+    from vllm_flashinfer_ep.vllm import compact_experts
+
+    p = SchemeProblem(kind, seed=9)
+    counts = _routed_counts(32, 9)
+    p.load(counts, seed=9)
+    want = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = want.clone()
+    p.run(_experts(p.qc, compact=False), 32, want)
+    compact = _experts(p.qc, compact=True)
+    monkeypatch.setattr(compact_experts, "FP8_ENABLED", False)
+    p.run(compact, 32, got, "bf16")
+    torch.cuda.synchronize()
+    received = Problem.received(counts)
+    assert torch.equal(got[received], want[received])
 
 
 @pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "in-graph"])

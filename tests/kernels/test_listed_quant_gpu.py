@@ -56,7 +56,8 @@ def _assert_listed_rows_equal(blocks, rows, got, want) -> None:
 @pytest.mark.parametrize(("group", "ue8m0"), SCHEMES)
 @pytest.mark.parametrize(
     ("experts", "rows", "d", "block_m"),
-    [(128, 256, 768, 16), (64, 256, 512, 64), (8, 32, 1536, 16)],
+    # 768: Qwen3-30B-A3B's intermediate; 4224: per token past one program's tile
+    [(128, 256, 768, 16), (64, 256, 512, 64), (8, 32, 1536, 16), (4, 32, 4224, 16)],
 )
 def test_listed_rows_get_vllm_s_bytes(experts, rows, d, block_m, group, ue8m0):
     gen = torch.Generator().manual_seed(d)

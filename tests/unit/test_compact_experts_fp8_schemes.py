@@ -438,7 +438,14 @@ def _ineligible(case: str):
         )
     elif case == "per-expert-static-a2":  # vLLM's in-graph quantization refuses it
         qc = fp8_w8a8_moe_quant_config(s1, s2, a2_scale=torch.full((EXPERTS,), 0.004))
-    elif case == "tensor-bf16-activations":
+    elif case == "tensor-fp16-activations":  # BF16 ones are quantized here
+        args = {"hidden_dtype": torch.float16, "scales": "none"}
+    elif case == "tensor-bf16-with-scales":  # BF16 with scales: not what the prepare hands
+        args = {"hidden_dtype": torch.bfloat16, "scales": "one"}
+    elif case == "tensor-bf16-per-expert-static-a1":  # one scale for the listed rows
+        qc = fp8_w8a8_moe_quant_config(
+            s1, s2, a1_scale=torch.full((EXPERTS,), 0.004), a2_scale=torch.tensor([0.004])
+        )
         args = {"hidden_dtype": torch.bfloat16, "scales": "none"}
     elif case == "tensor-per-row-scales":
         args = {"scales": "rows"}
@@ -482,7 +489,9 @@ def _ineligible(case: str):
         "channel-weights-tensor-activations",
         "channel-weights-static-activations",
         "per-expert-static-a2",
-        "tensor-bf16-activations",
+        "tensor-fp16-activations",
+        "tensor-bf16-with-scales",
+        "tensor-bf16-per-expert-static-a1",
         "tensor-per-row-scales",
         "tensor-1d-per-expert-scales",
         "tensor-fp8-without-scales",
@@ -628,6 +637,54 @@ def test_bf16_arrival_of_a_per_token_layer_quantized_as_vllm_s_prepare_would():
     assert _listed_rows(4) < EXPERTS * CAP
 
 
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "in-graph"])
+@pytest.mark.parametrize("kind", ["tensor-static", "tensor-dynamic"])
+def test_bf16_arrival_of_a_per_tensor_layer_quantized_as_vllm_s_prepare_would(
+    monkeypatch, kind, in_graph
+):
+    """BF16 arrives (the LL prepare leaves a per-tensor layer's input to this path): the
+    listed rows get the prepare's one scale (the static one, or max |x| / 448 over the
+    received rows), the bytes it would have given them, and vLLM's output."""
+    _in_graph(monkeypatch, in_graph)
+    q1, q2, qc = _layer(kind, seed=8)
+    x, c = _buffer([3, 0, 1, 0, 0, 2, 0, 2], seed=8)
+    xq, xs = receive_quant.quantize_expert_buffer(x, c, qc, False)
+    want = _call(_experts(qc, compact=False), xq, xs, q1, q2, c, 4)
+    rec.quantized.clear()
+    rec.fused.clear()
+    got = _call(_experts(qc, compact=True), x, None, q1, q2, c, 4)
+    received = _received(c, CAP)
+    assert torch.equal(got[received], want[received])
+    assert torch.isnan(got[~received].float()).all()
+    # The input: one static quantization of the listed rows only, with the prepare's scale.
+    assert rec.quantized[0] == {"kind": "static-tensor", "rows": _listed_rows(4)}
+    g1 = rec.fused[0]
+    flat = received.flatten()
+    assert torch.equal(g1["A"].view(torch.uint8)[flat], xq.view(-1, HIDDEN).view(torch.uint8)[flat])
+    assert g1["A_scale"].stride(0) == 0 and float(g1["A_scale"][0, 0]) == float(xs.flatten()[0])
+
+
+@pytest.mark.parametrize("kind", SCHEMES)
+def test_a_bf16_call_the_path_does_not_take_gets_the_prepare_s_quantization(monkeypatch, kind):
+    """The prepare leaves BF16 to the experts once this path is installed; a call the path
+    then does not take (here: its FP8 switch off) reaches vLLM's batched kernel with the
+    whole buffer quantized as the prepare would have, and vLLM's output."""
+    q1, q2, qc = _layer(kind, seed=9)
+    x, c = _buffer([3, 0, 1, 0, 0, 2, 0, 2], seed=9)
+    xq, xs = receive_quant.quantize_expert_buffer(x, c, qc, False)
+    want = _call(_experts(qc, compact=False), xq, xs, q1, q2, c, 4)
+    experts = _experts(qc, compact=True)
+    monkeypatch.setattr(compact_experts, "FP8_ENABLED", False)
+    rec.quantized.clear()
+    rec.fused.clear()
+    rec.batched = 0
+    got = _call(experts, x, None, q1, q2, c, 4)
+    assert rec.batched == 2 and not rec.fused  # vLLM's kernel
+    assert rec.quantized[0]["rows"] == EXPERTS * CAP  # the whole buffer, as the prepare's
+    received = _received(c, CAP)
+    assert torch.equal(got[received], want[received])
+
+
 @pytest.mark.parametrize(("tokens", "counts"), COUNTS[2:])
 def test_per_expert_activation_scales_are_read_per_expert(tokens, counts):
     """The LL prepare hands one dynamic scale for every expert; vLLM's own batched
@@ -706,6 +763,13 @@ def test_layer_through_the_ll_prepare_finalize(monkeypatch, kind, num_tokens):
             )
         )
         assert (len(rec.fused), rec.batched) == ((2, 0) if compact else (0, 2))
+        # BF16 over the wire: quantized here, the listed rows only (a decode step's few
+        # blocks); without the path, the prepare quantizes the whole buffer
+        want_rows = _listed_rows(num_tokens, top_k) if compact else EXPERTS * CAP
+        assert rec.quantized[0]["rows"] == want_rows
+        if compact and num_tokens == 1:
+            assert want_rows <= EXPERTS * CAP // 8
+        rec.quantized.clear()
     vllm_out, got = outs
     assert torch.equal(got, vllm_out)
     # And both an FP8 MoE of these weights (E4M3 activations twice: a few percent).

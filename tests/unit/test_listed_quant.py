@@ -104,7 +104,8 @@ CHILD = textwrap.dedent(
 )
 
 # (experts, rows per expert, d, BLOCK_M, dtype); d a multiple of 128 for block groups,
-# 768 (Qwen3-30B-A3B) over several per-token chunks, 200 with masked columns per token.
+# 768 (Qwen3-30B-A3B) held whole per token with the block's rows over programs, 200 with
+# masked columns per token; 4224 (below) past one program's tile.
 SHAPES = [
     (4, 16, 256, 16, "bfloat16"),
     (3, 64, 768, 64, "bfloat16"),
@@ -122,6 +123,8 @@ def _cases() -> list:
                 for group, ue8m0 in ((128, False), (128, True), (None, False)):
                     cases.append([experts, rows, d, bm, dtype, counts.tolist(), nb, group, ue8m0])
     cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, None, False])  # masked columns
+    # per token past one program's TILE: one row per program, two passes, masked columns
+    cases.append([2, 16, 4224, 16, "bfloat16", [16, 3], 2, None, False])
     return cases
 
 

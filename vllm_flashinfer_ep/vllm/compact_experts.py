@@ -232,6 +232,46 @@ def compact_apply(fused_experts: Any, kw: dict, sent_per_rank: int | None = None
     _gemm(cache2.view(total, act_n), w2, output.view(total, 1, k), blocks, config, compute_type)
 
 
+def quantizes_input(fused_experts: Any) -> bool:
+    """Whether this experts object, once `install`ed, takes its FP8 layer's activations in
+    BF16 and quantizes them itself: the LL prepare then hands BF16 over (a layer without
+    FP8 on the wire). Quantizing the buffer in the prepare runs over every row of every
+    expert, about 150 us per layer at Qwen3-30B-A3B's shape whatever the batch
+    (docs/benchmarks.md); the received-rows path quantizes the listed rows, and a call it
+    does not take gets the whole buffer quantized as the prepare would have
+    (`_quantized_for_vllm`)."""
+    qc = getattr(fused_experts, "quant_config", None)
+    return (
+        ENABLED
+        and FP8_ENABLED
+        and getattr(getattr(fused_experts, "apply", None), "_flashinfer_ep_compact", False)
+        and qc is not None
+        and qc.quant_dtype == compact_experts_fp8.FP8
+        and not fused_experts.expects_unquantized_inputs
+    )
+
+
+def _quantized_for_vllm(fused_experts: Any, kw: dict) -> dict:
+    """The call as vLLM's batched kernel takes it: BF16 activations of an FP8 layer (the
+    prepare left them to this path, `quantizes_input`) quantized over the whole buffer
+    with the scales the prepare would have given (vllm/receive_quant.py)."""
+    qc = fused_experts.quant_config
+    hidden = kw["hidden_states"]
+    if not (
+        qc.quant_dtype == compact_experts_fp8.FP8
+        and hidden.dtype != compact_experts_fp8.FP8
+        and kw["a1q_scale"] is None
+        and kw["expert_tokens_meta"] is not None
+        and not fused_experts.expects_unquantized_inputs
+    ):
+        return kw
+    from vllm_flashinfer_ep.vllm import receive_quant
+
+    counts = kw["expert_tokens_meta"].expert_num_tokens
+    xq, xs = receive_quant.quantize_expert_buffer(hidden, counts, qc, False)
+    return {**kw, "hidden_states": xq, "a1q_scale": xs}
+
+
 def _received_rows_apply(
     fused_experts: Any,
     inner: Callable[..., Any],
@@ -243,7 +283,7 @@ def _received_rows_apply(
     def apply(*args: Any, **kw: Any) -> Any:
         kw = named_args(args, kw)
         if not _eligible(fused_experts, kw):
-            return inner(**kw)
+            return inner(**_quantized_for_vllm(fused_experts, kw))
         return compact_apply(fused_experts, kw, sent_per_rank() if sent_per_rank else None)
 
     apply._flashinfer_ep_compact = True  # type: ignore[attr-defined]

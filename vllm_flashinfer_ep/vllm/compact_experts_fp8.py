@@ -150,7 +150,11 @@ def scheme(fused_experts: Any, kw: dict) -> str | None:
     ):
         return None
     scales = kw["a1q_scale"]
-    if kind == TENSOR:
+    if kind == TENSOR and hidden.dtype != FP8:  # BF16: quantized here with one scale
+        arrived = (
+            hidden.dtype == torch.bfloat16 and scales is None and _static_scale_fits(qc.a1_scale)
+        )
+    elif kind == TENSOR:
         arrived = hidden.dtype == FP8 and expert_scales(scales, experts) is not None
     elif hidden.dtype == FP8:
         arrived = row_scales(scales, experts * rows, groups) is not None
@@ -241,12 +245,15 @@ def quantize_listed_rows_per_tensor(
     rows_per_expert: int,
     quant_config: Any,
     static_scale: torch.Tensor | None,
+    one_scale: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, width] 16-bit, per-tensor layer -> (E4M3 [rows, width], FP32 scales
     [rows, 1], each row its expert's) for the listed rows, as vLLM's batched experts
     quantize their intermediate: with `static_scale` when the layer has one, else with
     the dynamic scale of the module docstring (per expert eagerly, one over every received
-    row inside a CUDA graph or torch.compile), through vLLM's static quantization."""
+    row inside a CUDA graph or torch.compile), through vLLM's static quantization.
+    `one_scale`: one dynamic scale over every listed row always, as the LL prepare
+    quantizes a layer's BF16 input (vllm/receive_quant.py)."""
     # vLLM's own test for its in-graph branch, read at the call (as vLLM reads it).
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
         _is_capturing_or_compiling,
@@ -255,7 +262,7 @@ def quantize_listed_rows_per_tensor(
 
     rows = x.shape[0]
     t, index, whole = _gather(x, listed)
-    one_scale = static_scale is not None or _is_capturing_or_compiling()
+    one_scale = one_scale or static_scale is not None or _is_capturing_or_compiling()
     if static_scale is not None:
         scale = static_scale
     else:
@@ -317,7 +324,11 @@ def apply(
     n, act_n = cache1.shape[-1], cache2.shape[-1]
     qc = fused_experts.quant_config
     listed = blocks[0]
-    if kind == TENSOR:  # E4M3 with a scale per expert: one per row
+    if kind == TENSOR and hidden.dtype != FP8:  # BF16: one scale, as the prepare's
+        a1, a1_scale = quantize_listed_rows_per_tensor(
+            hidden.view(total, k), listed, rows, qc, qc.a1_scale, one_scale=True
+        )
+    elif kind == TENSOR:  # E4M3 with a scale per expert: one per row
         a1 = hidden.view(total, k)
         a1_scale = expert_scales(kw["a1q_scale"], experts)
         a1_scale = a1_scale.reshape(experts, 1).expand(experts, rows).reshape(total, 1)

@@ -73,11 +73,11 @@ def silu_mul_quant(
     if num_blocks == 0 or d == 0:
         return q, scales
     block_m = sorted_ids.numel() // num_blocks
-    if group is None:  # one program per block: the row's chunks, twice (amax, then quantize)
-        block_n = max(16, min(triton.next_power_of_2(d), TILE // block_m))
-        grid = (num_blocks, 1)
+    if group is None:
+        block_n, sub_m = token_tiling(d, block_m)
+        grid = (num_blocks, block_m // sub_m)
     else:
-        block_n, grid = group, (num_blocks, groups)
+        block_n, sub_m, grid = group, block_m, (num_blocks, groups)
     _silu_mul_quant_kernel[grid](
         x,
         q,
@@ -87,11 +87,24 @@ def silu_mul_quant(
         rows,
         d,
         BLOCK_M=block_m,
+        SUB_M=sub_m,
         BLOCK_N=block_n,
+        WHOLE_ROW=block_n >= d,
         PER_TOKEN=group is None,
         UE8M0=bool(ue8m0),
     )
     return q, scales
+
+
+def token_tiling(d: int, block_m: int) -> tuple[int, int]:
+    """Per token: (columns a program holds, rows a program takes). A row that fits TILE
+    is held whole, read once, and the block's rows are spread over programs (a decode
+    step lists a few blocks; one program walking each block's rows serially would set
+    the time); a wider row takes one row per program, read twice (amax, then quantize)."""
+    width = triton.next_power_of_2(d)
+    if width <= TILE:
+        return width, max(1, min(block_m, TILE // width))
+    return TILE, 1
 
 
 def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | None) -> bool:
@@ -126,31 +139,44 @@ if triton is not None:
         rows,
         d,
         BLOCK_M: tl.constexpr,
+        SUB_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        WHOLE_ROW: tl.constexpr,
         PER_TOKEN: tl.constexpr,
         UE8M0: tl.constexpr,
     ):
         b = tl.program_id(0)
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
             return
-        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        listed = ids < rows
         span = tl.arange(0, BLOCK_N)
-        if PER_TOKEN:
-            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for c0 in range(0, d, BLOCK_N):
-                cols = c0 + span
-                mask = listed[:, None] & (cols < d)[None, :]
-                y = silu_mul_rows(x_ptr, ids, cols, mask, d)
-                amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-            scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
-            tl.store(s_ptr + ids, scale, mask=listed)
-            for c0 in range(0, d, BLOCK_N):
-                cols = c0 + span
-                mask = listed[:, None] & (cols < d)[None, :]
-                y = silu_mul_rows(x_ptr, ids, cols, mask, d)
-                _store_q(q_ptr, y, scale, ids, cols, mask, d)
+        if PER_TOKEN:  # SUB_M of the block's rows, each row's one scale
+            first = b * BLOCK_M + tl.program_id(1) * SUB_M
+            ids = tl.load(sorted_ids_ptr + first + tl.arange(0, SUB_M)).to(tl.int64)
+            listed = ids < rows
+            if WHOLE_ROW:  # BLOCK_N >= d: read once
+                mask = listed[:, None] & (span < d)[None, :]
+                y = silu_mul_rows(x_ptr, ids, span, mask, d)
+                amax = tl.max(tl.abs(y), axis=1)
+                scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+                tl.store(s_ptr + ids, scale, mask=listed)
+                _store_q(q_ptr, y, scale, ids, span, mask, d)
+            else:  # wider rows: the amax over the chunks, then each chunk quantized
+                amax = tl.zeros([SUB_M], dtype=tl.float32)
+                for c0 in range(0, d, BLOCK_N):
+                    cols = c0 + span
+                    mask = listed[:, None] & (cols < d)[None, :]
+                    y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+                    amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
+                scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
+                tl.store(s_ptr + ids, scale, mask=listed)
+                for c0 in range(0, d, BLOCK_N):
+                    cols = c0 + span
+                    mask = listed[:, None] & (cols < d)[None, :]
+                    y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+                    _store_q(q_ptr, y, scale, ids, cols, mask, d)
         else:
+            ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            listed = ids < rows
             g = tl.program_id(1)
             cols = g * BLOCK_N + span
             mask = listed[:, None] & (cols < d)[None, :]

@@ -118,6 +118,8 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
     # vLLM's DeepGEMM experts read MN-major scales (set by post_init_setup).
     _mn_major_scales = False
+    # The experts quantize a BF16-dispatched FP8 layer themselves (set by post_init_setup).
+    _experts_quantize = False
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
@@ -150,6 +152,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         batched_tiles.install(fused_experts)
         rnd = self._round
         compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
+        # BF16 over the wire: the received-rows experts quantize the rows that arrived
+        # rather than this prepare the whole buffer (compact_experts.quantizes_input).
+        self._experts_quantize = not self._fp8 and compact_experts.quantizes_input(fused_experts)
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
@@ -162,7 +167,10 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             x, scales = out.expert_x, out.expert_x_scale
         else:
             x, scales = receive_quant.quantize_expert_buffer(
-                out.expert_x, out.expert_num_tokens, quant_config, defer
+                out.expert_x,
+                out.expert_num_tokens,
+                quant_config,
+                defer or self._experts_quantize,
             )
         if scales is not None and self._mn_major_scales:  # DeepGEMM's layout
             sent = self._round.sent_per_rank  # rows past sent x senders hold no token
