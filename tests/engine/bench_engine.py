@@ -50,11 +50,11 @@ CONFIGS = {
     # package's received-rows Triton experts instead (vllm/compact_experts_fp8.py).
     "ll_graph_deepgemm": ({"backend": LL, "moe_backend": "deep_gemm"}, {}),
     "ll_graph_triton": ({"backend": LL, "moe_backend": "triton"}, {}),
-    # the received-rows FP8 experts with the activation and quantization in one kernel
-    # (vllm/listed_quant.py, off by default until measured here)
-    "ll_graph_triton_listed_quant": (
+    # ll_graph_triton with the listed activation, then vLLM's quantization of the listed rows,
+    # instead of both in one kernel (vllm/listed_quant.py, on by default since measured here)
+    "ll_graph_triton_split_quant": (
         {"backend": LL, "moe_backend": "triton"},
-        {"FLASHINFER_EP_TEST_LISTED_QUANT": "1"},
+        {"FLASHINFER_EP_TEST_LISTED_QUANT": "0"},
     ),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "no_ep_eager": ({"backend": None, "enforce_eager": True}, {}),  # ll_eager's reference

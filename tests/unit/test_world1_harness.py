@@ -102,7 +102,7 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
     "name, attr, default",
     [
         ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "False"),
+        ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
     ],
 )
 @pytest.mark.parametrize("value", [None, "0", "1", "yes"])

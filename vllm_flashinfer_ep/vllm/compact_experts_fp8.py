@@ -17,13 +17,15 @@ builds from the received counts, with the scales vLLM's batched kernel would rea
   row its expert's scale, the weight scale read with a zero channel stride): the same
   FP32 products, accumulator x activation scale x weight scale.
 
-Activations arrive in E4M3 with the prepare's scales (the FP8 wire or
-vllm/receive_quant.py), read in place through the same row indices; BF16 ones (block and
-token) are quantized here. The intermediate between the GEMMs is quantized with vLLM's
-`moe_kernel_quantize_input`, as vLLM's batched experts quantize it, for the listed rows
-only (gathered, quantized, scattered back: the pass follows the batch, not the buffer;
-with `listed_quant.ENABLED`, block and token intermediates are activated and quantized
-in one kernel over the listed rows instead, vllm/listed_quant.py):
+Activations arrive in E4M3 with their scales (the FP8 wire), read in place through the
+same row indices, or in BF16: the LL prepare leaves a layer without FP8 on the wire to
+this path (compact_experts.quantizes_input), which quantizes the listed rows as the
+prepare would have quantized the whole buffer (per row; per tensor with the prepare's one
+scale, static or max |x| / 448 over the received rows). The intermediate between the
+GEMMs is quantized as vLLM's batched experts quantize it, for the listed rows only: block
+and token intermediates activated and quantized in one kernel (vllm/listed_quant.py, on;
+off: the listed activation, then vLLM's `moe_kernel_quantize_input` on the gathered rows,
+scattered back), per-tensor ones gathered, quantized with vLLM's op and scattered back:
 
 - block and token scales are per row, so those rows get the bytes quantizing the whole
   buffer would give them; a static per-tensor scale likewise.
@@ -37,8 +39,9 @@ in one kernel over the listed rows instead, vllm/listed_quant.py):
 
 Layouts that vLLM's batched kernel reads otherwise, or that this path does not
 reproduce exactly (per-channel weights with per-tensor activations, static per-token or
-per-expert activation scales, static scales on block layers, BF16 activations on
-per-tensor layers) return no scheme, and vLLM's batched kernel keeps those calls.
+per-expert activation scales, static scales on block layers, BF16 activations with a
+per-expert static scale) return no scheme, and vLLM's batched kernel keeps those calls
+(BF16 ones quantized first as the prepare would have).
 """
 
 from __future__ import annotations

@@ -151,10 +151,12 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             deep_gemm_warmup.install(fused_experts)
         batched_tiles.install(fused_experts)
         rnd = self._round
-        compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
+        installed = compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
         # BF16 over the wire: the received-rows experts quantize the rows that arrived
         # rather than this prepare the whole buffer (compact_experts.quantizes_input).
-        self._experts_quantize = not self._fp8 and compact_experts.quantizes_input(fused_experts)
+        self._experts_quantize = (
+            installed and not self._fp8 and compact_experts.quantizes_input(fused_experts)
+        )
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity

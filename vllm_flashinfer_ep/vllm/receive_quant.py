@@ -15,7 +15,9 @@ config describes: per tensor (static from the checkpoint, or dynamic), per token
   received row's scale. A dynamic per-tensor scale would: it is taken here over the
   received rows only (a masked max, fixed shapes, so CUDA graphs capture it), then applied
   as a static scale. Without that, a decode step's scale would depend on what earlier
-  batches left in the buffer.
+  batches left in the buffer. This pass reads every row of every expert's slot whatever
+  the batch, so the LL prepare skips it where the received-rows experts quantize the rows
+  that arrived themselves (vllm/compact_experts.py `quantizes_input`).
 
 Which FP8 layouts are accepted is `refusal()`, used when the MoE layers are built; the
 engine-config check (config_validation.py) refuses non-FP8 quantization methods earlier.
