@@ -56,6 +56,9 @@ CONFIGS = {
         {"backend": LL, "moe_backend": "triton"},
         {"FLASHINFER_EP_TEST_LISTED_QUANT": "0"},
     ),
+    # BF16 arrivals (per-channel FP8) quantized by one kernel over the block list instead of
+    # gathered, quantized and scattered (listed_quant.INPUT_ENABLED, off until measured here)
+    "ll_graph_listed_input": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_INPUT_QUANT": "1"}),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "no_ep_eager": ({"backend": None, "enforce_eager": True}, {}),  # ll_eager's reference
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
@@ -250,6 +253,7 @@ def _run(args, work: Path) -> int:
                 "kernels": probe["kernels"],  # prepare/finalize + experts, as the engine built them
                 "listed_activation": probe.get("listed_activation"),  # block_list's switch
                 "listed_quant": probe.get("listed_quant"),  # listed_quant.ENABLED
+                "listed_input_quant": probe.get("listed_input_quant"),  # .INPUT_ENABLED
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
                 "device": probe.get("device"),  # the GPU: timings compare only on one card
             }

@@ -109,7 +109,7 @@ for step in "${steps[@]}"; do
     fp8-compact)  # the received-rows FP8 experts' GPU tests alone (about a minute)
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_listed_quant_gpu.py \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
-      grep -E "LISTED_QUANT|passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -8 ;;
+      grep -E "LISTED_(INPUT_)?QUANT|passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -12 ;;
     fp8-experts)  # issue 28: the block-FP8 LL experts (received rows, DeepGEMM) against vLLM's, then timed side by side
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_deep_gemm_experts_gpu.py \
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \

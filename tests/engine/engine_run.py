@@ -97,6 +97,7 @@ def worker_probe(worker: Any) -> dict[str, Any]:
 
     out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switches as the worker sees them
     out["listed_quant"] = listed_quant.ENABLED
+    out["listed_input_quant"] = listed_quant.INPUT_ENABLED
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )

@@ -126,6 +126,8 @@ def test_every_moe_layer_runs_through_the_package(ll_graph):
     listed = os.environ.get("FLASHINFER_EP_TEST_LISTED_ACTIVATION") != "0"
     assert probe["listed_activation"] is listed
     assert probe["listed_quant"] is (os.environ.get("FLASHINFER_EP_TEST_LISTED_QUANT") != "0")
+    input_quant = os.environ.get("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT") == "1"
+    assert probe["listed_input_quant"] is input_quant
 
 
 def test_ll_with_cuda_graphs_matches_the_engine_without_ep(ll_graph, no_ep, floor):

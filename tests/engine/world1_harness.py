@@ -49,6 +49,7 @@ VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
 BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
 LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
 LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
+LISTED_INPUT_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT"
 
 
 def _ours(backend: str | None) -> bool:
@@ -85,6 +86,7 @@ def install() -> None:
     for name, module, attr in (
         (LISTED_ACTIVATION_ENV, block_list, "LISTED_ACTIVATION"),
         (LISTED_QUANT_ENV, listed_quant, "ENABLED"),
+        (LISTED_INPUT_QUANT_ENV, listed_quant, "INPUT_ENABLED"),
     ):
         value = os.environ.get(name)
         if value in ("0", "1"):

@@ -90,6 +90,8 @@ def fp8_intermediate(request, monkeypatch):
     mode = request.param
     monkeypatch.setattr(block_list, "LISTED_ACTIVATION", mode != "vllm-activation")
     monkeypatch.setattr(listed_quant, "ENABLED", mode == "listed-quant")
+    # and BF16 arrivals quantized by its input kernel (INPUT_ENABLED) in that mode
+    monkeypatch.setattr(listed_quant, "INPUT_ENABLED", mode == "listed-quant")
     act = _counting(monkeypatch, block_list, "listed_silu_and_mul")
     fused = _counting(monkeypatch, listed_quant, "silu_mul_quant")
     yield mode

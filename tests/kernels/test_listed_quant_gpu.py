@@ -130,3 +130,91 @@ def test_a_captured_kernel_follows_each_replay_s_counts_and_is_timed(group):
             f"captured us per layer past the block list: fused {times['fused'] - times['list']:.2f}, "
             f"listed activation + gather/quantize/scatter {times['split'] - times['list']:.2f}"
         )
+
+
+def _vllm_input(x: torch.Tensor, group: int | None, ue8m0: bool):
+    """vLLM's quantization of the received rows x [rows, d] (what the LL prepare runs)."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        per_token_group_quant_fp8,
+    )
+
+    if group is None:
+        return ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    return per_token_group_quant_fp8(x, group, use_ue8m0=ue8m0)
+
+
+@pytest.mark.parametrize(("group", "ue8m0"), SCHEMES)
+@pytest.mark.parametrize(
+    ("experts", "rows", "d", "block_m"),
+    # 2048: Qwen3-30B-A3B's hidden size; 7168: DeepSeek-V3's, per token past one tile
+    [(128, 256, 2048, 16), (64, 256, 2048, 64), (8, 32, 7168, 16)],
+)
+def test_received_rows_get_vllm_s_bytes(experts, rows, d, block_m, group, ue8m0):
+    """`quantize_rows` (listed_quant.INPUT_ENABLED): the received rows' own quantization
+    over the block list, against vLLM's ops on every row, at the edge counts."""
+    gen = torch.Generator().manual_seed(d + block_m)
+    x = (torch.randn(experts * rows, d, generator=gen) * 3).to(torch.bfloat16).cuda()
+    x[0] = 0  # an all-zero row: the floors on the scale
+    whole = experts * -(-rows // block_m)
+    for kind in ("empty", "full", "one row", "random"):
+        counts = _counts(kind, experts, rows, gen)
+        blocks = block_list.fused_expert_blocks(counts, rows, block_m, whole)
+        got = listed_quant.quantize_rows(x, blocks, group, ue8m0)
+        torch.cuda.synchronize()
+        _assert_listed_rows_equal(blocks, experts * rows, got, _vllm_input(x, group, ue8m0))
+
+
+@pytest.mark.parametrize("group", [128, None])
+def test_captured_received_rows_quantization_is_timed(group):
+    """Qwen3-30B-A3B's shape (128 local experts, 256 rows, hidden 2048) at the bound of a
+    1-token and a 128-token forward: 48 layers captured and replayed with new routings and
+    rows, against vLLM's ops; timed against the gather / quantize / scatter it replaces."""
+    experts, rows, d, block_m = 128, 256, 2048, 16
+    ue8m0 = group is not None and compact_experts_fp8._e8m0_scales()
+    qc = type(
+        "QC",
+        (),
+        {
+            "quant_dtype": torch.float8_e4m3fn,
+            "per_act_token_quant": group is None,
+            "block_shape": None if group is None else [group, group],
+        },
+    )
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(experts * rows, d, generator=gen) * 3).to(torch.bfloat16).cuda()
+    for tokens in (1, 128):
+        nb = max_blocks(tokens * 8, experts, rows, block_m)
+        counts = _routed(experts, tokens, 3).cuda()
+        times = {}
+        for name in ("list", "fused", "split"):
+            outs = []
+
+            def layer(name=name, outs=outs, counts=counts, nb=nb):
+                blocks = block_list.fused_expert_blocks(counts, rows, block_m, nb)
+                if name == "fused":
+                    outs.append(listed_quant.quantize_rows(x, blocks, group, ue8m0))
+                elif name == "split":
+                    outs.append(compact_experts_fp8.quantize_listed_rows(x, blocks[0], qc))
+
+            graph = capture_graph(lambda: [layer() for _ in range(48)])
+            for seed in (4, 5) if name == "fused" else ():
+                counts.copy_(_routed(experts, tokens, seed))
+                x.copy_(torch.randn(x.shape, generator=gen).mul_(3).to(torch.bfloat16))
+                q, s = outs[-1]
+                q.view(torch.uint8).fill_(0x55)
+                s.fill_(float("nan"))
+                graph.replay()
+                blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
+                torch.cuda.synchronize()
+                _assert_listed_rows_equal(
+                    blocks, experts * rows, (q, s), _vllm_input(x, group, ue8m0)
+                )
+            times[name] = _us_per_layer(graph)
+            del graph
+        print(
+            f"LISTED_INPUT_QUANT {'group 128' if group else 'per token'} tokens={tokens} "
+            f"blocks={nb}: captured us per layer past the block list: fused "
+            f"{times['fused'] - times['list']:.2f}, gather/quantize/scatter "
+            f"{times['split'] - times['list']:.2f}"
+        )

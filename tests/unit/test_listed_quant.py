@@ -56,17 +56,21 @@ CHILD = textwrap.dedent(
         _to_e4m3[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
         return out.float()
 
-    for experts, rows, d, bm, dtype, counts, nb, group, ue8m0 in cases:
+    for experts, rows, d, bm, dtype, counts, nb, group, ue8m0, act in cases:
         dtype = getattr(torch, dtype)
         counts = torch.tensor(counts, dtype=torch.int32)
         total = experts * rows
         gen = torch.Generator().manual_seed(len(counts) * d + nb)
-        x = (torch.randn(total, 2 * d, generator=gen) * 3).to(dtype)
+        x = (torch.randn(total, 2 * d if act else d, generator=gen) * 3).to(dtype)
         x[0, :d] = 0  # a row (or group) of zeros: the scale floors
         blocks = bl.torch_expert_blocks(counts, rows, bm, nb)
-        q, s = lq.silu_mul_quant(x, blocks, group, ue8m0)
-        g, u = x[:, :d].float(), x[:, d:].float()
-        y = rounded(rounded(g / (1 + torch.exp(-g)), dtype) * u, dtype)
+        if act:  # GEMM1's output: SiLU(gate) x up, then quantized
+            q, s = lq.silu_mul_quant(x, blocks, group, ue8m0)
+            g, u = x[:, :d].float(), x[:, d:].float()
+            y = rounded(rounded(g / (1 + torch.exp(-g)), dtype) * u, dtype)
+        else:  # the received rows themselves
+            q, s = lq.quantize_rows(x, blocks, group, ue8m0)
+            y = x.float()
         if group is None:
             amax = y.abs().amax(dim=1, keepdim=True)
             scale = torch.maximum(amax / 448.0, torch.tensor(1.0 / (448.0 * 512.0)))
@@ -83,7 +87,7 @@ CHILD = textwrap.dedent(
         listed = torch.zeros(total, dtype=torch.bool)
         listed[ids[ids < total].long()] = True
         if not (q.view(torch.uint8)[~listed] == 0x55).all() or not s[~listed].isnan().all():
-            print("WROTE AN UNLISTED ROW", experts, rows, d, bm, group, counts.tolist(), nb)
+            print("WROTE AN UNLISTED ROW", experts, rows, d, bm, group, counts.tolist(), nb, act)
             sys.exit(1)
         got_s, ref_s = s[listed], scale[listed]
         # numpy's and torch's exp may differ in the last bit, which can move a 16-bit
@@ -121,10 +125,12 @@ def _cases() -> list:
         for counts in count_kinds(experts, rows, gen):
             for nb in (1, whole):
                 for group, ue8m0 in ((128, False), (128, True), (None, False)):
-                    cases.append([experts, rows, d, bm, dtype, counts.tolist(), nb, group, ue8m0])
-    cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, None, False])  # masked columns
-    # per token past one program's TILE: one row per program, two passes, masked columns
-    cases.append([2, 16, 4224, 16, "bfloat16", [16, 3], 2, None, False])
+                    case = [experts, rows, d, bm, dtype, counts.tolist(), nb, group, ue8m0]
+                    cases += [case + [True], case + [False]]  # intermediate, received rows
+    for act in (True, False):
+        cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, None, False, act])  # masked columns
+        # per token past one program's TILE: one row per program, two passes, masked columns
+        cases.append([2, 16, 4224, 16, "bfloat16", [16, 3], 2, None, False, act])
     return cases
 
 
@@ -133,7 +139,14 @@ def test_listed_rows_get_vllm_s_activation_and_quantization():
     row gets SiLU(gate) x up rounded to 16 bits, then vLLM's dynamic FP8 quantization of
     those values (the floors on an all-zero row included); no unlisted row is written
     (GEMM2 never reads one, and writing them would cost what the block list saves)."""
-    _assert_ok_in_the_interpreter(CHILD, _cases())
+    _assert_ok_in_the_interpreter(CHILD, [c for c in _cases() if c[-1]])
+
+
+def test_received_rows_get_vllm_s_quantization():
+    """`quantize_rows`, the same kernel without the activation: every listed received row
+    gets vLLM's dynamic FP8 quantization of its own 16-bit values; no unlisted row is
+    written (GEMM1 reads listed rows only)."""
+    _assert_ok_in_the_interpreter(CHILD, [c for c in _cases() if not c[-1]])
 
 
 def test_shapes_it_does_not_compute_are_refused():
@@ -143,6 +156,11 @@ def test_shapes_it_does_not_compute_are_refused():
     with pytest.raises(ValueError, match="multiple of the group"):
         listed_quant.silu_mul_quant(torch.zeros(4, 400, dtype=torch.bfloat16), blocks, 128)
     assert listed_quant.unlisted_reason(torch.zeros(4, 400, dtype=torch.bfloat16), None) is None
+    with pytest.raises(ValueError, match="quantize_rows: d = 200 not a multiple"):
+        listed_quant.quantize_rows(torch.zeros(4, 200, dtype=torch.bfloat16), blocks, 128)
+    odd = torch.zeros(4, 129, dtype=torch.bfloat16)  # an odd width is a row, not gate | up
+    assert listed_quant.unlisted_reason(odd, None, act=False) is None
+    assert listed_quant.unlisted_reason(odd, None) is not None
 
 
 def test_it_is_taken_only_when_on_for_plain_silu_on_an_fp8_gpu(monkeypatch):

@@ -103,6 +103,7 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
     [
         ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
         ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
+        ("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", "listed_quant.INPUT_ENABLED", "False"),
     ],
 )
 @pytest.mark.parametrize("value", [None, "0", "1", "yes"])
@@ -116,6 +117,7 @@ def test_the_intermediate_switches_reach_the_package(name, attr, default, value)
     env["VLLM_CONFIGURE_LOGGING"] = "0"
     env.pop("FLASHINFER_EP_TEST_LISTED_ACTIVATION", None)
     env.pop("FLASHINFER_EP_TEST_LISTED_QUANT", None)
+    env.pop("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", None)
     if value is not None:
         env[name] = value
     module, field = attr.split(".")

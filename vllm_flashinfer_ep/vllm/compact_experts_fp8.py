@@ -20,8 +20,9 @@ builds from the received counts, with the scales vLLM's batched kernel would rea
 Activations arrive in E4M3 with their scales (the FP8 wire), read in place through the
 same row indices, or in BF16: the LL prepare leaves a layer without FP8 on the wire to
 this path (compact_experts.quantizes_input), which quantizes the listed rows as the
-prepare would have quantized the whole buffer (per row; per tensor with the prepare's one
-scale, static or max |x| / 448 over the received rows). The intermediate between the
+prepare would have quantized the whole buffer (per row, gathered and scattered back, or in
+one launch over the block list with `listed_quant.INPUT_ENABLED`; per tensor with the
+prepare's one scale, static or max |x| / 448 over the received rows). The intermediate between the
 GEMMs is quantized as vLLM's batched experts quantize it, for the listed rows only: block
 and token intermediates activated and quantized in one kernel (vllm/listed_quant.py, on;
 off: the listed activation, then vLLM's `moe_kernel_quantize_input` on the gathered rows,
@@ -339,7 +340,13 @@ def apply(
         a1 = hidden.view(total, k)
         a1_scale = row_scales(kw["a1q_scale"], total, k // GROUP if kind == BLOCK else 1)
     else:  # BF16 arrived: the listed rows quantized as vLLM's prepare would
-        a1, a1_scale = quantize_listed_rows(hidden.view(total, k), listed, qc)
+        x, group = hidden.view(total, k), GROUP if kind == BLOCK else None
+        if listed_quant.takes_input(x, group):  # one launch over the block list
+            a1, a1_scale = listed_quant.quantize_rows(
+                x, blocks, group, kind == BLOCK and _e8m0_scales()
+            )
+        else:
+            a1, a1_scale = quantize_listed_rows(x, listed, qc)
     gemm(a1, w1, cache1.view(total, 1, n), blocks, config, a1_scale, qc.w1_scale, kind)
     counts = kw["expert_tokens_meta"].expert_num_tokens
     x1 = cache1.view(total, n)

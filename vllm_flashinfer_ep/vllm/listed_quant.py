@@ -6,7 +6,8 @@ Why: between the two GEMMs of vllm/compact_experts_fp8.py the intermediate is ac
 scattered back: five launches per layer whose cost does not shrink with the batch, in the
 path `--moe-backend auto` gives per-channel layers (and block layers off Hopper). Here one
 launch over the block list's fixed grid reads GEMM1's output and writes E4M3 and FP32
-scales to the rows GEMM2 reads.
+scales to the rows GEMM2 reads. The same kernel without the activation (`quantize_rows`,
+`INPUT_ENABLED`) quantizes BF16 received rows for GEMM1.
 
 It rounds as vLLM does: SiLU to the 16-bit type, the product to the 16-bit type (what
 vLLM's activation writes), then vLLM's dynamic quantization of those 16-bit values:
@@ -35,6 +36,8 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 from vllm_flashinfer_ep.vllm import block_list
 
 ENABLED = True
+# The received rows' own quantization (BF16 arrivals) in one launch: off until measured.
+INPUT_ENABLED = False
 GROUP = 128  # elements per scale of block layers (vLLM's block_shape[1])
 FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's group quantization floor on amax
@@ -42,14 +45,16 @@ MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's per-token floor on the scale
 TILE = 4096  # elements one program holds at a time: BLOCK_M x BLOCK_N
 
 
-def unlisted_reason(x: torch.Tensor, group: int | None) -> str | None:
-    """Why `silu_mul_quant` does not take GEMM1's output `x` [rows, 2d] (None: it does)."""
+def unlisted_reason(x: torch.Tensor, group: int | None, act: bool = True) -> str | None:
+    """Why `silu_mul_quant` (`act`) or `quantize_rows` does not take `x` ([rows, 2d]
+    GEMM1's output, or [rows, d] the received rows) (None: it does)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"16-bit x, got {x.dtype}"
-    if not x.is_contiguous() or x.dim() != 2 or x.shape[1] % 2:
-        return f"contiguous [rows, 2d], got {tuple(x.shape)}"
-    if group is not None and (x.shape[1] // 2) % group:
-        return f"d = {x.shape[1] // 2} not a multiple of the group {group}"
+    if not x.is_contiguous() or x.dim() != 2 or (act and x.shape[1] % 2):
+        return f"contiguous [rows, {'2d' if act else 'd'}], got {tuple(x.shape)}"
+    d = x.shape[1] // 2 if act else x.shape[1]
+    if group is not None and d % group:
+        return f"d = {d} not a multiple of the group {group}"
     return None
 
 
@@ -61,13 +66,31 @@ def silu_mul_quant(
     (`blocks` from block_list.expert_blocks over these rows) are written; the others are
     undefined, and GEMM2 reads listed rows only. `ue8m0`: block scales rounded up to a
     power of two (vLLM's `is_deep_gemm_e8m0_used()` decides it for vLLM's op)."""
+    return _listed_quant(x, blocks, group, ue8m0, act=True)
+
+
+def quantize_rows(
+    x: torch.Tensor, blocks: tuple, group: int | None, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, d] (the received rows, 16-bit) -> (E4M3 [rows, d], FP32 scales) as
+    `silu_mul_quant` without the activation: vLLM's dynamic quantization of the listed rows
+    in one launch, where compact_experts_fp8.quantize_listed_rows gathers every entry of the
+    block list (sentinels included: about nine times the rows at a 128-token step), quantizes
+    and scatters back. Off (`INPUT_ENABLED`) until its GPU test and the engine benchmark run."""
+    return _listed_quant(x, blocks, group, ue8m0, act=False)
+
+
+def _listed_quant(
+    x: torch.Tensor, blocks: tuple, group: int | None, ue8m0: bool, act: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    name = "silu_mul_quant" if act else "quantize_rows"
     if triton is None:
-        raise RuntimeError("silu_mul_quant needs Triton")
-    why = unlisted_reason(x, group)
+        raise RuntimeError(f"{name} needs Triton")
+    why = unlisted_reason(x, group, act)
     if why is not None:
-        raise ValueError(f"silu_mul_quant: {why}")
+        raise ValueError(f"{name}: {why}")
     sorted_ids, expert_ids, blocks_rows = blocks
-    rows, d = x.shape[0], x.shape[1] // 2
+    rows, d = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
     groups = 1 if group is None else d // group
     q = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
@@ -94,6 +117,7 @@ def silu_mul_quant(
         WHOLE_ROW=block_n >= d,
         PER_TOKEN=group is None,
         UE8M0=bool(ue8m0),
+        ACT=act,
     )
     return q, scales
 
@@ -107,6 +131,18 @@ def token_tiling(d: int, block_m: int) -> tuple[int, int]:
     if width <= TILE:
         return width, max(1, min(block_m, TILE // width))
     return TILE, 1
+
+
+def takes_input(x: torch.Tensor, group: int | None) -> bool:
+    """Whether BF16 received rows `x` [rows, d] are quantized by `quantize_rows`: on, CUDA
+    buffers it takes on a GPU that converts to E4M3 (sm_89 and newer)."""
+    return (
+        INPUT_ENABLED
+        and triton is not None
+        and x.is_cuda
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and unlisted_reason(x, group, act=False) is None
+    )
 
 
 def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | None) -> bool:
@@ -125,6 +161,17 @@ def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | Non
 
 if triton is not None:
     silu_mul_rows = block_list.silu_mul_rows  # the activation, as the listed one computes it
+
+    @triton.jit
+    def _rows(x_ptr, ids, cols, mask, d, ACT: tl.constexpr):
+        """The values to quantize, FP32: SiLU(gate) x up of GEMM1's output [rows, 2d]
+        rounded as vLLM's activation rounds it (`ACT`), or the rows of x [rows, d]."""
+        if ACT:
+            y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+        else:
+            y = tl.load(x_ptr + ids[:, None] * d + cols[None, :], mask=mask, other=0.0)
+            y = y.to(tl.float32)
+        return y
 
     @triton.jit
     def _store_q(q_ptr, y, scale, ids, cols, mask, d):
@@ -146,6 +193,7 @@ if triton is not None:
         WHOLE_ROW: tl.constexpr,
         PER_TOKEN: tl.constexpr,
         UE8M0: tl.constexpr,
+        ACT: tl.constexpr,
     ):
         b = tl.program_id(0)
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
@@ -157,7 +205,7 @@ if triton is not None:
             listed = ids < rows
             if WHOLE_ROW:  # BLOCK_N >= d: read once
                 mask = listed[:, None] & (span < d)[None, :]
-                y = silu_mul_rows(x_ptr, ids, span, mask, d)
+                y = _rows(x_ptr, ids, span, mask, d, ACT)
                 amax = tl.max(tl.abs(y), axis=1)
                 scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
                 tl.store(s_ptr + ids, scale, mask=listed)
@@ -167,14 +215,14 @@ if triton is not None:
                 for c0 in range(0, d, BLOCK_N):
                     cols = c0 + span
                     mask = listed[:, None] & (cols < d)[None, :]
-                    y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+                    y = _rows(x_ptr, ids, cols, mask, d, ACT)
                     amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
                 scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.0 / (448.0 * 512.0))
                 tl.store(s_ptr + ids, scale, mask=listed)
                 for c0 in range(0, d, BLOCK_N):
                     cols = c0 + span
                     mask = listed[:, None] & (cols < d)[None, :]
-                    y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+                    y = _rows(x_ptr, ids, cols, mask, d, ACT)
                     _store_q(q_ptr, y, scale, ids, cols, mask, d)
         else:
             ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -182,7 +230,7 @@ if triton is not None:
             g = tl.program_id(1)
             cols = g * BLOCK_N + span
             mask = listed[:, None] & (cols < d)[None, :]
-            y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+            y = _rows(x_ptr, ids, cols, mask, d, ACT)
             amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10)
             scale = tl.math.div_rn(amax, 448.0)
             if UE8M0:
