@@ -664,6 +664,74 @@ def test_bf16_arrival_of_a_per_tensor_layer_quantized_as_vllm_s_prepare_would(
     assert g1["A_scale"].stride(0) == 0 and float(g1["A_scale"][0, 0]) == float(xs.flatten()[0])
 
 
+def test_only_installed_fp8_experts_that_take_quantized_inputs_quantize_their_input():
+    _, _, qc = _layer("token-channel", 0)
+    assert compact_experts.quantizes_input(_experts(qc, compact=True))
+    unquantized = _experts(FusedMoEQuantConfig.make(), compact=True)
+    assert not compact_experts.quantizes_input(unquantized)  # BF16 layers: nothing to defer
+
+    class Deferring(VllmExperts):  # experts vLLM already hands unquantized inputs
+        @property
+        def expects_unquantized_inputs(self) -> bool:
+            return True
+
+    deferring = Deferring(_moe_config(2), qc, max_num_tokens=CAP, num_dispatchers=1)
+    assert not compact_experts.quantizes_input(deferring)
+
+
+def test_production_s_dynamic_per_tensor_layers_are_quantized_by_the_fallback(monkeypatch):
+    """Production keeps dynamic per-tensor intermediates on vLLM's kernel; through the LL
+    prepare/finalize such a layer still arrives in BF16 and the wrapper quantizes the whole
+    buffer as the prepare would have: vLLM's output, bit for bit."""
+    monkeypatch.setattr(compact_experts, "FP8_DYNAMIC_TENSOR", False)
+    q1, q2, qc = _layer("tensor-dynamic", seed=6)
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(5, HIDDEN, generator=gen) * 0.5).bfloat16()
+    ids, weights = random_routing(5, EXPERTS, 2, CPU, gen)
+    outs = []
+    for compact in (False, True):
+        kernel = _ll_kernel(qc, 2, compact, monkeypatch)
+        rec.quantized.clear()
+        rec.fused.clear()
+        rec.batched = 0
+        outs.append(
+            kernel.apply(
+                hidden_states=x,
+                w1=q1,
+                w2=q2,
+                topk_weights=weights,
+                topk_ids=ids,
+                activation=MoEActivation.SILU,
+                global_num_experts=EXPERTS,
+                expert_map=None,
+                apply_router_weight_on_input=False,
+            )
+        )
+        assert rec.batched == 2 and not rec.fused  # vLLM's kernel both times
+        assert rec.quantized[0]["rows"] == EXPERTS * CAP  # the whole buffer
+    assert torch.equal(outs[1], outs[0])
+
+
+def test_the_prepare_and_the_listed_rows_take_one_dynamic_per_tensor_scale():
+    """A per-tensor layer's BF16 input gets its dynamic scale from the prepare (a call the
+    path does not take) or from the listed rows (one it takes): the same scale either way,
+    a row holding NaN counting as zero and an infinity kept, as vLLM's kernel keeps it."""
+    _, _, qc = _layer("tensor-dynamic", 0)
+    counts = torch.tensor([3, 0, 1, 0, 0, 2, 0, 2], dtype=torch.int32)
+    listed, _, _ = expert_blocks(counts, CAP, 16, max_blocks(8, EXPERTS, CAP, 16))
+    for poison in (None, float("nan"), float("inf"), -float("inf")):
+        x, _ = _buffer(counts.tolist(), seed=11)
+        if poison is not None:
+            x[5, 1, 7] = poison
+        _, prepared = receive_quant.quantize_expert_buffer(x, counts, qc, False)
+        _, listed_scale = compact_experts_fp8.quantize_listed_rows_per_tensor(
+            x.view(-1, HIDDEN), listed, CAP, qc, None, one_scale=True
+        )
+        want, got = prepared.flatten()[0], listed_scale[0, 0]
+        assert torch.equal(got, want), (poison, got, want)
+        assert bool(torch.isinf(want)) == (poison is not None and abs(poison) == float("inf"))
+
+
 @pytest.mark.parametrize("kind", SCHEMES)
 def test_a_bf16_call_the_path_does_not_take_gets_the_prepare_s_quantization(monkeypatch, kind):
     """The prepare leaves BF16 to the experts once this path is installed; a call the path
@@ -767,11 +835,27 @@ def test_layer_through_the_ll_prepare_finalize(monkeypatch, kind, num_tokens):
         # blocks); without the path, the prepare quantizes the whole buffer
         want_rows = _listed_rows(num_tokens, top_k) if compact else EXPERTS * CAP
         assert rec.quantized[0]["rows"] == want_rows
-        if compact and num_tokens == 1:
-            assert want_rows <= EXPERTS * CAP // 8
         rec.quantized.clear()
     vllm_out, got = outs
     assert torch.equal(got, vllm_out)
+    # The path undone after set-up (the patch table's undo): vLLM's apply is back, and the
+    # prepare quantizes again (it must not hand BF16 to vLLM's FP8 kernel).
+    from vllm_flashinfer_ep.vllm.patches._helper import undo_instance
+
+    assert undo_instance(compact_experts.PATCH, kernel.fused_experts)
+    rec.quantized.clear()
+    undone = kernel.apply(
+        hidden_states=x,
+        w1=q1,
+        w2=q2,
+        topk_weights=weights,
+        topk_ids=ids,
+        activation=MoEActivation.SILU,
+        global_num_experts=EXPERTS,
+        expert_map=None,
+        apply_router_weight_on_input=False,
+    )
+    assert rec.quantized[0]["rows"] == EXPERTS * CAP and torch.equal(undone, vllm_out)
     # And both an FP8 MoE of these weights (E4M3 activations twice: a few percent).
     deq1 = q1.float() * (qc.w1_scale if qc.w1_scale.dim() == 3 else qc.w1_scale[:, None, None])
     deq2 = q2.float() * (qc.w2_scale if qc.w2_scale.dim() == 3 else qc.w2_scale[:, None, None])

@@ -131,6 +131,8 @@ def _cases() -> list:
         cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, None, False, act])  # masked columns
         # per token past one program's TILE: one row per program, two passes, masked columns
         cases.append([2, 16, 4224, 16, "bfloat16", [16, 3], 2, None, False, act])
+        # a row that fills the tile whole: one row per program, one pass, masked columns
+        cases.append([2, 16, 3072, 16, "bfloat16", [5, 16], 2, None, False, act])
     return cases
 
 

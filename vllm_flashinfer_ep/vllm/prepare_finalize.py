@@ -118,8 +118,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
     # vLLM's DeepGEMM experts read MN-major scales (set by post_init_setup).
     _mn_major_scales = False
-    # The experts quantize a BF16-dispatched FP8 layer themselves (set by post_init_setup).
-    _experts_quantize = False
+    # (experts, their received-rows apply) when those quantize a BF16-dispatched FP8 layer
+    # themselves (set by post_init_setup); None: this prepare quantizes.
+    _quantizing_experts: tuple | None = None
 
     def post_init_setup(self, fused_experts) -> None:
         """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
@@ -154,9 +155,14 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         installed = compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
         # BF16 over the wire: the received-rows experts quantize the rows that arrived
         # rather than this prepare the whole buffer (compact_experts.quantizes_input).
-        self._experts_quantize = (
-            installed and not self._fp8 and compact_experts.quantizes_input(fused_experts)
-        )
+        if installed and not self._fp8 and compact_experts.quantizes_input(fused_experts):
+            self._quantizing_experts = (fused_experts, fused_experts.apply)
+
+    def _experts_quantize(self) -> bool:
+        """Whether the experts' received-rows apply is still the one installed (an undone
+        instance patch puts vLLM's back, which needs the prepare's quantization)."""
+        pair = self._quantizing_experts
+        return pair is not None and pair[0].apply is pair[1]
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
@@ -172,7 +178,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 out.expert_x,
                 out.expert_num_tokens,
                 quant_config,
-                defer or self._experts_quantize,
+                defer or self._experts_quantize(),
             )
         if scales is not None and self._mn_major_scales:  # DeepGEMM's layout
             sent = self._round.sent_per_rank  # rows past sent x senders hold no token

@@ -146,11 +146,12 @@ def received_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """max |x| over the rows each expert received (fp32 scalar tensor, no host sync).
 
     Unreceived rows may hold anything, NaN included: they are masked, not multiplied. A
-    NaN inside a received row is skipped, as vLLM's dynamic per-tensor kernel skips it
-    (an fmax reduction): the other tokens keep a finite scale."""
+    received row holding NaN counts as zero (the other tokens keep a finite scale); an
+    infinity stays one, as vLLM's dynamic per-tensor kernel keeps it (the received-rows
+    experts' scale, compact_experts_fp8._dynamic_tensor_scale, reads rows the same way)."""
     rows = x.shape[1]
     row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)  # [experts, rows]
-    row_max = torch.nan_to_num(row_max, nan=0.0)
+    row_max = torch.nan_to_num(row_max, nan=0.0, posinf=float("inf"))
     received = torch.arange(rows, device=x.device)[None, :] < counts.to(torch.int64)[:, None]
     return torch.where(received, row_max, torch.zeros_like(row_max)).amax().float()
 
