@@ -7,7 +7,8 @@
   (FP8 layers allocate their quantized activations); CUDA-graph capturable through the
   persistent handle pool.
 - FP8 layers get their activations quantized after receive, as their experts expect
-  (vllm/receive_quant.py); 128x128 block-FP8 layers send them in FP8 instead
+  (vllm/receive_quant.py; under LL by the received-rows experts themselves, for the rows
+  that arrived, where those are installed); 128x128 block-FP8 layers send them in FP8 instead
   (runtime/fp8_wire.py): LL through NCCL-EP's quantizing dispatch, HT quantized here
   with vLLM's group quantization and forwarded with their scales. Everything else
   dispatches BF16.
