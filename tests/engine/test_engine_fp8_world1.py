@@ -23,7 +23,7 @@ itself (no-EP, CUDA graphs vs --enforce-eager).
 from __future__ import annotations
 
 import pytest
-from test_engine_world1 import HT, LAYERS, LL, _assert_close, _diff, _spec
+from test_engine_world1 import HT, LAYERS, LL, _assert_close, _diff, _spec, assert_switches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -84,6 +84,7 @@ def _check_ll(run: dict, block: bool = False) -> None:
     kernels = LL_DEEP_GEMM_KERNELS if block else LL_KERNELS
     assert load["kernels"] == kernels and load["num_kernels"] == LAYERS
     assert load["quant_dtypes"] == FP8_LAYERS
+    assert_switches(load)
     assert load["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # FP8 LL stays capturable
     [rt] = load["runtimes"]
     assert rt["hidden_size"] == 2048 and rt["counters"]["created_during_capture"] == 0

@@ -122,12 +122,16 @@ def test_every_moe_layer_runs_through_the_package(ll_graph):
     )
     assert probe["max_num_batched_tokens"] == LL_CAPACITY
     assert rt["capacity"] == LL_CAPACITY and rt["world_size"] == 1
-    # the harness switches reached the worker (an accuracy run with one on tests its kernel)
-    listed = os.environ.get("FLASHINFER_EP_TEST_LISTED_ACTIVATION") != "0"
-    assert probe["listed_activation"] is listed
-    assert probe["listed_quant"] is (os.environ.get("FLASHINFER_EP_TEST_LISTED_QUANT") != "0")
-    input_quant = os.environ.get("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT") == "1"
-    assert probe["listed_input_quant"] is input_quant
+    assert_switches(probe)
+
+
+def assert_switches(probe: dict) -> None:
+    """The harness switches reached the worker as this run set them (an accuracy run with
+    one on tests its kernel): unset keeps the package's default."""
+    env = os.environ.get
+    assert probe["listed_activation"] is (env("FLASHINFER_EP_TEST_LISTED_ACTIVATION") != "0")
+    assert probe["listed_quant"] is (env("FLASHINFER_EP_TEST_LISTED_QUANT") != "0")
+    assert probe["listed_input_quant"] is (env("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT") == "1")
 
 
 def test_ll_with_cuda_graphs_matches_the_engine_without_ep(ll_graph, no_ep, floor):
