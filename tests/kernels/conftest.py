@@ -94,10 +94,18 @@ def fp8_intermediate(request, monkeypatch):
     monkeypatch.setattr(listed_quant, "INPUT_ENABLED", mode == "listed-quant")
     act = _counting(monkeypatch, block_list, "listed_silu_and_mul")
     fused = _counting(monkeypatch, listed_quant, "silu_mul_quant")
+    rows = _counting(monkeypatch, listed_quant, "quantize_rows")
     yield mode
-    kind = getattr(request.node, "callspec", None)
-    kind = kind.params.get("kind", "block") if kind is not None else "block"
+    spec = getattr(request.node, "callspec", None)
+    params = spec.params if spec is not None else {}
+    kind = params.get("kind", "block")
     takes_fused = kind == "block" or kind.startswith("token")
+    # BF16 received rows of block and per-token layers: the input kernel, in that mode only
+    bf16 = params.get("arrival", "").startswith("bf16")
+    if bf16 and takes_fused:
+        assert bool(rows) == (mode == "listed-quant"), (mode, len(rows))
+    else:
+        assert not rows, (mode, len(rows))
     if mode == "vllm-activation":
         assert not act and not fused, (len(act), len(fused))
     elif mode == "listed-quant" and takes_fused:

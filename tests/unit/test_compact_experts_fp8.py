@@ -564,6 +564,31 @@ def test_bf16_activations_are_quantized_as_vllm_s_prepare_would():
     assert torch.equal(got[received], want[received])
 
 
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_bf16_arrivals_reach_the_input_kernel_with_the_layer_s_groups(monkeypatch, e8m0):
+    """With listed_quant's input kernel taken (INPUT_ENABLED on a GPU), a block layer's
+    BF16 rows go to it in groups of 128 with vLLM's E8M0 choice, once per call; a
+    stand-in returning the split path's bytes keeps the output vLLM's."""
+    from vllm_flashinfer_ep.vllm import compact_experts_fp8, listed_quant
+
+    (q1, s1, _), (q2, s2, _) = _block_weights(3)
+    qc = _qc("block", s1, s2)
+    x, _, _, c, received = _received_buffer([3, 0, 1, 0, 0, 2, 0, 2], CAP, seed=3)
+    want = _call(_experts(qc), x, None, q1, q2, c, 4)
+    seen = []
+
+    def input_kernel(rows, blocks, group, ue8m0):
+        seen.append((group, ue8m0, rows.shape))
+        return compact_experts_fp8.quantize_listed_rows(rows, blocks[0], qc)
+
+    monkeypatch.setattr(listed_quant, "takes_input", lambda x, group: True)
+    monkeypatch.setattr(listed_quant, "quantize_rows", input_kernel)
+    monkeypatch.setattr(compact_experts_fp8, "_e8m0_scales", lambda: e8m0)
+    got = _call(_experts(qc), x, None, q1, q2, c, 4)
+    assert seen == [(G, e8m0, (EXPERTS * CAP, HIDDEN))]
+    assert torch.equal(got[received], want[received])
+
+
 def test_listed_rows_get_the_bytes_of_the_whole_buffer_s_quantization():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(64, 256, generator=gen).bfloat16()

@@ -165,6 +165,21 @@ def test_shapes_it_does_not_compute_are_refused():
     assert listed_quant.unlisted_reason(odd, None) is not None
 
 
+def test_the_input_kernel_is_taken_only_when_on_on_an_fp8_gpu(monkeypatch):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(listed_quant, "INPUT_ENABLED", True)
+    assert not listed_quant.takes_input(x, 128)  # CPU tensors: the split path
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not listed_quant.takes_input(x, 128)  # no E4M3 conversion: the split path
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert listed_quant.takes_input(x, 128) and listed_quant.takes_input(x, None)
+    assert not listed_quant.takes_input(x.float(), 128)
+    assert not listed_quant.takes_input(torch.zeros(4, 200, dtype=torch.bfloat16), 128)
+    monkeypatch.setattr(listed_quant, "INPUT_ENABLED", False)
+    assert not listed_quant.takes_input(x, 128)  # off: the split path
+
+
 def test_it_is_taken_only_when_on_for_plain_silu_on_an_fp8_gpu(monkeypatch):
     from types import SimpleNamespace
 

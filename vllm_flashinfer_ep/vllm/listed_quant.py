@@ -99,9 +99,7 @@ def _listed_quant(
         return q, scales
     block_m = sorted_ids.numel() // num_blocks
     if group is None:
-        block_n, sub_m = token_tiling(d, block_m)
-        while block_m % sub_m:  # a block's rows split evenly (BLOCK_M is a power of two)
-            sub_m //= 2
+        block_n, sub_m = token_tiling(d, block_m)  # both powers of two: sub_m divides
         grid = (num_blocks, block_m // sub_m)
     else:
         block_n, sub_m, grid = group, block_m, (num_blocks, groups)

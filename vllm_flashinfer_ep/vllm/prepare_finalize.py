@@ -154,6 +154,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         batched_tiles.install(fused_experts)
         rnd = self._round
         installed = compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
+        self._quantizing_experts = None
         # BF16 over the wire: the received-rows experts quantize the rows that arrived
         # rather than this prepare the whole buffer (compact_experts.quantizes_input).
         if installed and not self._fp8 and compact_experts.quantizes_input(fused_experts):
