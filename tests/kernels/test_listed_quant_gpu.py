@@ -82,17 +82,38 @@ def _layer(name, x, counts, rows, block_m, nb, group, ue8m0):
     if name == "fused":
         return listed_quant.silu_mul_quant(x, blocks, group, ue8m0)
     if name == "split":
-        from types import SimpleNamespace
-
         out = torch.empty(total, d, dtype=x.dtype, device=x.device)
         block_list.listed_silu_and_mul(out, x, blocks)
-        qc = SimpleNamespace(
-            quant_dtype=torch.float8_e4m3fn,
-            per_act_token_quant=group is None,
-            block_shape=None if group is None else [group, group],
-        )
-        return compact_experts_fp8.quantize_listed_rows(out, blocks[0], qc)
+        return compact_experts_fp8.quantize_listed_rows(out, blocks[0], _split_qc(group))
     return None
+
+
+def _split_qc(group: int | None):
+    """The quant config fields the split path's vLLM quantization reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        quant_dtype=torch.float8_e4m3fn,
+        per_act_token_quant=group is None,
+        block_shape=None if group is None else [group, group],
+    )
+
+
+def _replays_match_vllm(graph, written, x, counts, gen, shape, want) -> None:
+    """Replay a captured graph with new routings and rows, its outputs reset to sentinels
+    first, against vLLM's ops: `written()` is the (q, s) its last layer writes, `want(x)`
+    vLLM's over every row, `shape` (experts, tokens, rows, block_m, blocks)."""
+    experts, tokens, rows, block_m, nb = shape
+    for seed in (4, 5):
+        counts.copy_(_routed(experts, tokens, seed))
+        x.copy_(torch.randn(x.shape, generator=gen).mul_(3).to(torch.bfloat16))
+        q, s = written()
+        q.view(torch.uint8).fill_(0x55)
+        s.fill_(float("nan"))
+        graph.replay()
+        blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
+        torch.cuda.synchronize()
+        _assert_listed_rows_equal(blocks, experts * rows, (q, s), want(x))
 
 
 @pytest.mark.parametrize("group", [128, None])
@@ -113,16 +134,16 @@ def test_a_captured_kernel_follows_each_replay_s_counts_and_is_timed(group):
             outs = []
             args = (name, x, counts, rows, block_m, nb, group, ue8m0)
             graph = capture_graph(lambda a=args, o=outs: o.append([_layer(*a) for _ in range(48)]))
-            for seed in (4, 5) if name == "fused" else ():
-                counts.copy_(_routed(experts, tokens, seed))
-                x.copy_(torch.randn(x.shape, generator=gen).mul_(3).to(torch.bfloat16))
-                q, s = outs[-1][-1]
-                q.view(torch.uint8).fill_(0x55)
-                s.fill_(float("nan"))
-                graph.replay()
-                blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
-                torch.cuda.synchronize()
-                _assert_listed_rows_equal(blocks, experts * rows, (q, s), _vllm(x, group, ue8m0))
+            if name == "fused":
+                _replays_match_vllm(
+                    graph,
+                    lambda o=outs: o[-1][-1],
+                    x,
+                    counts,
+                    gen,
+                    (experts, tokens, rows, block_m, nb),
+                    lambda x: _vllm(x, group, ue8m0),
+                )
             times[name] = _us_per_layer(graph)
             del graph
         print(
@@ -172,15 +193,7 @@ def test_captured_received_rows_quantization_is_timed(group):
     rows, against vLLM's ops; timed against the gather / quantize / scatter it replaces."""
     experts, rows, d, block_m = 128, 256, 2048, 16
     ue8m0 = group is not None and compact_experts_fp8._e8m0_scales()
-    qc = type(
-        "QC",
-        (),
-        {
-            "quant_dtype": torch.float8_e4m3fn,
-            "per_act_token_quant": group is None,
-            "block_shape": None if group is None else [group, group],
-        },
-    )
+    qc = _split_qc(group)
     gen = torch.Generator().manual_seed(9)
     x = (torch.randn(experts * rows, d, generator=gen) * 3).to(torch.bfloat16).cuda()
     for tokens in (1, 128):
@@ -198,17 +211,15 @@ def test_captured_received_rows_quantization_is_timed(group):
                     outs.append(compact_experts_fp8.quantize_listed_rows(x, blocks[0], qc))
 
             graph = capture_graph(lambda: [layer() for _ in range(48)])
-            for seed in (4, 5) if name == "fused" else ():
-                counts.copy_(_routed(experts, tokens, seed))
-                x.copy_(torch.randn(x.shape, generator=gen).mul_(3).to(torch.bfloat16))
-                q, s = outs[-1]
-                q.view(torch.uint8).fill_(0x55)
-                s.fill_(float("nan"))
-                graph.replay()
-                blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
-                torch.cuda.synchronize()
-                _assert_listed_rows_equal(
-                    blocks, experts * rows, (q, s), _vllm_input(x, group, ue8m0)
+            if name == "fused":
+                _replays_match_vllm(
+                    graph,
+                    lambda o=outs: o[-1],
+                    x,
+                    counts,
+                    gen,
+                    (experts, tokens, rows, block_m, nb),
+                    lambda x: _vllm_input(x, group, ue8m0),
                 )
             times[name] = _us_per_layer(graph)
             del graph

@@ -694,19 +694,7 @@ def test_production_s_dynamic_per_tensor_layers_are_quantized_by_the_fallback(mo
         rec.quantized.clear()
         rec.fused.clear()
         rec.batched = 0
-        outs.append(
-            kernel.apply(
-                hidden_states=x,
-                w1=q1,
-                w2=q2,
-                topk_weights=weights,
-                topk_ids=ids,
-                activation=MoEActivation.SILU,
-                global_num_experts=EXPERTS,
-                expert_map=None,
-                apply_router_weight_on_input=False,
-            )
-        )
+        outs.append(_apply(kernel, x, q1, q2, ids, weights))
         assert rec.batched == 2 and not rec.fused  # vLLM's kernel both times
         assert rec.quantized[0]["rows"] == EXPERTS * CAP  # the whole buffer
     assert torch.equal(outs[1], outs[0])
@@ -804,6 +792,21 @@ def _ll_kernel(qc, top_k: int, compact: bool, monkeypatch):
     return kernel
 
 
+def _apply(kernel, x, q1, q2, ids, weights) -> torch.Tensor:
+    """One SiLU MoE layer through vLLM's modular kernel, as the model calls it."""
+    return kernel.apply(
+        hidden_states=x,
+        w1=q1,
+        w2=q2,
+        topk_weights=weights,
+        topk_ids=ids,
+        activation=MoEActivation.SILU,
+        global_num_experts=EXPERTS,
+        expert_map=None,
+        apply_router_weight_on_input=False,
+    )
+
+
 @pytest.mark.parametrize("kind", SCHEMES)
 @pytest.mark.parametrize("num_tokens", [1, 5, 12])
 def test_layer_through_the_ll_prepare_finalize(monkeypatch, kind, num_tokens):
@@ -817,19 +820,7 @@ def test_layer_through_the_ll_prepare_finalize(monkeypatch, kind, num_tokens):
         kernel = _ll_kernel(qc, top_k, compact, monkeypatch)
         rec.fused.clear()
         rec.batched = 0
-        outs.append(
-            kernel.apply(
-                hidden_states=x,
-                w1=q1,
-                w2=q2,
-                topk_weights=weights,
-                topk_ids=ids,
-                activation=MoEActivation.SILU,
-                global_num_experts=EXPERTS,
-                expert_map=None,
-                apply_router_weight_on_input=False,
-            )
-        )
+        outs.append(_apply(kernel, x, q1, q2, ids, weights))
         assert (len(rec.fused), rec.batched) == ((2, 0) if compact else (0, 2))
         # BF16 over the wire: quantized here, the listed rows only (a decode step's few
         # blocks); without the path, the prepare quantizes the whole buffer
@@ -844,17 +835,7 @@ def test_layer_through_the_ll_prepare_finalize(monkeypatch, kind, num_tokens):
 
     assert undo_instance(compact_experts.PATCH, kernel.fused_experts)
     rec.quantized.clear()
-    undone = kernel.apply(
-        hidden_states=x,
-        w1=q1,
-        w2=q2,
-        topk_weights=weights,
-        topk_ids=ids,
-        activation=MoEActivation.SILU,
-        global_num_experts=EXPERTS,
-        expert_map=None,
-        apply_router_weight_on_input=False,
-    )
+    undone = _apply(kernel, x, q1, q2, ids, weights)
     assert rec.quantized[0]["rows"] == EXPERTS * CAP and torch.equal(undone, vllm_out)
     # And both an FP8 MoE of these weights (E4M3 activations twice: a few percent).
     deq1 = q1.float() * (qc.w1_scale if qc.w1_scale.dim() == 3 else qc.w1_scale[:, None, None])

@@ -328,6 +328,9 @@ def apply(
     n, act_n = cache1.shape[-1], cache2.shape[-1]
     qc = fused_experts.quant_config
     listed = blocks[0]
+    # groups of 128 with vLLM's E8M0 choice (block), else one scale per row
+    group = GROUP if kind == BLOCK else None
+    ue8m0 = kind == BLOCK and _e8m0_scales()
     if kind == TENSOR and hidden.dtype != FP8:  # BF16: one scale, as the prepare's
         a1, a1_scale = quantize_listed_rows_per_tensor(
             hidden.view(total, k), listed, rows, qc, qc.a1_scale, one_scale=True
@@ -340,20 +343,16 @@ def apply(
         a1 = hidden.view(total, k)
         a1_scale = row_scales(kw["a1q_scale"], total, k // GROUP if kind == BLOCK else 1)
     else:  # BF16 arrived: the listed rows quantized as vLLM's prepare would
-        x, group = hidden.view(total, k), GROUP if kind == BLOCK else None
+        x = hidden.view(total, k)
         if listed_quant.takes_input(x, group):  # one launch over the block list
-            a1, a1_scale = listed_quant.quantize_rows(
-                x, blocks, group, kind == BLOCK and _e8m0_scales()
-            )
+            a1, a1_scale = listed_quant.quantize_rows(x, blocks, group, ue8m0)
         else:
             a1, a1_scale = quantize_listed_rows(x, listed, qc)
     gemm(a1, w1, cache1.view(total, 1, n), blocks, config, a1_scale, qc.w1_scale, kind)
     counts = kw["expert_tokens_meta"].expert_num_tokens
     x1 = cache1.view(total, n)
-    group = GROUP if kind == BLOCK else None
     if kind != TENSOR and listed_quant.takes(fused_experts, kw["activation"], x1, group):
         # activation and quantization in one launch, scales as vLLM's op would round them
-        ue8m0 = kind == BLOCK and _e8m0_scales()
         a2, a2_scale = listed_quant.silu_mul_quant(x1, blocks, group, ue8m0)
     else:
         block_list.activation(fused_experts, kw["activation"], cache2, cache1, counts, blocks)
