@@ -236,10 +236,10 @@ def quantizes_input(fused_experts: Any) -> bool:
     """Whether this experts object, once `install`ed (the caller knows: `install`'s
     answer), takes its FP8 layer's activations in BF16 and quantizes them itself: the LL
     prepare then hands BF16 over (a layer without FP8 on the wire). Quantizing the buffer
-    in the prepare runs over every row of every expert, about 150 us per layer at
-    Qwen3-30B-A3B's shape whatever the batch (docs/benchmarks.md); the received-rows path
-    quantizes the listed rows, and a call it does not take gets the whole buffer quantized
-    as the prepare would have (`_quantized_for_vllm`)."""
+    in the prepare runs over every row of every expert whatever the batch (its cost:
+    docs/benchmarks.md, "Per-channel FP8"); the received-rows path quantizes the listed
+    rows, and a call it does not take gets the whole buffer quantized as the prepare would
+    have (`_quantized_for_vllm`)."""
     qc = getattr(fused_experts, "quant_config", None)
     return (
         ENABLED

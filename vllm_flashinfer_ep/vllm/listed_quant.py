@@ -75,7 +75,7 @@ def quantize_rows(
     """x [rows, d] (the received rows, 16-bit) -> (E4M3 [rows, d], FP32 scales) as
     `silu_mul_quant` without the activation: vLLM's dynamic quantization of the listed rows
     in one launch, where compact_experts_fp8.quantize_listed_rows gathers every entry of the
-    block list (sentinels included: about nine times the rows at a 128-token step), quantizes
+    block list (sentinels included: a partial block per expert with rows), quantizes
     and scatters back. Off (`INPUT_ENABLED`) until its GPU test and the engine benchmark run."""
     return _listed_quant(x, blocks, group, ue8m0, act=False)
 
