@@ -93,11 +93,12 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         }
     )
     out["num_kernels"] = len(impls)
-    from vllm_flashinfer_ep.vllm import block_list, listed_quant
+    from vllm_flashinfer_ep.vllm import block_list, deep_gemm_per_batch, listed_quant
 
     out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switches as the worker sees them
     out["listed_quant"] = listed_quant.ENABLED
     out["listed_input_quant"] = listed_quant.INPUT_ENABLED
+    out["deep_gemm_received_rows"] = deep_gemm_per_batch.RECEIVED_ROWS_UP_TO
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )

@@ -50,6 +50,7 @@ BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
 LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
 LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
 LISTED_INPUT_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT"
+DEEP_GEMM_RECEIVED_ROWS_ENV = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
 
 
 def _ours(backend: str | None) -> bool:
@@ -76,7 +77,13 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
-    from vllm_flashinfer_ep.vllm import batched_tiles, block_list, compact_experts, listed_quant
+    from vllm_flashinfer_ep.vllm import (
+        batched_tiles,
+        block_list,
+        compact_experts,
+        deep_gemm_per_batch,
+        listed_quant,
+    )
 
     if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts path
         batched_tiles.ENABLED = compact_experts.ENABLED = False
@@ -93,6 +100,12 @@ def install() -> None:
             setattr(module, attr, value == "1")
         elif value:
             raise ValueError(f"{name}: 0 or 1, got {value!r}")
+    # rows per expert up to which DeepGEMM layers run the received rows, to measure
+    bound = os.environ.get(DEEP_GEMM_RECEIVED_ROWS_ENV)
+    if bound is not None:
+        deep_gemm_per_batch.RECEIVED_ROWS_UP_TO = deep_gemm_per_batch.check_bound(
+            bound, DEEP_GEMM_RECEIVED_ROWS_ENV
+        )
     _installed = True
 
 

@@ -162,7 +162,7 @@ class Problem(_Layer):
 
     def run(self, experts, tokens: int, output: torch.Tensor, arrival: str) -> None:
         """`arrival`: fp8-wire, bf16, prepare-quantized (what the LL prepare hands vLLM's
-        experts from BF16); a -mn-major suffix: the scales re-laid as the LL prepare hands
+        experts from BF16); a -mn-major suffix: the scales re-laid as the package hands
         them to DeepGEMM experts, the rows `tokens` senders can fill (world 1)."""
         base = arrival.removesuffix("-mn-major")
         if base == "fp8-wire":
@@ -397,7 +397,7 @@ def _takes_the_path(experts, p: SchemeProblem, arrival: str) -> None:
         ),
     }
     want = "token" if p.kind.startswith("token") else "tensor"
-    assert compact_experts._eligible(experts, kw)
+    assert compact_experts.eligible(experts, kw)
     assert compact_experts_fp8.scheme(experts, kw) == want
 
 

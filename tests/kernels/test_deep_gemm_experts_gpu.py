@@ -3,15 +3,18 @@
 `--moe-backend deep_gemm` (vllm/deep_gemm_experts.py): a 128x128 block-FP8 layer's
 receive buffer as the FP8 wire delivers it (E4M3 rows [experts, rows, hidden], FP32
 scales [experts, rows, hidden / 128] row-major, NaN past each expert's count) goes
-through vLLM 0.33.0's `BatchedDeepGemmExperts.apply` with the scales the LL prepare hands
-it (`mn_major`, the rows the senders can fill), and through vLLM's
+through vLLM 0.33.0's `BatchedDeepGemmExperts.apply` with the scales re-laid as the
+package's wrapper hands them (`mn_major`, the rows the senders can fill), and through vLLM's
 `BatchedTritonExperts.apply` with the wire's scales as they are; likewise the BF16
 arrival quantized as the LL prepare quantizes it. Both read the weights as vLLM prepares
 them for DeepGEMM (`prepare_fp8_moe_layer_for_deepgemm`: on this GPU the block scales may
 be rounded to powers of two), so what differs is the GEMM kernels and the order of their
 FP32 sums: bound 2e-2 relative L2 over the received rows and 0.1 for the worst single
 row (a wrong scale layout, row or expert is off by O(1)). Edge counts (0, 1, a full
-expert, one short of full) and a captured graph replayed with new counts and rows.
+expert, one short of full) and a captured graph replayed with new counts and rows. The
+per-forward choice (vllm/deep_gemm_per_batch.py) is checked on both of its sides the same
+way: the received rows on DeepGEMM's weights, and DeepGEMM behind the wrapper that re-lays
+the wire's row-major scales.
 Printed values (pytest -s) say how far below the bounds the H200 lands. Needs the real
 vLLM runtime with DeepGEMM (docs/device_vllm.md).
 """
@@ -200,3 +203,75 @@ def test_after_the_warm_up_no_expected_m_compiles_while_serving(vllm_env, deep_g
     torch.cuda.synchronize()
     assert _rel(counts, got, want, "deep_gemm after the warm-up") < BOUND
     deep_gemm_warmup.reset()
+
+
+def _per_batch(p: DeepGemmProblem, monkeypatch, bound: float):
+    """DeepGEMM experts with vllm/deep_gemm_per_batch.py's wrapper at `bound` rows per
+    expert, and a list that counts the forwards the received rows took."""
+    from vllm_flashinfer_ep.vllm import compact_experts, deep_gemm_per_batch
+
+    monkeypatch.setattr(deep_gemm_per_batch, "RECEIVED_ROWS_UP_TO", bound)
+    took: list[int] = []
+    real = compact_experts.compact_apply
+
+    def counting(fused_experts, kw, sent_per_rank=None):
+        took.append(kw["topk_ids"].shape[0])
+        return real(fused_experts, kw, sent_per_rank)
+
+    monkeypatch.setattr(compact_experts, "compact_apply", counting)
+    dg = _deep_gemm_experts(p)
+    assert deep_gemm_per_batch.install(dg)
+    return dg, took
+
+
+@pytest.mark.parametrize("bound", [float("inf"), 0.0], ids=["received-rows", "deep-gemm"])
+@pytest.mark.parametrize(("tokens", "counts"), CASES)
+def test_each_side_of_the_per_batch_choice_matches_vllm_s_batched_triton(
+    vllm_env,  # noqa: F811
+    deep_gemm,
+    monkeypatch,
+    bound,
+    tokens,
+    counts,
+):
+    """vllm/deep_gemm_per_batch.py on DeepGEMM's weights and the wire's row-major scales
+    (what the LL prepare hands it): every forward on the received rows, or every one on
+    DeepGEMM with the scales the wrapper re-lays; each matches vLLM's batched Triton
+    experts on the same buffer, at edge counts too."""
+    p = DeepGemmProblem(seed=tokens + int(counts.sum()))
+    p.load(counts, seed=7 * tokens + 1)
+    want = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = want.clone()
+    p.run(_experts(p.qc, compact=False), tokens, want, "fp8-wire")
+    dg, took = _per_batch(p, monkeypatch, bound)
+    p.run(dg, tokens, got, "fp8-wire")
+    torch.cuda.synchronize()
+    assert took == ([tokens] if bound else [])
+    what = f"per batch ({'received rows' if bound else 'DeepGEMM'}) T={tokens}"
+    assert _rel(counts, got, want, what) < BOUND
+    assert _worst_row(counts, got, want, what) < ROW_BOUND
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_a_captured_choice_replays_for_new_counts(vllm_env, deep_gemm, monkeypatch, tokens):  # noqa: F811
+    """Bound 1 row per expert (64 experts, top_k 8: up to 8 tokens): a one-token graph
+    holds the received rows, a 32-token one DeepGEMM; both replay new counts and rows as
+    vLLM's batched Triton experts compute them."""
+    p = DeepGemmProblem(seed=30 + tokens)
+    dg, took = _per_batch(p, monkeypatch, 1.0)
+    batched = _experts(p.qc, compact=False)
+    got = torch.zeros(EXPERTS, ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    p.load(_routed_counts(tokens, 31), seed=31)
+    p.run(dg, tokens, got, "fp8-wire")  # eager first: compiles outside the capture
+    graph = capture_graph(lambda: p.run(dg, tokens, got, "fp8-wire"))
+    assert took == ([tokens, tokens] if tokens == 1 else [])
+    for seed in (32, 33):
+        counts = _routed_counts(tokens, seed)
+        p.load(counts, seed=seed)
+        graph.replay()
+        want = torch.zeros_like(got)
+        p.run(batched, tokens, want, "fp8-wire")
+        torch.cuda.synchronize()
+        assert _rel(counts, got, want, f"per batch T={tokens} replay {seed}") < BOUND
+        assert _worst_row(counts, got, want, f"per batch T={tokens} replay {seed}") < ROW_BOUND
+    del graph

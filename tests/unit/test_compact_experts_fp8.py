@@ -381,7 +381,7 @@ def test_other_fp8_layers_with_block_scales_keep_vllm_s_batched_kernel(kind):
     if kind == "channel-tensor":
         arrivals += [(FP8, "per-expert"), (torch.bfloat16, "none")]
     for hidden_dtype, scales in arrivals:
-        assert not compact_experts._eligible(
+        assert not compact_experts.eligible(
             experts, _eligible_kw(experts.quant_config, hidden_dtype, scales)
         )
 
@@ -390,9 +390,9 @@ def test_block_fp8_is_eligible_with_the_wire_s_scales_or_bf16_activations():
     experts = _experts(_block_qc(), install=False)
     qc = experts.quant_config
     assert qc.quant_dtype == FP8 and qc.block_shape == [128, 128]  # vLLM's real config
-    assert compact_experts._eligible(experts, _eligible_kw(qc, FP8, "rows"))
-    assert compact_experts._eligible(experts, _eligible_kw(qc, FP8, "flat"))
-    assert compact_experts._eligible(experts, _eligible_kw(qc, torch.bfloat16, "none"))
+    assert compact_experts.eligible(experts, _eligible_kw(qc, FP8, "rows"))
+    assert compact_experts.eligible(experts, _eligible_kw(qc, FP8, "flat"))
+    assert compact_experts.eligible(experts, _eligible_kw(qc, torch.bfloat16, "none"))
 
 
 @pytest.mark.parametrize(
@@ -449,7 +449,7 @@ def test_block_fp8_layouts_the_path_does_not_read_stay_on_vllm_s_kernel(case):
     kw = _eligible_kw(qc, **kw_args)
     if case == "activation-not-a-multiple-of-128":
         kw["w1"], kw["w2"] = kw["w1"][:, :192], kw["w2"][:, :, :96]
-    assert not compact_experts._eligible(experts, kw)
+    assert not compact_experts.eligible(experts, kw)
 
 
 def test_block_fp8_stays_on_vllm_s_kernel_while_the_path_is_off(monkeypatch):
@@ -457,12 +457,12 @@ def test_block_fp8_stays_on_vllm_s_kernel_while_the_path_is_off(monkeypatch):
     layers keep the received-rows path."""
     monkeypatch.setattr(compact_experts, "FP8_ENABLED", False)
     experts = _experts(_block_qc(), install=False)
-    assert not compact_experts._eligible(experts, _eligible_kw(experts.quant_config, FP8, "rows"))
+    assert not compact_experts.eligible(experts, _eligible_kw(experts.quant_config, FP8, "rows"))
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 
     bf16 = _eligible_kw(FUSED_MOE_UNQUANTIZED_CONFIG, torch.bfloat16, "none")
     bf16["w1"], bf16["w2"] = bf16["w1"].bfloat16(), bf16["w2"].bfloat16()
-    assert compact_experts._eligible(_experts(FUSED_MOE_UNQUANTIZED_CONFIG, install=False), bf16)
+    assert compact_experts.eligible(_experts(FUSED_MOE_UNQUANTIZED_CONFIG, install=False), bf16)
 
 
 def test_unquantized_layers_still_take_the_bf16_path():
@@ -471,8 +471,8 @@ def test_unquantized_layers_still_take_the_bf16_path():
     experts = _experts(FUSED_MOE_UNQUANTIZED_CONFIG, install=False)
     kw = _eligible_kw(FUSED_MOE_UNQUANTIZED_CONFIG, torch.bfloat16, "none")
     kw["w1"], kw["w2"] = kw["w1"].bfloat16(), kw["w2"].bfloat16()
-    assert compact_experts._eligible(experts, kw)
-    assert not compact_experts._eligible(experts, _eligible_kw(_block_qc(), torch.bfloat16, "none"))
+    assert compact_experts.eligible(experts, kw)
+    assert not compact_experts.eligible(experts, _eligible_kw(_block_qc(), torch.bfloat16, "none"))
 
 
 def test_ineligible_calls_reach_vllm_s_own_apply_and_the_kill_switch_holds(monkeypatch):

@@ -400,7 +400,7 @@ def test_vllm_s_per_tensor_and_per_channel_configs_take_the_received_rows_path(
     experts = _experts(qc, compact=False)
     kw = _kw(qc, hidden_dtype, scales)
     assert compact_experts_fp8.scheme(experts, kw) == want
-    assert compact_experts._eligible(experts, kw)
+    assert compact_experts.eligible(experts, kw)
 
 
 def test_production_keeps_dynamic_per_tensor_intermediates_on_vllm_s_kernel(monkeypatch):
@@ -412,14 +412,14 @@ def test_production_keeps_dynamic_per_tensor_intermediates_on_vllm_s_kernel(monk
     ):
         _, _, qc = _layer(kind, 0)
         experts = _experts(qc, compact=False)
-        assert compact_experts._eligible(experts, _kw(qc, FP8, scales)) is taken, kind
+        assert compact_experts.eligible(experts, _kw(qc, FP8, scales)) is taken, kind
 
 
 def test_the_fp8_switch_keeps_them_on_vllm_s_kernel(monkeypatch):
     monkeypatch.setattr(compact_experts, "FP8_ENABLED", False)
     for kind, scales in (("tensor-dynamic", "per-expert"), ("token-channel", "rows")):
         _, _, qc = _layer(kind, 0)
-        assert not compact_experts._eligible(_experts(qc, compact=False), _kw(qc, FP8, scales))
+        assert not compact_experts.eligible(_experts(qc, compact=False), _kw(qc, FP8, scales))
 
 
 def _ineligible(case: str):
@@ -505,7 +505,7 @@ def _ineligible(case: str):
 )
 def test_layouts_the_path_does_not_reproduce_stay_on_vllm_s_kernel(case):
     qc, kw = _ineligible(case)
-    assert not compact_experts._eligible(_experts(qc, compact=False), kw)
+    assert not compact_experts.eligible(_experts(qc, compact=False), kw)
 
 
 def test_an_ineligible_call_reaches_vllm_s_own_apply():

@@ -2,8 +2,9 @@
 
 Block-FP8 LL layers may run vLLM 0.33.0's BatchedDeepGemmExperts: the engine config keeps
 the choice (logged) or refuses it with one error naming the flag, doctor gives the same
-verdict, and the LL prepare hands those experts the activation scales MN-major (what
-DeepGEMM reads) with the wire's values, leaving Triton experts theirs row-major. DeepGEMM
+verdict, and vLLM's DeepGEMM apply gets the activation scales MN-major (what DeepGEMM
+reads) with the wire's values, re-laid by the experts' wrapper (vllm/deep_gemm_per_batch.py),
+while the LL prepare hands every experts object the wire's row-major ones. DeepGEMM
 itself does not run here: tests/kernels/test_deep_gemm_experts_gpu.py runs it on the
 receive buffer against vLLM's batched Triton experts.
 """
@@ -206,20 +207,71 @@ def _is_mn_major(s: torch.Tensor) -> bool:
     return s.stride() == (rows * groups, 1, rows)
 
 
+class RecordingDeepGemm(BatchedDeepGemmExperts):
+    """vLLM's BatchedDeepGemmExperts whose own apply (DeepGEMM, absent here) records the
+    activation scales it was handed."""
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        self.seen = a1q_scale
+
+
+def _experts_apply(experts, prepared, ids, weights) -> None:
+    """The experts called on the prepare's result, as vLLM's modular kernel calls them."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    a1q, scales, meta, _, _ = prepared
+    rows = a1q.shape[1]
+    experts.apply(
+        output=torch.empty(EXPERTS, rows, HIDDEN, dtype=torch.bfloat16),
+        hidden_states=a1q,
+        w1=torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.float8_e4m3fn),
+        w2=torch.zeros(EXPERTS, HIDDEN, INTER, dtype=torch.float8_e4m3fn),
+        topk_weights=weights,
+        topk_ids=ids,
+        activation=MoEActivation.SILU,
+        global_num_experts=EXPERTS,
+        expert_map=None,
+        a1q_scale=scales,
+        a2_scale=None,
+        workspace13=torch.empty(EXPERTS * rows * 2 * INTER, dtype=torch.bfloat16),
+        workspace2=torch.empty(EXPERTS * rows * INTER, dtype=torch.bfloat16),
+        expert_tokens_meta=meta,
+        apply_router_weight_on_input=False,
+    )
+
+
 @pytest.mark.parametrize("tokens", [5, 9], ids=["pooled-8", "fresh"])
 def test_deep_gemm_experts_get_the_wire_s_scales_mn_major(kernel, tokens, monkeypatch):
+    """The prepare hands on the wire's scales; the experts' wrapper (vllm/deep_gemm_per_batch.py)
+    re-lays them MN-major for DeepGEMM, copying only the rows the round can have filled."""
     copied = []
     real = deep_gemm_experts.mn_major
     monkeypatch.setattr(
         deep_gemm_experts, "mn_major", lambda s, rows=None: copied.append(rows) or real(s, rows)
     )
-    rt, pf, experts = kernel(BatchedDeepGemmExperts)
+    rt, pf, experts = kernel(RecordingDeepGemm)
     assert compact_experts.PATCH.name not in [r.patch for r in _helper._chain(experts, "apply")]
     x, ids, weights = _layer(tokens, seed=1)
-    a1q, scales, meta, _, _ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
-    wire = rt.fp8_wire.scales
-    assert a1q is rt.fp8_wire.tokens
-    assert _is_mn_major(scales) and not _is_mn_major(wire) and scales.shape == wire.shape
+    prepared = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
+    a1q, wire, meta, _, _ = prepared
+    assert a1q is rt.fp8_wire.tokens and wire is rt.fp8_wire.scales and not _is_mn_major(wire)
     # The rows the round can have filled: a pooled round's size from every rank (8 here);
     # a fresh handle's round (above the pool) says nothing, so every row.
     sent = rt.round.sent_per_rank
@@ -227,6 +279,9 @@ def test_deep_gemm_experts_get_the_wire_s_scales_mn_major(kernel, tokens, monkey
     assert filled == (8 if tokens <= 8 else 128)
     assert int(meta.expert_num_tokens.max()) <= filled
     assert int(meta.expert_num_tokens.sum()) == (sent or tokens) * TOP_K  # padding too
+    _experts_apply(experts, prepared, ids, weights)
+    scales = experts.seen
+    assert _is_mn_major(scales) and scales.shape == wire.shape
     assert _same(scales[:, :filled], wire[:, :filled])
     assert copied == [None if sent is None else filled]  # no copy of rows no token filled
     rt.round.end()
@@ -236,22 +291,15 @@ def test_scales_quantized_after_receive_are_mn_major_too(kernel, monkeypatch):
     from tests.unit.test_receive_quant import emulated_quantize
 
     monkeypatch.setattr(receive_quant, "_vllm_quantize", emulated_quantize)
-    seen = {}
-    real = receive_quant.quantize_expert_buffer
-
-    def spy(*args, **kwargs):
-        seen["row_major"] = real(*args, **kwargs)
-        return seen["row_major"]
-
-    monkeypatch.setattr(receive_quant, "quantize_expert_buffer", spy)
-    rt, pf, _ = kernel(BatchedDeepGemmExperts, fp8_dispatch=False)
+    rt, pf, experts = kernel(RecordingDeepGemm, fp8_dispatch=False)
     x, ids, weights = _layer(3, seed=2)
-    a1q, scales, *_ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
-    q, row_major = seen["row_major"]
-    assert a1q is q and a1q.dtype == torch.float8_e4m3fn
-    assert _is_mn_major(scales) and not _is_mn_major(row_major)
+    prepared = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
+    a1q, row_major, *_ = prepared
+    assert a1q.dtype == torch.float8_e4m3fn and not _is_mn_major(row_major)
+    _experts_apply(experts, prepared, ids, weights)
     filled = rt.round.sent_per_rank * rt.world_size
-    assert _same(scales[:, :filled], row_major[:, :filled])
+    assert _is_mn_major(experts.seen)
+    assert _same(experts.seen[:, :filled], row_major[:, :filled])
     rt.round.end()
 
 

@@ -197,14 +197,17 @@ def test_the_ll_setup_hook_installs_it_on_deep_gemm_experts_only(kernel):  # noq
     )
 
     _, _, experts = kernel(BatchedDeepGemmExperts)
-    assert [r.patch for r in _helper._chain(experts, "apply")] == ["deep_gemm_masked_warmup"]
+    assert [r.patch for r in _helper._chain(experts, "apply")] == [
+        "deep_gemm_per_batch",  # outermost: vllm/deep_gemm_per_batch.py
+        "deep_gemm_masked_warmup",
+    ]
     _, _, triton = kernel(BatchedTritonExperts)
     assert "deep_gemm_masked_warmup" not in [r.patch for r in _helper._chain(triton, "apply")]
     assert deep_gemm_warmup.PATCH in patches.instance_patches()
     owner, attr, method = _helper.check(deep_gemm_warmup.PATCH)
     assert (owner, attr, method) == (BatchedDeepGemmExperts, "apply", BatchedDeepGemmExperts.apply)
     assert deep_gemm_warmup.PATCH.entry() in patches.index()
-    assert _helper.undo_instance(deep_gemm_warmup.PATCH, experts)
+    _helper.undo_instances()
     assert "apply" not in vars(experts)
 
 

@@ -1,8 +1,9 @@
 """Instance patches (kind INSTANCE, vllm/patches/_helper.py) on real vLLM objects.
 
 Two rows replace `apply` on vLLM 0.33.0's BatchedTritonExperts objects, one object at a
-time (vllm/batched_tiles.py, vllm/compact_experts.py); a third on its BatchedDeepGemmExperts
-(vllm/deep_gemm_warmup.py, tested in test_deep_gemm_warmup.py). Here they are applied, checked and
+time (vllm/batched_tiles.py, vllm/compact_experts.py); two more on its BatchedDeepGemmExperts
+(vllm/deep_gemm_warmup.py and vllm/deep_gemm_per_batch.py, tested in test_deep_gemm_warmup.py
+and test_deep_gemm_per_batch.py). Here they are applied, checked and
 undone on BatchedTritonExperts objects built on CPU (nothing is computed: the wrappers'
 results are tested in test_batched_tiles.py and test_compact_experts.py).
 """
@@ -25,7 +26,13 @@ from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
 
 from tests.unit.test_prepare_finalize_cpu import _moe_config
 from vllm_flashinfer_ep.backends import LOW_LATENCY
-from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, deep_gemm_warmup, patches
+from vllm_flashinfer_ep.vllm import (
+    batched_tiles,
+    compact_experts,
+    deep_gemm_per_batch,
+    deep_gemm_warmup,
+    patches,
+)
 from vllm_flashinfer_ep.vllm.patches import _helper
 from vllm_flashinfer_ep.vllm.patches._helper import INSTANCE, PatchTargetError
 
@@ -60,11 +67,12 @@ def _is_vllm_s(experts) -> bool:
 
 def test_the_rows_are_instance_patches_that_check_against_this_vllm():
     text = patches.index()
-    assert patches.instance_patches() == (TILES, COMPACT, deep_gemm_warmup.PATCH)
+    deep_gemm = (deep_gemm_warmup.PATCH, deep_gemm_per_batch.PATCH)
+    assert patches.instance_patches() == (TILES, COMPACT, *deep_gemm)
     for patch in patches.instance_patches():
         assert patch.kind == INSTANCE and patch not in patches.PATCHES
         owner, attr, method = _helper.check(patch)
-        cls = BatchedDeepGemmExperts if patch is deep_gemm_warmup.PATCH else BatchedTritonExperts
+        cls = BatchedDeepGemmExperts if patch in deep_gemm else BatchedTritonExperts
         assert (owner, attr, method) == (cls, "apply", cls.apply)
         assert patch.expect == batched_tiles.APPLY_PARAMS
         assert patch.entry() in text

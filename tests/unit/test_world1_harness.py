@@ -98,26 +98,23 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
         assert not r["decided"], name
 
 
-@pytest.mark.parametrize(
-    "name, attr, default",
-    [
-        ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", "listed_quant.INPUT_ENABLED", "False"),
-    ],
+SWITCHES = (
+    "FLASHINFER_EP_TEST_LISTED_ACTIVATION",
+    "FLASHINFER_EP_TEST_LISTED_QUANT",
+    "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT",
+    "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS",
 )
-@pytest.mark.parametrize("value", [None, "0", "1", "yes"])
-def test_the_intermediate_switches_reach_the_package(name, attr, default, value):
-    """FLASHINFER_EP_TEST_LISTED_ACTIVATION / _LISTED_QUANT: unset keeps the package's
-    default, 0 and 1 turn the kernel off and on to measure it, anything else is refused by
-    name."""
-    expected = {None: default, "0": "False", "1": "True", "yes": "error"}[value]
+
+
+def _after_install(name: str, value: str | None, attr: str) -> str:
+    """What the package's `attr` (module.field) holds after the harness installs in a
+    fresh process with switch `name` at `value` (None: unset) and the others unset, or
+    "error <message>"."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "engine"), str(REPO)])
     env["VLLM_CONFIGURE_LOGGING"] = "0"
-    env.pop("FLASHINFER_EP_TEST_LISTED_ACTIVATION", None)
-    env.pop("FLASHINFER_EP_TEST_LISTED_QUANT", None)
-    env.pop("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", None)
+    for switch in SWITCHES:
+        env.pop(switch, None)
     if value is not None:
         env[name] = value
     module, field = attr.split(".")
@@ -135,6 +132,40 @@ def test_the_intermediate_switches_reach_the_package(name, attr, default, value)
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), "")
-    assert line.split()[1:2] == [expected], proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return line.removeprefix("RESULT ")
+
+
+@pytest.mark.parametrize(
+    "name, attr, default",
+    [
+        ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
+        ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
+        ("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", "listed_quant.INPUT_ENABLED", "False"),
+    ],
+)
+@pytest.mark.parametrize("value", [None, "0", "1", "yes"])
+def test_the_intermediate_switches_reach_the_package(name, attr, default, value):
+    """FLASHINFER_EP_TEST_LISTED_ACTIVATION / _LISTED_QUANT: unset keeps the package's
+    default, 0 and 1 turn the kernel off and on to measure it, anything else is refused by
+    name."""
+    expected = {None: default, "0": "False", "1": "True", "yes": "error"}[value]
+    got = _after_install(name, value, attr)
+    assert got.split()[0] == expected, got
     if expected == "error":
-        assert name in line
+        assert name in got
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, "0.0"), ("2", "2.0"), ("0.5", "0.5"), ("inf", "inf"), ("-1", "error"), ("x", "error")],
+)
+def test_the_deep_gemm_bound_reaches_the_package(value, expected):
+    """FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS: rows per expert up to which DeepGEMM
+    layers run the received rows (unset: the package's default, off); not a number >= 0 is
+    refused by name."""
+    name = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
+    got = _after_install(name, value, "deep_gemm_per_batch.RECEIVED_ROWS_UP_TO")
+    assert got.split()[0] == expected, got
+    if expected == "error":
+        assert name in got

@@ -158,7 +158,7 @@ def _unquantized(fused_experts: Any, kw: dict) -> bool:
     )
 
 
-def _eligible(fused_experts: Any, kw: dict) -> bool:
+def eligible(fused_experts: Any, kw: dict) -> bool:
     """Contiguous buffers, no zero points or biases, and unquantized weights or an FP8
     layout `compact_experts_fp8.scheme` takes (once FP8_ENABLED)."""
     if not (_buffers_fit(kw) and _no_zero_points_or_biases(fused_experts.quant_config)):
@@ -222,7 +222,7 @@ def compact_apply(fused_experts: Any, kw: dict, sent_per_rank: int | None = None
     act_n = fused_experts.adjust_N_for_activation(n, kw["activation"])
     cache1 = _resize_cache(kw["workspace13"], (experts, rows, n))
     cache2 = _resize_cache(kw["workspace2"], (experts, rows, act_n))
-    if qc.quant_dtype is not None:  # an FP8 layout `_eligible` took
+    if qc.quant_dtype is not None:  # an FP8 layout `eligible` took
         kind = compact_experts_fp8.scheme(fused_experts, kw)
         compact_experts_fp8.apply(fused_experts, kw, kind, blocks, config, cache1, cache2)
         return
@@ -281,7 +281,7 @@ def _received_rows_apply(
 
     def apply(*args: Any, **kw: Any) -> Any:
         kw = named_args(args, kw)
-        if not _eligible(fused_experts, kw):
+        if not eligible(fused_experts, kw):
             return inner(**_quantized_for_vllm(fused_experts, kw))
         return compact_apply(fused_experts, kw, sent_per_rank() if sent_per_rank else None)
 

@@ -41,6 +41,7 @@ from vllm_flashinfer_ep.vllm import (
     batched_tiles,
     compact_experts,
     deep_gemm_experts,
+    deep_gemm_per_batch,
     deep_gemm_warmup,
     receive_quant,
 )
@@ -117,8 +118,6 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     """Expert-major NCCL-EP low-latency dispatch/combine for BatchedExperts."""
 
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
-    # vLLM's DeepGEMM experts read MN-major scales (set by post_init_setup).
-    _mn_major_scales = False
     # (experts, their received-rows apply) when those quantize a BF16-dispatched FP8 layer
     # themselves (set by post_init_setup); None: this prepare quantizes.
     _quantizing_experts: tuple | None = None
@@ -132,8 +131,9 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         vllm/compact_experts.py) and otherwise get
         their tile per batch (vllm/batched_tiles.py): instance patches of vllm/patches,
         applied to this experts object. vLLM's batched DeepGEMM experts (block FP8,
-        --moe-backend deep_gemm) get their scales MN-major (vllm/deep_gemm_experts.py)
-        and their masked GEMM tiles compiled at load (vllm/deep_gemm_warmup.py)."""
+        --moe-backend deep_gemm) get their masked GEMM tiles compiled at load
+        (vllm/deep_gemm_warmup.py), and per forward their scales MN-major or, for small
+        forwards, the received rows' Triton experts (vllm/deep_gemm_per_batch.py)."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
@@ -143,16 +143,16 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
         flag = "--all2all-backend flashinfer_ep_low_latency"
         compact_experts.refuse_biases(fused_experts)
         receive_quant.check_experts(fused_experts, flag, True)
+        rnd = self._round
         if deep_gemm_experts.is_deep_gemm(fused_experts):
             reason = deep_gemm_experts.rows_reason(
                 flag, self.runtime.capacity, self.runtime.world_size
             ) or deep_gemm_experts.device_reason(flag, fused_experts)
             if reason is not None:
                 raise FlashInferEPConfigError(reason)
-            self._mn_major_scales = True
             deep_gemm_warmup.install(fused_experts)
+            deep_gemm_per_batch.install(fused_experts, lambda: rnd.sent_per_rank)
         batched_tiles.install(fused_experts)
-        rnd = self._round
         installed = compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
         self._quantizing_experts = None
         # BF16 over the wire: the received-rows experts quantize the rows that arrived
@@ -182,10 +182,6 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
                 quant_config,
                 defer or self._experts_quantize(),
             )
-        if scales is not None and self._mn_major_scales:  # DeepGEMM's layout
-            sent = self._round.sent_per_rank  # rows past sent x senders hold no token
-            rows = None if sent is None else sent * self.runtime.world_size
-            scales = deep_gemm_experts.mn_major(scales, rows)
         return x, scales, meta, None, None
 
     def finalize(

@@ -14,8 +14,8 @@ Two more kinds of rows bend vLLM or FlashInfer and are listed by `index()` besid
 
 - instance patches (`instance_patches()`): methods replaced on one vLLM object at a time
   (the LL experts' `apply`), rows of the same mechanism (kind INSTANCE), defined beside
-  their replacements in vllm/batched_tiles.py, vllm/compact_experts.py and
-  vllm/deep_gemm_warmup.py (those modules
+  their replacements in vllm/batched_tiles.py, vllm/compact_experts.py,
+  vllm/deep_gemm_warmup.py and vllm/deep_gemm_per_batch.py (those modules
   apply their row, so a row here would import them and they this package: a cycle) and
   applied by the LL prepare/finalize's setup hook; `undo_all()` undoes them too.
 - FlashInfer internals (runtime/flashinfer_internals.py `INTERNALS`): the private
@@ -273,9 +273,19 @@ def apply_all(stage: str | None = None) -> None:
 
 def instance_patches() -> tuple[Patch, ...]:
     """The INSTANCE rows, in the order the LL setup hook applies them."""
-    from vllm_flashinfer_ep.vllm import batched_tiles, compact_experts, deep_gemm_warmup
+    from vllm_flashinfer_ep.vllm import (
+        batched_tiles,
+        compact_experts,
+        deep_gemm_per_batch,
+        deep_gemm_warmup,
+    )
 
-    return (batched_tiles.PATCH, compact_experts.PATCH, deep_gemm_warmup.PATCH)
+    return (
+        batched_tiles.PATCH,
+        compact_experts.PATCH,
+        deep_gemm_warmup.PATCH,
+        deep_gemm_per_batch.PATCH,
+    )
 
 
 def undo_all() -> None:

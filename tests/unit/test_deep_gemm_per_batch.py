@@ -1,0 +1,203 @@
+"""Block-FP8 LL layers on DeepGEMM choosing per forward (vllm/deep_gemm_per_batch.py), on CPU.
+
+vLLM 0.33.0's own `BatchedDeepGemmExperts` (its apply, DeepGEMM, absent here, replaced by
+a recorder) gets the instance patch the LL setup hook applies. A forward whose rows per
+expert (tokens over all ranks x top_k / experts) are at most `RECEIVED_ROWS_UP_TO` runs
+the received-rows experts, with vLLM's fused-MoE kernel and group quantization replaced
+by the stand-ins of test_compact_experts_fp8.py, and must compute what each received
+row's expert computes; any other reaches vLLM's apply with the scales MN-major. The bound
+is off by default. On the GPU: tests/kernels/test_deep_gemm_experts_gpu.py compares the
+choice's two sides with vLLM's batched experts on one receive buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+    BatchedDeepGemmExperts,
+)
+
+from tests.unit.test_compact_experts_fp8 import (  # noqa: F401 - fixtures
+    CAP,
+    EXPERTS,
+    FP8,
+    G,
+    VllmBatchedExperts,
+    _block_weights,
+    _call,
+    _expert_outputs,
+    _fp8_path_on,
+    _moe_config,
+    _qc,
+    _received_buffer,
+    _rel,
+    rec,
+    standins,
+)
+from vllm_flashinfer_ep.vllm import deep_gemm_experts, deep_gemm_per_batch
+from vllm_flashinfer_ep.vllm.patches import _helper
+
+TOP_K = 2  # _call's routing width
+
+
+class RecordingDeepGemm(BatchedDeepGemmExperts):
+    """vLLM's BatchedDeepGemmExperts whose own apply (DeepGEMM) records what it got; the
+    activation is a torch SiLU-and-mul (vllm._C is absent here)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[dict] = []
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        self.calls.append({"hidden": hidden_states, "scales": a1q_scale})
+
+    activation = VllmBatchedExperts.activation
+
+
+@pytest.fixture
+def experts(monkeypatch):
+    """A DeepGEMM experts object with the patch installed at `bound`; undone after."""
+
+    def build(bound: float, dispatchers: int = 1, sent=None, seed: int = 0):
+        monkeypatch.setattr(deep_gemm_per_batch, "RECEIVED_ROWS_UP_TO", bound)
+        (q1, s1, d1), (q2, s2, d2) = _block_weights(seed)
+        e = RecordingDeepGemm(
+            _moe_config(TOP_K),
+            _qc("block", s1, s2),
+            max_num_tokens=CAP // dispatchers,
+            num_dispatchers=dispatchers,
+        )
+        assert deep_gemm_per_batch.install(e, (lambda: sent) if sent is not None else None)
+        return e, (q1, q2, d1, d2)
+
+    yield build
+    _helper.undo_instances()
+
+
+def _is_mn_major(s: torch.Tensor) -> bool:
+    experts, rows, groups = s.shape
+    return s.stride() == (rows * groups, 1, rows)
+
+
+def _counts(tokens: int) -> list[int]:
+    """tokens x top_k rows over the experts, none of them more than the buffer holds."""
+    counts = [0] * EXPERTS
+    for r in range(tokens * TOP_K):
+        counts[(r * 3) % EXPERTS] += 1
+    return counts
+
+
+# Bound 1 row per expert: 8 experts x 1 / top_k 2 = 4 tokens at most take the received rows.
+@pytest.mark.parametrize(
+    ("bound", "tokens", "received_rows"),
+    [
+        pytest.param(1.0, 1, True, id="one-token"),
+        pytest.param(1.0, 4, True, id="at-the-bound"),
+        pytest.param(1.0, 5, False, id="one-token-above"),
+        pytest.param(0.0, 1, False, id="off"),
+        pytest.param(0.0, 0, False, id="off-for-an-empty-forward-too"),
+        pytest.param(float("inf"), 32, True, id="every-forward"),
+    ],
+)
+def test_small_forwards_run_the_received_rows_and_the_others_deep_gemm(
+    experts, bound, tokens, received_rows
+):
+    e, (q1, q2, d1, d2) = experts(bound)
+    x, q, s, c, received = _received_buffer(_counts(tokens), CAP, seed=tokens)
+    out = _call(e, q, s, q1, q2, c, tokens)
+    if received_rows:
+        assert not e.calls and len(rec.gemms) == 2  # vLLM's fused-MoE kernel, twice
+        want = _expert_outputs(q.float() * s.repeat_interleave(G, -1), received, d1, d2)
+        assert _rel(out[received], want[received].bfloat16()) < 1e-3
+        assert torch.isnan(out[~received].float()).all()  # nothing else written
+        return
+    assert not rec.gemms and len(e.calls) == 1
+    got = e.calls[0]
+    assert got["hidden"] is q and _is_mn_major(got["scales"]) and not _is_mn_major(s)
+    filled = tokens  # one sender: the rows it can fill
+    same = got["scales"][:, :filled].nan_to_num(7.0) == s[:, :filled].nan_to_num(7.0)
+    assert bool(same.all())
+
+
+def test_the_forward_s_size_is_every_sender_s_not_this_rank_s(experts, monkeypatch):
+    """Two senders, a pooled round of 8 tokens each: 16 tokens x 2 = 32 rows over 8 experts,
+    4 per expert, whatever this rank's own count (1 token here)."""
+    copied = []
+    real = deep_gemm_experts.mn_major
+    monkeypatch.setattr(
+        deep_gemm_experts, "mn_major", lambda t, rows=None: copied.append(rows) or real(t, rows)
+    )
+    for bound, received_rows in ((4.0, True), (3.9, False)):
+        rec.gemms.clear()
+        e, (q1, q2, *_) = experts(bound, dispatchers=2, sent=8)
+        _, q, s, c, _ = _received_buffer([4] * EXPERTS, CAP, seed=3)
+        _call(e, q, s, q1, q2, c, 1)
+        assert bool(rec.gemms) is received_rows and bool(e.calls) is not received_rows
+    assert copied == [16]  # the DeepGEMM call: the rows 8 tokens from each of 2 senders fill
+
+
+def test_a_call_the_received_rows_do_not_read_goes_to_deep_gemm_as_it_is(experts):
+    """Scales already MN-major (not viewable as rows): DeepGEMM's, with the same values."""
+    e, (q1, q2, *_) = experts(float("inf"))
+    _, q, s, c, _ = _received_buffer(_counts(2), CAP, seed=5)
+    mn = deep_gemm_experts.mn_major(s)
+    _call(e, q, mn, q1, q2, c, 2)
+    assert not rec.gemms and len(e.calls) == 1
+    seen = e.calls[0]["scales"]
+    assert _is_mn_major(seen) and bool((seen.nan_to_num(7.0) == s.nan_to_num(7.0)).all())
+
+
+def test_bf16_arrivals_under_the_bound_are_quantized_on_the_received_rows(experts):
+    """A block layer whose wire is off: the received rows quantize the listed rows."""
+    e, (q1, q2, *_) = experts(1.0)
+    x, _, _, c, _ = _received_buffer(_counts(2), CAP, seed=6)
+    _call(e, x, None, q1, q2, c, 2)
+    assert not e.calls and len(rec.gemms) == 2 and rec.gemms[0]["A"].dtype == FP8
+
+
+@pytest.mark.parametrize("value", [0, 0.5, 4, "2.5", "inf", float("inf")])
+def test_a_bound_is_a_number_of_rows_at_least_zero(value):
+    assert deep_gemm_per_batch.check_bound(value, "X") == float(value)
+
+
+@pytest.mark.parametrize("value", [-1, "-0.5", "nan", "many", ""])
+def test_other_bounds_are_refused_naming_the_setting(value):
+    with pytest.raises(ValueError, match="X: a number of rows per expert >= 0"):
+        deep_gemm_per_batch.check_bound(value, "X")
+
+
+def test_the_choice_is_logged_once_when_on(experts, caplog, monkeypatch):
+    monkeypatch.setattr(deep_gemm_per_batch, "_logged", False)
+    with caplog.at_level(logging.INFO):
+        experts(0.0)
+        assert "received-rows Triton experts" not in caplog.text
+        experts(2.0)
+        experts(2.0)
+    assert caplog.text.count("at most 2 rows per expert run the received-rows") == 1
+
+
+def test_undone_the_object_is_vllm_s_again(experts):
+    e, _ = experts(1.0)
+    assert [r.patch for r in _helper._chain(e, "apply")] == ["deep_gemm_per_batch"]
+    _helper.undo_instances()
+    assert "apply" not in vars(e)

@@ -1,0 +1,149 @@
+"""Block-FP8 LL layers on DeepGEMM: each forward takes DeepGEMM or the received rows.
+
+Why: `--moe-backend auto` gives 128x128 block-FP8 LL layers vLLM's
+`BatchedDeepGemmExperts` on Hopper (vllm/fp8_experts_choice.py), the fastest experts
+from a few rows per expert up. At decode batches of a few tokens across all ranks
+(a fraction of a row per expert) the received-rows Triton experts
+(vllm/compact_experts_fp8.py) measured faster: DeepGEMM's grid and tile are sized for
+`expected_m` rows per expert, the received rows launch one block per expert that has
+rows (docs/benchmarks.md, "Block-FP8 LL experts: which path"). So a forward whose
+average rows per expert (tokens across ranks x top_k / global experts) is at most
+`RECEIVED_ROWS_UP_TO` runs the received rows, any other DeepGEMM.
+
+Both read the same weights: vLLM prepares them for DeepGEMM (on Hopper the block scales
+stay FP32 [E, N / 128, K / 128], rounded to powers of two under its E8M0 setting, whose
+choice the received rows' intermediate quantization follows), and vLLM's fused Triton
+kernel reads them through their strides. DeepGEMM reads activation scales MN-major and
+TMA-aligned, the received rows the wire's row-major ones: the LL prepare hands the
+wire's scales as they are, and this wrapper re-lays them (`deep_gemm_experts.mn_major`,
+the rows the round can have filled) for the DeepGEMM call only. The choice is made on
+the host from the forward's token count, so a captured graph keeps its size's choice and
+replays it for any routing.
+
+The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py) over
+vllm/deep_gemm_warmup.py's, applied to each DeepGEMM experts object by the LL
+prepare/finalize's setup hook (`install`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from vllm_flashinfer_ep.log import get_logger
+from vllm_flashinfer_ep.vllm import compact_experts, deep_gemm_experts
+from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, leave_to_vllm, named_args
+from vllm_flashinfer_ep.vllm.deep_gemm_warmup import TARGET
+from vllm_flashinfer_ep.vllm.patches._helper import (
+    INSTANCE,
+    Patch,
+    PatchTargetError,
+    apply_instance,
+)
+
+logger = get_logger(__name__)
+
+# The average rows per expert up to which a forward takes the received rows; 0: DeepGEMM
+# for every forward. Off until the engine benchmark measures where the two cross
+# (docs/device_vllm.md, "Open"); the test harness sets it to measure.
+RECEIVED_ROWS_UP_TO = 0.0
+_logged = False
+
+
+def check_bound(value: float, name: str) -> float:
+    """`value` as a bound on the average rows per expert: a number >= 0 (infinity: every
+    forward), or ValueError naming `name`."""
+    try:
+        bound = float(value)
+    except (TypeError, ValueError):
+        bound = math.nan
+    if math.isnan(bound) or bound < 0:
+        raise ValueError(f"{name}: a number of rows per expert >= 0, got {value!r}")
+    return bound
+
+
+def takes_received_rows(tokens_across: int, top_k: int, global_experts: int) -> bool:
+    """Whether a forward of `tokens_across` tokens over all ranks runs the received rows:
+    its average rows per expert, tokens x top_k / experts, at most RECEIVED_ROWS_UP_TO."""
+    bound = RECEIVED_ROWS_UP_TO
+    return bound > 0 and global_experts > 0 and tokens_across * top_k <= bound * global_experts
+
+
+def tokens_across(fused_experts: Any, kw: dict, sent_per_rank: int | None) -> int:
+    """The most tokens this forward can carry over all ranks: the busiest sender's count
+    (compact_experts.senders_tokens) times the senders."""
+    senders = fused_experts.num_dispatchers
+    capacity = fused_experts.max_num_tokens or kw["hidden_states"].shape[1]
+    tokens = compact_experts.senders_tokens(
+        kw["topk_ids"].shape[0], senders, capacity, sent_per_rank
+    )
+    return tokens * senders
+
+
+def _per_batch_apply(
+    fused_experts: Any,
+    inner: Callable[..., Any],
+    sent_per_rank: Callable[[], int | None] | None = None,
+) -> Callable[..., Any]:
+    """`fused_experts.apply` choosing per forward between the received rows and `inner`
+    (DeepGEMM through vLLM's apply), handing the latter MN-major scales."""
+
+    def apply(*args: Any, **kw: Any) -> Any:
+        kw = named_args(args, kw)
+        sent = sent_per_rank() if sent_per_rank else None
+        across = tokens_across(fused_experts, kw, sent)
+        top_k = kw["topk_ids"].shape[1]
+        if takes_received_rows(across, top_k, kw["global_num_experts"]) and (
+            compact_experts.eligible(fused_experts, kw)
+        ):
+            return compact_experts.compact_apply(fused_experts, kw, sent)
+        scales = kw["a1q_scale"]
+        if scales is not None and scales.dim() == 3:  # [experts, rows, groups]
+            rows = None if sent is None else sent * fused_experts.num_dispatchers
+            kw["a1q_scale"] = deep_gemm_experts.mn_major(scales, rows)
+        return inner(**kw)
+
+    return apply
+
+
+PATCH = Patch(
+    "deep_gemm_per_batch",
+    "worker",
+    TARGET,
+    INSTANCE,
+    _per_batch_apply,
+    APPLY_PARAMS,
+    what="LL batched DeepGEMM experts: small forwards run the received-rows Triton experts "
+    "(RECEIVED_ROWS_UP_TO), the others DeepGEMM with its activation scales MN-major",
+    why="DeepGEMM reads MN-major scales (the FP8 wire gives row-major ones) and, at a "
+    "fraction of a row per expert, costs more than the received rows (docs/benchmarks.md)",
+    how="per experts object, from the LL prepare/finalize's post_init_setup, over "
+    "deep_gemm_warmup: wrap its apply; the received rows (vllm/compact_experts.py) when "
+    "the forward's rows per expert are at most the bound, else the scales re-laid for the "
+    "rows the round can have filled and vLLM's apply",
+    upstream="DeepGEMM experts taking row-major scales without a copy of the whole buffer, "
+    "and a small-batch kernel in vLLM's batched DeepGEMM experts",
+    removal="then",
+)
+
+
+def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None = None) -> bool:
+    """Make `fused_experts` (vLLM's BatchedDeepGemmExperts) choose per forward and get its
+    scales MN-major. `sent_per_rank()`: see compact_experts.senders_tokens. Returns
+    whether it now does (False: not such an object, or its `apply` is not vLLM 0.33.0's,
+    logged: DeepGEMM then re-lays the row-major scales itself, every row of the buffer)."""
+    try:
+        if not apply_instance(PATCH, fused_experts, sent_per_rank):
+            return False
+    except PatchTargetError as error:
+        return leave_to_vllm(error, "DeepGEMM's scale layout and every forward to DeepGEMM")
+    global _logged
+    if RECEIVED_ROWS_UP_TO > 0 and not _logged:
+        _logged = True
+        logger.info(
+            "flashinfer_ep_low_latency: block-FP8 forwards of at most %g rows per expert run "
+            "the received-rows Triton experts, larger ones DeepGEMM",
+            RECEIVED_ROWS_UP_TO,
+        )
+    return True
