@@ -109,6 +109,20 @@ def _worst_row(counts, got, want, what: str) -> float:
     return worst
 
 
+def _replays_match(graph, p: DeepGemmProblem, batched, tokens: int, got, seeds, what: str):
+    """Each seed: new counts and rows loaded in place, `graph` replayed into `got`, which
+    must match vLLM's batched Triton experts run eagerly on the same buffer."""
+    for seed in seeds:
+        counts = _routed_counts(tokens, seed)
+        p.load(counts, seed=seed)
+        graph.replay()
+        want = torch.zeros_like(got)
+        p.run(batched, tokens, want, "fp8-wire")
+        torch.cuda.synchronize()
+        assert _rel(counts, got, want, f"{what} {seed}") < BOUND
+        assert _worst_row(counts, got, want, f"{what} {seed}") < ROW_BOUND
+
+
 @pytest.mark.parametrize("arrival", ["fp8-wire", "prepare-quantized"])
 @pytest.mark.parametrize(("tokens", "counts"), CASES)
 def test_deep_gemm_matches_vllm_s_batched_triton_on_the_receive_buffer(
@@ -141,15 +155,7 @@ def test_captured_deep_gemm_follows_new_counts_and_rows(vllm_env, deep_gemm):  #
         dg, tokens, got, "fp8-wire-mn-major"
     )  # eager first: DeepGEMM compiles outside the capture
     graph = capture_graph(lambda: p.run(dg, tokens, got, "fp8-wire-mn-major"))
-    for seed in (11, 12):
-        counts = _routed_counts(tokens, seed)
-        p.load(counts, seed=seed)
-        graph.replay()
-        want = torch.zeros_like(got)
-        p.run(batched, tokens, want, "fp8-wire")
-        torch.cuda.synchronize()
-        assert _rel(counts, got, want, f"deep_gemm graph replay {seed}") < BOUND
-        assert _worst_row(counts, got, want, f"deep_gemm graph replay {seed}") < ROW_BOUND
+    _replays_match(graph, p, batched, tokens, got, (11, 12), "deep_gemm graph replay")
     del graph
 
 
@@ -265,13 +271,5 @@ def test_a_captured_choice_replays_for_new_counts(vllm_env, deep_gemm, monkeypat
     p.run(dg, tokens, got, "fp8-wire")  # eager first: compiles outside the capture
     graph = capture_graph(lambda: p.run(dg, tokens, got, "fp8-wire"))
     assert took == ([tokens, tokens] if tokens == 1 else [])
-    for seed in (32, 33):
-        counts = _routed_counts(tokens, seed)
-        p.load(counts, seed=seed)
-        graph.replay()
-        want = torch.zeros_like(got)
-        p.run(batched, tokens, want, "fp8-wire")
-        torch.cuda.synchronize()
-        assert _rel(counts, got, want, f"per batch T={tokens} replay {seed}") < BOUND
-        assert _worst_row(counts, got, want, f"per batch T={tokens} replay {seed}") < ROW_BOUND
+    _replays_match(graph, p, batched, tokens, got, (32, 33), f"per batch T={tokens} replay")
     del graph

@@ -209,7 +209,11 @@ def _is_mn_major(s: torch.Tensor) -> bool:
 
 class RecordingDeepGemm(BatchedDeepGemmExperts):
     """vLLM's BatchedDeepGemmExperts whose own apply (DeepGEMM, absent here) records the
-    activation scales it was handed."""
+    activations and scales it was handed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[dict] = []
 
     def apply(
         self,
@@ -229,7 +233,7 @@ class RecordingDeepGemm(BatchedDeepGemmExperts):
         expert_tokens_meta,
         apply_router_weight_on_input,
     ):
-        self.seen = a1q_scale
+        self.calls.append({"hidden": hidden_states, "scales": a1q_scale})
 
 
 def _experts_apply(experts, prepared, ids, weights) -> None:
@@ -280,7 +284,7 @@ def test_deep_gemm_experts_get_the_wire_s_scales_mn_major(kernel, tokens, monkey
     assert int(meta.expert_num_tokens.max()) <= filled
     assert int(meta.expert_num_tokens.sum()) == (sent or tokens) * TOP_K  # padding too
     _experts_apply(experts, prepared, ids, weights)
-    scales = experts.seen
+    scales = experts.calls[-1]["scales"]
     assert _is_mn_major(scales) and scales.shape == wire.shape
     assert _same(scales[:, :filled], wire[:, :filled])
     assert copied == [None if sent is None else filled]  # no copy of rows no token filled
@@ -298,8 +302,8 @@ def test_scales_quantized_after_receive_are_mn_major_too(kernel, monkeypatch):
     assert a1q.dtype == torch.float8_e4m3fn and not _is_mn_major(row_major)
     _experts_apply(experts, prepared, ids, weights)
     filled = rt.round.sent_per_rank * rt.world_size
-    assert _is_mn_major(experts.seen)
-    assert _same(experts.seen[:, :filled], row_major[:, :filled])
+    scales = experts.calls[-1]["scales"]
+    assert _is_mn_major(scales) and _same(scales[:, :filled], row_major[:, :filled])
     rt.round.end()
 
 

@@ -16,10 +16,8 @@ import logging
 
 import pytest
 import torch
-from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
-    BatchedDeepGemmExperts,
-)
 
+from tests.unit import test_deep_gemm_experts
 from tests.unit.test_compact_experts_fp8 import (  # noqa: F401 - fixtures
     CAP,
     EXPERTS,
@@ -43,33 +41,9 @@ from vllm_flashinfer_ep.vllm.patches import _helper
 TOP_K = 2  # _call's routing width
 
 
-class RecordingDeepGemm(BatchedDeepGemmExperts):
+class RecordingDeepGemm(test_deep_gemm_experts.RecordingDeepGemm):
     """vLLM's BatchedDeepGemmExperts whose own apply (DeepGEMM) records what it got; the
     activation is a torch SiLU-and-mul (vllm._C is absent here)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.calls: list[dict] = []
-
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        self.calls.append({"hidden": hidden_states, "scales": a1q_scale})
 
     activation = VllmBatchedExperts.activation
 
