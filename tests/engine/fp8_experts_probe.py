@@ -17,7 +17,7 @@ prepare quantizes after receive (vllm/receive_quant.py).
   received_rows  : the same object with the package's received-rows experts
                    (vllm/compact_experts_fp8.py), block list built from the counts
   deep_gemm      : block only: vLLM's BatchedDeepGemmExperts (--moe-backend deep_gemm),
-                   the prepare's MN-major copy of the filled rows' scales included; at
+                   the package's MN-major copy of the filled rows' scales included; at
                    world 1 vLLM hands DeepGEMM expected_m = the buffer's rows per expert
                    (no DP metadata)
   deep_gemm_dp   : the same call with the expected_m vLLM estimates when data parallel

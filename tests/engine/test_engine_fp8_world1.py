@@ -191,7 +191,7 @@ def test_ll_block_checkpoint_on_deep_gemm_matches_the_engine_without_ep(
     engines, fp8_models, fp8_floor
 ):
     """`--moe-backend deep_gemm` (vllm/deep_gemm_experts.py): vLLM's batched DeepGEMM
-    experts over the LL buffer (scales re-laid MN-major by the prepare), against the
+    experts over the LL buffer (scales re-laid MN-major by the package's wrapper), against the
     engine without EP on vLLM's DeepGEMM experts, which read the weights as prepared for
     DeepGEMM too. What differs: the transport, and the activation scales (NCCL-EP's
     amax/448 against vLLM's, which its E8M0 setting may round to powers of two)."""

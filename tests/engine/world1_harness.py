@@ -102,7 +102,7 @@ def install() -> None:
             raise ValueError(f"{name}: 0 or 1, got {value!r}")
     # rows per expert up to which DeepGEMM layers run the received rows, to measure
     bound = os.environ.get(DEEP_GEMM_RECEIVED_ROWS_ENV)
-    if bound is not None:
+    if bound:  # unset or empty: the package's default
         deep_gemm_per_batch.RECEIVED_ROWS_UP_TO = deep_gemm_per_batch.check_bound(
             bound, DEEP_GEMM_RECEIVED_ROWS_ENV
         )

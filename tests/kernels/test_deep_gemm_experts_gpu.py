@@ -230,30 +230,32 @@ def _per_batch(p: DeepGemmProblem, monkeypatch, bound: float):
     return dg, took
 
 
+@pytest.mark.parametrize("arrival", ["fp8-wire", "prepare-quantized"])
 @pytest.mark.parametrize("bound", [float("inf"), 0.0], ids=["received-rows", "deep-gemm"])
 @pytest.mark.parametrize(("tokens", "counts"), CASES)
 def test_each_side_of_the_per_batch_choice_matches_vllm_s_batched_triton(
     vllm_env,  # noqa: F811
     deep_gemm,
     monkeypatch,
+    arrival,
     bound,
     tokens,
     counts,
 ):
-    """vllm/deep_gemm_per_batch.py on DeepGEMM's weights and the wire's row-major scales
-    (what the LL prepare hands it): every forward on the received rows, or every one on
+    """vllm/deep_gemm_per_batch.py on DeepGEMM's weights and row-major scales (the wire's,
+    or the LL prepare's quantization after receive: what the prepare hands it): every forward on the received rows, or every one on
     DeepGEMM with the scales the wrapper re-lays; each matches vLLM's batched Triton
     experts on the same buffer, at edge counts too."""
     p = DeepGemmProblem(seed=tokens + int(counts.sum()))
     p.load(counts, seed=7 * tokens + 1)
     want = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
     got = want.clone()
-    p.run(_experts(p.qc, compact=False), tokens, want, "fp8-wire")
+    p.run(_experts(p.qc, compact=False), tokens, want, arrival)
     dg, took = _per_batch(p, monkeypatch, bound)
-    p.run(dg, tokens, got, "fp8-wire")
+    p.run(dg, tokens, got, arrival)
     torch.cuda.synchronize()
     assert took == ([tokens] if bound else [])
-    what = f"per batch ({'received rows' if bound else 'DeepGEMM'}) T={tokens}"
+    what = f"per batch ({'received rows' if bound else 'DeepGEMM'}) {arrival} T={tokens}"
     assert _rel(counts, got, want, what) < BOUND
     assert _worst_row(counts, got, want, what) < ROW_BOUND
 

@@ -281,7 +281,9 @@ def _meta(counts: torch.Tensor) -> mk.ExpertTokensMetadata:
     return mk.ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=None)
 
 
-def _call(experts, hidden, scales, w1, w2, counts, tokens, top_k=2, out=None, rows=None):
+def _call(
+    experts, hidden, scales, w1, w2, counts, tokens, top_k=2, out=None, rows=None, experts_all=None
+):
     rows = rows or hidden.shape[1]
     out = (
         out
@@ -296,7 +298,7 @@ def _call(experts, hidden, scales, w1, w2, counts, tokens, top_k=2, out=None, ro
         topk_weights=None,
         topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64),
         activation=MoEActivation.SILU,
-        global_num_experts=EXPERTS,
+        global_num_experts=experts_all or EXPERTS,
         expert_map=None,
         a1q_scale=scales,
         a2_scale=None,

@@ -21,7 +21,6 @@ from tests.unit import test_deep_gemm_experts
 from tests.unit.test_compact_experts_fp8 import (  # noqa: F401 - fixtures
     CAP,
     EXPERTS,
-    FP8,
     G,
     VllmBatchedExperts,
     _block_weights,
@@ -141,12 +140,39 @@ def test_a_call_the_received_rows_do_not_read_goes_to_deep_gemm_as_it_is(experts
     assert _is_mn_major(seen) and bool((seen.nan_to_num(7.0) == s.nan_to_num(7.0)).all())
 
 
-def test_bf16_arrivals_under_the_bound_are_quantized_on_the_received_rows(experts):
-    """A block layer whose wire is off: the received rows quantize the listed rows."""
-    e, (q1, q2, *_) = experts(1.0)
-    x, _, _, c, _ = _received_buffer(_counts(2), CAP, seed=6)
-    _call(e, x, None, q1, q2, c, 2)
-    assert not e.calls and len(rec.gemms) == 2 and rec.gemms[0]["A"].dtype == FP8
+def test_with_the_wire_off_the_prepare_s_quantized_rows_take_the_received_rows(experts):
+    """A block layer whose wire is off: the LL prepare quantizes what arrived over the
+    whole buffer (DeepGEMM experts never defer it, compact_experts.quantizes_input), and
+    those E4M3 rows with their row-major scales take the received rows under the bound."""
+    from vllm_flashinfer_ep.vllm import receive_quant
+
+    e, (q1, q2, d1, d2) = experts(1.0)
+    x, _, _, c, received = _received_buffer(_counts(2), CAP, seed=6)
+    xq, xs = receive_quant.quantize_expert_buffer(x.nan_to_num(), c, e.quant_config, False)
+    out = _call(e, xq, xs, q1, q2, c, 2)
+    assert not e.calls and rec.gemms[0]["A"].data_ptr() == xq.data_ptr()  # read in place
+    want = _expert_outputs(xq.float() * xs.repeat_interleave(G, -1), received, d1, d2)
+    assert _rel(out[received], want[received].bfloat16()) < 1e-3
+
+
+def test_a_pooled_round_s_rows_are_all_computed_whatever_this_rank_sent(experts):
+    """World 1, a pooled round of 8 tokens carrying 1 real one: every row the 8 tokens
+    put in the buffer is computed (the block list sized from the round, not the batch)."""
+    e, (q1, q2, d1, d2) = experts(float("inf"), sent=8)
+    _, q, s, c, received = _received_buffer(_counts(8), CAP, seed=7)
+    out = _call(e, q, s, q1, q2, c, 1)
+    assert not e.calls
+    want = _expert_outputs(q.float() * s.repeat_interleave(G, -1), received, d1, d2)
+    assert _rel(out[received], want[received].bfloat16()) < 1e-3
+
+
+def test_rows_per_expert_count_every_rank_s_experts(experts):
+    """EP world 2, 8 experts here of 16: 2 senders x 4 tokens x top_k 2 = 16 rows over 16
+    experts, 1 per expert: at a bound of 1 the received rows, not the 2 per local expert."""
+    e, (q1, q2, *_) = experts(1.0, dispatchers=2, sent=4)
+    _, q, s, c, _ = _received_buffer(_counts(4), CAP, seed=8)
+    _call(e, q, s, q1, q2, c, 4, experts_all=2 * EXPERTS)
+    assert not e.calls and len(rec.gemms) == 2
 
 
 @pytest.mark.parametrize("value", [0, 0.5, 4, "2.5", "inf", float("inf")])
@@ -175,3 +201,24 @@ def test_undone_the_object_is_vllm_s_again(experts):
     assert [r.patch for r in _helper._chain(e, "apply")] == ["deep_gemm_per_batch"]
     _helper.undo_instances()
     assert "apply" not in vars(e)
+
+
+def test_the_kill_switch_and_the_off_bound_send_every_forward_to_deep_gemm(experts, monkeypatch):
+    """compact_experts.ENABLED off (vLLM's own experts path, to measure): DeepGEMM at any
+    bound. Bound 0: DeepGEMM, without looking the forward's token count up per layer."""
+    from vllm_flashinfer_ep.vllm import compact_experts
+
+    e, (q1, q2, *_) = experts(float("inf"))
+    _, q, s, c, _ = _received_buffer(_counts(1), CAP, seed=9)
+    monkeypatch.setattr(compact_experts, "ENABLED", False)
+    _call(e, q, s, q1, q2, c, 1)
+    assert len(e.calls) == 1 and not rec.gemms
+    monkeypatch.setattr(compact_experts, "ENABLED", True)
+
+    def no_lookup(*args):
+        raise AssertionError("the token count was looked up with the bound off")
+
+    monkeypatch.setattr(compact_experts, "senders_tokens", no_lookup)
+    e, (q1, q2, *_) = experts(0.0)
+    _call(e, q, s, q1, q2, c, 1)
+    assert len(e.calls) == 1 and not rec.gemms

@@ -207,7 +207,12 @@ def test_the_ll_setup_hook_installs_it_on_deep_gemm_experts_only(kernel):  # noq
     owner, attr, method = _helper.check(deep_gemm_warmup.PATCH)
     assert (owner, attr, method) == (BatchedDeepGemmExperts, "apply", BatchedDeepGemmExperts.apply)
     assert deep_gemm_warmup.PATCH.entry() in patches.index()
-    _helper.undo_instances()
+    from vllm_flashinfer_ep.vllm import deep_gemm_per_batch
+
+    with pytest.raises(_helper.PatchTargetError, match="'deep_gemm_per_batch' wraps it"):
+        _helper.undo_instance(deep_gemm_warmup.PATCH, experts)
+    assert _helper.undo_instance(deep_gemm_per_batch.PATCH, experts)
+    assert _helper.undo_instance(deep_gemm_warmup.PATCH, experts)
     assert "apply" not in vars(experts)
 
 

@@ -158,12 +158,20 @@ def test_the_intermediate_switches_reach_the_package(name, attr, default, value)
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, "0.0"), ("2", "2.0"), ("0.5", "0.5"), ("inf", "inf"), ("-1", "error"), ("x", "error")],
+    [
+        (None, "0.0"),
+        ("", "0.0"),
+        ("2", "2.0"),
+        ("0.5", "0.5"),
+        ("inf", "inf"),
+        ("-1", "error"),
+        ("x", "error"),
+    ],
 )
 def test_the_deep_gemm_bound_reaches_the_package(value, expected):
     """FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS: rows per expert up to which DeepGEMM
-    layers run the received rows (unset: the package's default, off); not a number >= 0 is
-    refused by name."""
+    layers run the received rows (unset or empty, as for the other switches: the package's
+    default, off); not a number >= 0 is refused by name."""
     name = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
     got = _after_install(name, value, "deep_gemm_per_batch.RECEIVED_ROWS_UP_TO")
     assert got.split()[0] == expected, got

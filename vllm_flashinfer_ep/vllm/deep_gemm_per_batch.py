@@ -1,24 +1,22 @@
 """Block-FP8 LL layers on DeepGEMM: each forward takes DeepGEMM or the received rows.
 
 Why: `--moe-backend auto` gives 128x128 block-FP8 LL layers vLLM's
-`BatchedDeepGemmExperts` on Hopper (vllm/fp8_experts_choice.py), the fastest experts
-from a few rows per expert up. At decode batches of a few tokens across all ranks
-(a fraction of a row per expert) the received-rows Triton experts
-(vllm/compact_experts_fp8.py) measured faster: DeepGEMM's grid and tile are sized for
-`expected_m` rows per expert, the received rows launch one block per expert that has
-rows (docs/benchmarks.md, "Block-FP8 LL experts: which path"). So a forward whose
-average rows per expert (tokens across ranks x top_k / global experts) is at most
-`RECEIVED_ROWS_UP_TO` runs the received rows, any other DeepGEMM.
+`BatchedDeepGemmExperts` on Hopper, the fastest experts from a few rows per expert up; at
+a fraction of a row per expert the received-rows Triton experts
+(vllm/compact_experts_fp8.py) can be faster, as DeepGEMM's tile is sized for
+`expected_m` rows per expert. A forward whose rows per expert (the busiest sender's
+tokens x senders x top_k / global experts) are at most `RECEIVED_ROWS_UP_TO` runs the
+received rows, any other DeepGEMM. The bound comes from the probe's `received_rows`
+and `deep_gemm_dp` columns (docs/benchmarks.md), not from a world-1 engine, whose
+DeepGEMM gets the whole buffer's `expected_m`.
 
-Both read the same weights: vLLM prepares them for DeepGEMM (on Hopper the block scales
-stay FP32 [E, N / 128, K / 128], rounded to powers of two under its E8M0 setting, whose
-choice the received rows' intermediate quantization follows), and vLLM's fused Triton
-kernel reads them through their strides. DeepGEMM reads activation scales MN-major and
-TMA-aligned, the received rows the wire's row-major ones: the LL prepare hands the
-wire's scales as they are, and this wrapper re-lays them (`deep_gemm_experts.mn_major`,
-the rows the round can have filled) for the DeepGEMM call only. The choice is made on
-the host from the forward's token count, so a captured graph keeps its size's choice and
-replays it for any routing.
+Both read vLLM's DeepGEMM weights (on Hopper FP32 block scales in their usual layout) and
+quantize the intermediate with vLLM's E8M0 choice; they differ as two FP8 kernels do
+(summation order; DeepGEMM's fused activation skips a BF16 rounding), and the GPU tests
+hold both to vLLM's batched Triton experts. The LL prepare hands row-major scales (the
+wire's, or its own after receive); this wrapper re-lays them MN-major, the rows the round
+can have filled, for the DeepGEMM call only. The choice is made on the host per forward:
+a captured graph keeps its size's.
 
 The wrapper is an instance patch (`PATCH`, vllm/patches/_helper.py) over
 vllm/deep_gemm_warmup.py's, applied to each DeepGEMM experts object by the LL
@@ -92,10 +90,15 @@ def _per_batch_apply(
     def apply(*args: Any, **kw: Any) -> Any:
         kw = named_args(args, kw)
         sent = sent_per_rank() if sent_per_rank else None
-        across = tokens_across(fused_experts, kw, sent)
-        top_k = kw["topk_ids"].shape[1]
-        if takes_received_rows(across, top_k, kw["global_num_experts"]) and (
-            compact_experts.eligible(fused_experts, kw)
+        if (
+            RECEIVED_ROWS_UP_TO > 0  # off: no token count to look up per layer
+            and compact_experts.ENABLED
+            and takes_received_rows(
+                tokens_across(fused_experts, kw, sent),
+                kw["topk_ids"].shape[1],
+                kw["global_num_experts"],
+            )
+            and compact_experts.eligible(fused_experts, kw)
         ):
             return compact_experts.compact_apply(fused_experts, kw, sent)
         scales = kw["a1q_scale"]
@@ -137,7 +140,7 @@ def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None =
         if not apply_instance(PATCH, fused_experts, sent_per_rank):
             return False
     except PatchTargetError as error:
-        return leave_to_vllm(error, "DeepGEMM's scale layout and every forward to DeepGEMM")
+        return leave_to_vllm(error, "the scale layout and every forward's experts kernel")
     global _logged
     if RECEIVED_ROWS_UP_TO > 0 and not _logged:
         _logged = True

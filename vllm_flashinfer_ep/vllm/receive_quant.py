@@ -172,8 +172,8 @@ def _vllm_quantize(
 
 def check_experts(fused_experts: Any, flag: str, batched: bool) -> None:
     """FP8 layers run with vLLM's Triton experts (what `--moe-backend triton` selects): the
-    scale layouts above are theirs. LL also takes vLLM's batched DeepGEMM experts (the
-    prepare re-lays their scales, vllm/deep_gemm_experts.py). Others (CUTLASS, FlashInfer)
+    scale layouts above are theirs. LL also takes vLLM's batched DeepGEMM experts (their
+    wrapper re-lays the scales, vllm/deep_gemm_per_batch.py). Others (CUTLASS, FlashInfer)
     expect other layouts or quantize themselves; refuse them at load rather than compute
     wrong."""
     qc = fused_experts.quant_config
