@@ -9,7 +9,7 @@
 #          engine-select (the world-1 engine tests ENGINE_K selects)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
-#          fp8-experts (block-FP8 LL experts: GPU tests + fp8_experts_probe.py), fp8-compact (its received-rows tests alone, and listed_quant's)
+#          fp8-experts (DeepGEMM experts GPU tests + fp8_experts_probe.py), fp8-compact (the received-rows FP8 GPU tests, and listed_quant's)
 #          bench-30b-fp8-CONFIG (one FP8 engine per call: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton, ll_graph_per_batch)
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
@@ -110,12 +110,14 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_listed_quant_gpu.py \
         -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
       grep -E "LISTED_(INPUT_)?QUANT|passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -12 ;;
-    fp8-experts)  # issue 28: the block-FP8 LL experts (received rows, DeepGEMM) against vLLM's, then timed side by side
-      python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_deep_gemm_experts_gpu.py \
+    fp8-experts)  # issue 28: DeepGEMM's experts (both sides of the per-forward choice) against vLLM's, then
+      # every FP8 LL experts path timed side by side (the received-rows GPU tests are fp8-compact's);
+      # PROBE_SCHEMES: which layouts (the dynamic per-tensor one, `tensor`, stays on vLLM's kernel)
+      python3 -m pytest tests/kernels/test_deep_gemm_experts_gpu.py \
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
-      grep -E "BLOCK_LIST|LISTED_ACTIVATION|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
-      for scheme in block channel tensor_static tensor; do
+      grep -E "BLOCK_LIST|per batch|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
+      for scheme in ${PROBE_SCHEMES:-block channel tensor_static}; do
         python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" \
           --json "$out/fp8_experts_probe_$scheme.json" > "$out/fp8-experts-probe-$scheme.txt" 2>&1 || rc=1
         grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe-$scheme.txt"
