@@ -43,8 +43,8 @@ from vllm_flashinfer_ep.vllm.patches._helper import (
 logger = get_logger(__name__)
 
 # The average rows per expert up to which a forward takes the received rows; 0: DeepGEMM
-# for every forward. Off until the engine benchmark measures where the two cross
-# (docs/device_vllm.md, "Open"); the test harness sets it to measure.
+# for every forward. Off until this wrapper's GPU tests have run and the probe has
+# measured where the two cross (docs/device_vllm.md, "Open"); the test harness sets it.
 RECEIVED_ROWS_UP_TO = 0.0
 _logged = False
 
