@@ -99,6 +99,12 @@ def worker_probe(worker: Any) -> dict[str, Any]:
     out["listed_quant"] = listed_quant.ENABLED
     out["listed_input_quant"] = listed_quant.INPUT_ENABLED
     out["deep_gemm_received_rows"] = deep_gemm_per_batch.RECEIVED_ROWS_UP_TO
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+
+    # the harness's DP expected_m (world1_harness.patch_deep_gemm_expected_m) in place
+    out["dp_expected_m"] = BatchedDeepGemmExperts.apply.__module__ == "world1_harness"
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )

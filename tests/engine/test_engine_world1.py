@@ -133,7 +133,8 @@ def assert_switches(probe: dict) -> None:
     assert probe["listed_quant"] is (env("FLASHINFER_EP_TEST_LISTED_QUANT") != "0")
     assert probe["listed_input_quant"] is (env("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT") == "1")
     bound = env("FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS")
-    assert probe["deep_gemm_received_rows"] == (0.0 if bound is None else float(bound))
+    assert probe["deep_gemm_received_rows"] == (float(bound) if bound else 0.0)
+    assert probe["dp_expected_m"] is (env("FLASHINFER_EP_TEST_DP_EXPECTED_M") == "1")
 
 
 def test_ll_with_cuda_graphs_matches_the_engine_without_ep(ll_graph, no_ep, floor):

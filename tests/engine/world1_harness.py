@@ -23,6 +23,12 @@ same objects a dp=2 engine builds on each rank:
    package's CUDA-graph policy decides as for a dp=2 engine (LL keeps the mode, HT gets
    NONE), logging its reason.
 
+One more, off unless `FLASHINFER_EP_TEST_DP_EXPECTED_M=1` (a measurement switch):
+vLLM's batched DeepGEMM experts, which without DP metadata hand DeepGEMM `expected_m` =
+the buffer's rows per expert at every forward, get the estimate vLLM makes from DP
+metadata instead (its formula, `deep_gemm_warmup.dp_estimate`, over the tokens of the
+forward), the tile a dp=2 engine's DeepGEMM runs with.
+
 Everything else is the real path: plugin loading through its entry point in every vLLM
 process, config validation, manager construction, fleet bootstrap over the EP group,
 handle pool warm-up from the engine's capture sizes, model load, vLLM's profile run,
@@ -51,6 +57,7 @@ LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
 LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
 LISTED_INPUT_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT"
 DEEP_GEMM_RECEIVED_ROWS_ENV = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
+DP_EXPECTED_M_ENV = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
 
 
 def _ours(backend: str | None) -> bool:
@@ -77,6 +84,11 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
+    dp_expected_m = os.environ.get(DP_EXPECTED_M_ENV)
+    if dp_expected_m == "1":
+        patch_deep_gemm_expected_m()
+    elif dp_expected_m not in (None, "", "0"):
+        raise ValueError(f"{DP_EXPECTED_M_ENV}: 0 or 1, got {dp_expected_m!r}")
     from vllm_flashinfer_ep.vllm import (
         batched_tiles,
         block_list,
@@ -209,6 +221,56 @@ def _patch_splitting_ops() -> None:
 
     VllmConfig.__post_init__ = __post_init__
     CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
+
+
+def patch_deep_gemm_expected_m() -> None:
+    """vLLM's BatchedDeepGemmExperts: with no DP metadata (world 1), `expected_m` as vLLM
+    estimates it from DP metadata holding this forward's tokens (topk_ids' rows: under a
+    CUDA graph the captured size, as a dp=2 rank's metadata holds). The class's `apply`
+    keeps vLLM's parameters, which the package's instance patches check."""
+    import contextlib
+
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+
+    from vllm_flashinfer_ep.vllm import deep_gemm_warmup
+    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
+
+    original = BatchedDeepGemmExperts.apply
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        here = locals()  # closure names too: keep vLLM's parameters only
+        args = {name: here[name] for name in APPLY_PARAMS[1:]}
+        has_dp = is_forward_context_available() and get_forward_context().dp_metadata is not None
+        scope = contextlib.nullcontext()
+        if not has_dp:
+            m = deep_gemm_warmup.dp_estimate(
+                topk_ids.shape[0], topk_ids.shape[1], global_num_experts, hidden_states.shape[1]
+            )
+            scope = deep_gemm_warmup.fixed_expected_m(self, m)
+        with scope:
+            return original(self, **args)
+
+    BatchedDeepGemmExperts.apply = apply
 
 
 def _maybe_plant_fault() -> None:

@@ -103,13 +103,14 @@ SWITCHES = (
     "FLASHINFER_EP_TEST_LISTED_QUANT",
     "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT",
     "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS",
+    "FLASHINFER_EP_TEST_DP_EXPECTED_M",
 )
 
 
 def _after_install(name: str, value: str | None, attr: str) -> str:
-    """What the package's `attr` (module.field) holds after the harness installs in a
-    fresh process with switch `name` at `value` (None: unset) and the others unset, or
-    "error <message>"."""
+    """What the package's `attr` (module.field, or an expression after "=") holds after
+    the harness installs in a fresh process with switch `name` at `value` (None: unset)
+    and the others unset, or "error <message>"."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "engine"), str(REPO)])
     env["VLLM_CONFIGURE_LOGGING"] = "0"
@@ -117,7 +118,11 @@ def _after_install(name: str, value: str | None, attr: str) -> str:
         env.pop(switch, None)
     if value is not None:
         env[name] = value
-    module, field = attr.split(".")
+    if attr.startswith("="):
+        shown = attr[1:]
+    else:
+        module, field = attr.split(".")
+        shown = f"__import__('vllm_flashinfer_ep.vllm.{module}', fromlist=['x']).{field}"
     script = (
         "import world1_harness\n"
         "try:\n"
@@ -125,8 +130,7 @@ def _after_install(name: str, value: str | None, attr: str) -> str:
         "except ValueError as e:\n"
         "    print('RESULT error', e)\n"
         "else:\n"
-        f"    from vllm_flashinfer_ep.vllm import {module}\n"
-        f"    print('RESULT', {module}.{field})\n"
+        f"    print('RESULT', {shown})\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
@@ -177,3 +181,114 @@ def test_the_deep_gemm_bound_reaches_the_package(value, expected):
     assert got.split()[0] == expected, got
     if expected == "error":
         assert name in got
+
+
+DG_APPLY = (
+    "=__import__('vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe', "
+    "fromlist=['x']).BatchedDeepGemmExperts.apply.__module__"
+)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, "vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe"),
+        ("0", "vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe"),
+        ("1", "world1_harness"),
+        ("yes", "error"),
+    ],
+)
+def test_the_dp_expected_m_switch_reaches_vllm_s_deep_gemm_experts(value, expected):
+    """FLASHINFER_EP_TEST_DP_EXPECTED_M=1 puts the harness's apply on vLLM's DeepGEMM
+    experts class; unset or 0 leaves vLLM's; anything else is refused by name."""
+    name = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
+    got = _after_install(name, value, DG_APPLY)
+    assert got.split()[0] == expected, got
+    if expected == "error":
+        assert name in got
+
+
+def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(monkeypatch):
+    """With the switch's patch and no DP metadata, vLLM's apply sees estimate_expected_m
+    give vLLM's DP formula over topk_ids' rows (rounded up to 16, within [16, rows]); with
+    DP metadata, vLLM's own estimate; the package's instance patches still apply on top."""
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.forward_context as fc
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+
+    from tests.unit.test_deep_gemm_experts import _block_qc, _moe_config
+    from vllm_flashinfer_ep.vllm import deep_gemm_per_batch
+    from vllm_flashinfer_ep.vllm.patches import _helper
+
+    sys.path.insert(0, str(REPO / "tests" / "engine"))
+    import world1_harness
+
+    seen = []
+
+    def vllm_apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ):
+        rows, top_k = hidden_states.shape[1], topk_ids.shape[1]
+        seen.append(self.estimate_expected_m(global_num_experts, rows, top_k))
+        return "vllm's result"
+
+    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", vllm_apply)  # restored after
+    world1_harness.patch_deep_gemm_expected_m()
+    experts = BatchedDeepGemmExperts(
+        _moe_config(), _block_qc(), max_num_tokens=256, num_dispatchers=1
+    )
+    assert deep_gemm_per_batch.install(experts)  # vLLM's parameters, as the patch checks
+    try:
+
+        def call(tokens: int, global_experts: int = 128, top_k: int = 8):
+            return experts.apply(
+                output=None,
+                hidden_states=torch.empty(1, 256, 1),
+                w1=None,
+                w2=None,
+                topk_weights=None,
+                topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64),
+                activation=None,
+                global_num_experts=global_experts,
+                expert_map=None,
+                a1q_scale=None,
+                a2_scale=None,
+                workspace13=None,
+                workspace2=None,
+                expert_tokens_meta=None,
+                apply_router_weight_on_input=False,
+            )
+
+        monkeypatch.setattr(fc, "_forward_context", SimpleNamespace(dp_metadata=None))
+        assert call(1) == "vllm's result"
+        call(128)  # 128 x 8 / 128 = 8 -> 16
+        call(1024)  # 64
+        call(256, global_experts=8)  # 256 x 8 / 8 = 256: the rows
+        assert seen == [16, 16, 64, 256]
+        assert "estimate_expected_m" not in vars(experts)  # vLLM's own again
+        across = torch.tensor([1024, 1024])  # DP metadata: vLLM's estimate from it
+        dp = SimpleNamespace(dp_metadata=SimpleNamespace(num_tokens_across_dp_cpu=across))
+        monkeypatch.setattr(fc, "_forward_context", dp)
+        call(1)
+        assert seen[-1] == 128
+    finally:
+        _helper.undo_instances()
