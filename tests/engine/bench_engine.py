@@ -260,7 +260,8 @@ def _run(args, work: Path) -> int:
                 "listed_input_quant": probe.get("listed_input_quant"),  # .INPUT_ENABLED
                 # deep_gemm_per_batch.RECEIVED_ROWS_UP_TO (block FP8 on DeepGEMM)
                 "deep_gemm_received_rows": probe.get("deep_gemm_received_rows"),
-                # DeepGEMM's expected_m as with DP ranks (world1_harness, a switch)
+                # DeepGEMM's expected_m as DP ranks estimate it (world1_harness, a switch;
+                # it acts where "kernels" name BatchedDeepGemmExperts)
                 "dp_expected_m": probe.get("dp_expected_m"),
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
                 "device": probe.get("device"),  # the GPU: timings compare only on one card

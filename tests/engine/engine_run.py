@@ -103,8 +103,11 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         BatchedDeepGemmExperts,
     )
 
-    # the harness's DP expected_m (world1_harness.patch_deep_gemm_expected_m) in place
-    out["dp_expected_m"] = BatchedDeepGemmExperts.apply.__module__ == "world1_harness"
+    # the harness's DP expected_m in place (world1_harness.patch_deep_gemm_expected_m; the
+    # kernels above say whether any layer runs DeepGEMM's experts)
+    out["dp_expected_m"] = bool(
+        getattr(BatchedDeepGemmExperts.apply, "_flashinfer_ep_test_dp_expected_m", False)
+    )
     out["quant_dtypes"] = sorted(
         {str(getattr(k.fused_experts.quant_config, "quant_dtype", None)) for k in impls.values()}
     )

@@ -25,9 +25,10 @@ same objects a dp=2 engine builds on each rank:
 
 One more, off unless `FLASHINFER_EP_TEST_DP_EXPECTED_M=1` (a measurement switch):
 vLLM's batched DeepGEMM experts, which without DP metadata hand DeepGEMM `expected_m` =
-the buffer's rows per expert at every forward, get the estimate vLLM makes from DP
-metadata instead (its formula, `deep_gemm_warmup.dp_estimate`, over the tokens of the
-forward), the tile a dp=2 engine's DeepGEMM runs with.
+the buffer's rows per expert at every forward, get vLLM's DP estimate instead (its
+formula, `deep_gemm_warmup.dp_estimate`, over this rank's tokens as if they were every
+rank's): the tile data parallel ranks pick for the same rows per expert (a dp=2 engine
+at half this batch per rank).
 
 Everything else is the real path: plugin loading through its entry point in every vLLM
 process, config validation, manager construction, fleet bootstrap over the EP group,
@@ -38,7 +39,7 @@ show: data crossing ranks, DP padding agreement across ranks, non-uniform DP ste
 fault detection between ranks.
 
 The harness is installed by a test-only `vllm.general_plugins` entry point
-(`plugin_dist.write_plugin_dist`), so vLLM loads it in every process it starts; it
+(`engine_runner.write_plugin_dist`), so vLLM loads it in every process it starts; it
 registers the package first so that its wrappers sit outside the package's.
 Never imported by the package.
 """
@@ -75,6 +76,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    dp_expected_m = os.environ.get(DP_EXPECTED_M_ENV)  # checked before anything is patched
+    if dp_expected_m not in (None, "", "0", "1"):
+        raise ValueError(f"{DP_EXPECTED_M_ENV}: 0 or 1, got {dp_expected_m!r}")
     import vllm_flashinfer_ep
 
     if not vllm_flashinfer_ep.register():
@@ -84,11 +88,6 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
-    dp_expected_m = os.environ.get(DP_EXPECTED_M_ENV)
-    if dp_expected_m == "1":
-        patch_deep_gemm_expected_m()
-    elif dp_expected_m not in (None, "", "0"):
-        raise ValueError(f"{DP_EXPECTED_M_ENV}: 0 or 1, got {dp_expected_m!r}")
     from vllm_flashinfer_ep.vllm import (
         batched_tiles,
         block_list,
@@ -118,6 +117,8 @@ def install() -> None:
         deep_gemm_per_batch.RECEIVED_ROWS_UP_TO = deep_gemm_per_batch.check_bound(
             bound, DEEP_GEMM_RECEIVED_ROWS_ENV
         )
+    if dp_expected_m == "1":
+        patch_deep_gemm_expected_m()
     _installed = True
 
 
@@ -223,11 +224,15 @@ def _patch_splitting_ops() -> None:
     CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
 
 
+DP_EXPECTED_M_TAG = "_flashinfer_ep_test_dp_expected_m"  # on the harness's apply
+
+
 def patch_deep_gemm_expected_m() -> None:
     """vLLM's BatchedDeepGemmExperts: with no DP metadata (world 1), `expected_m` as vLLM
     estimates it from DP metadata holding this forward's tokens (topk_ids' rows: under a
-    CUDA graph the captured size, as a dp=2 rank's metadata holds). The class's `apply`
-    keeps vLLM's parameters, which the package's instance patches check."""
+    CUDA graph the captured size), for the rows per expert that arrive. The class's `apply`
+    keeps vLLM's parameters, checked here (the package's instance patches check the
+    class's); applying it twice changes nothing."""
     import contextlib
 
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -239,6 +244,13 @@ def patch_deep_gemm_expected_m() -> None:
     from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
 
     original = BatchedDeepGemmExperts.apply
+    if getattr(original, DP_EXPECTED_M_TAG, False):
+        return
+    if tuple(inspect.signature(original).parameters) != APPLY_PARAMS:
+        raise RuntimeError(
+            f"{DP_EXPECTED_M_ENV}: BatchedDeepGemmExperts.apply is not vLLM 0.33.0's "
+            f"({tuple(inspect.signature(original).parameters)})"
+        )
 
     def apply(
         self,
@@ -258,11 +270,26 @@ def patch_deep_gemm_expected_m() -> None:
         expert_tokens_meta,
         apply_router_weight_on_input,
     ):
-        here = locals()  # closure names too: keep vLLM's parameters only
-        args = {name: here[name] for name in APPLY_PARAMS[1:]}
+        args = dict(
+            output=output,
+            hidden_states=hidden_states,
+            w1=w1,
+            w2=w2,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            activation=activation,
+            global_num_experts=global_num_experts,
+            expert_map=expert_map,
+            a1q_scale=a1q_scale,
+            a2_scale=a2_scale,
+            workspace13=workspace13,
+            workspace2=workspace2,
+            expert_tokens_meta=expert_tokens_meta,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+        )
         has_dp = is_forward_context_available() and get_forward_context().dp_metadata is not None
         scope = contextlib.nullcontext()
-        if not has_dp:
+        if not has_dp and "estimate_expected_m" not in vars(self):  # not fixed already
             m = deep_gemm_warmup.dp_estimate(
                 topk_ids.shape[0], topk_ids.shape[1], global_num_experts, hidden_states.shape[1]
             )
@@ -270,6 +297,7 @@ def patch_deep_gemm_expected_m() -> None:
         with scope:
             return original(self, **args)
 
+    setattr(apply, DP_EXPECTED_M_TAG, True)
     BatchedDeepGemmExperts.apply = apply
 
 

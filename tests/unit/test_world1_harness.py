@@ -184,23 +184,18 @@ def test_the_deep_gemm_bound_reaches_the_package(value, expected):
 
 
 DG_APPLY = (
-    "=__import__('vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe', "
-    "fromlist=['x']).BatchedDeepGemmExperts.apply.__module__"
+    "=getattr(__import__('vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe', "
+    "fromlist=['x']).BatchedDeepGemmExperts.apply, '_flashinfer_ep_test_dp_expected_m', False)"
 )
 
 
 @pytest.mark.parametrize(
     "value, expected",
-    [
-        (None, "vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe"),
-        ("0", "vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe"),
-        ("1", "world1_harness"),
-        ("yes", "error"),
-    ],
+    [(None, "False"), ("", "False"), ("0", "False"), ("1", "True"), ("yes", "error")],
 )
 def test_the_dp_expected_m_switch_reaches_vllm_s_deep_gemm_experts(value, expected):
     """FLASHINFER_EP_TEST_DP_EXPECTED_M=1 puts the harness's apply on vLLM's DeepGEMM
-    experts class; unset or 0 leaves vLLM's; anything else is refused by name."""
+    experts class; unset, empty or 0 leaves vLLM's; anything else is refused by name."""
     name = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
     got = _after_install(name, value, DG_APPLY)
     assert got.split()[0] == expected, got
@@ -208,10 +203,26 @@ def test_the_dp_expected_m_switch_reaches_vllm_s_deep_gemm_experts(value, expect
         assert name in got
 
 
-def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(monkeypatch):
-    """With the switch's patch and no DP metadata, vLLM's apply sees estimate_expected_m
-    give vLLM's DP formula over topk_ids' rows (rounded up to 16, within [16, rows]); with
-    DP metadata, vLLM's own estimate; the package's instance patches still apply on top."""
+@pytest.fixture
+def harness(monkeypatch):
+    """tests/engine/world1_harness.py imported here, vLLM's DeepGEMM apply put back after."""
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "engine"))
+    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", BatchedDeepGemmExperts.apply)
+    import world1_harness
+
+    return world1_harness
+
+
+def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(harness, monkeypatch):
+    """With the switch's patch and no DP metadata (or no forward context), vLLM's apply gets
+    every argument as given and sees estimate_expected_m give vLLM's DP formula over
+    topk_ids' rows (rounded up to 16, within [16, rows]); with DP metadata, vLLM's own
+    estimate; applying it twice changes nothing; the package's instance patches still
+    apply on top."""
     from types import SimpleNamespace
 
     import torch
@@ -222,12 +233,10 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(monkeypat
 
     from tests.unit.test_deep_gemm_experts import _block_qc, _moe_config
     from vllm_flashinfer_ep.vllm import deep_gemm_per_batch
+    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
     from vllm_flashinfer_ep.vllm.patches import _helper
 
-    sys.path.insert(0, str(REPO / "tests" / "engine"))
-    import world1_harness
-
-    seen = []
+    seen, given = [], []
 
     def vllm_apply(
         self,
@@ -247,12 +256,17 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(monkeypat
         expert_tokens_meta,
         apply_router_weight_on_input,
     ):
+        here = locals()
+        given.append({name: here[name] for name in APPLY_PARAMS[1:]})
         rows, top_k = hidden_states.shape[1], topk_ids.shape[1]
         seen.append(self.estimate_expected_m(global_num_experts, rows, top_k))
         return "vllm's result"
 
-    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", vllm_apply)  # restored after
-    world1_harness.patch_deep_gemm_expected_m()
+    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", vllm_apply)
+    harness.patch_deep_gemm_expected_m()
+    patched = BatchedDeepGemmExperts.apply
+    harness.patch_deep_gemm_expected_m()  # a second time: a no-op
+    assert BatchedDeepGemmExperts.apply is patched
     experts = BatchedDeepGemmExperts(
         _moe_config(), _block_qc(), max_num_tokens=256, num_dispatchers=1
     )
@@ -260,30 +274,24 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(monkeypat
     try:
 
         def call(tokens: int, global_experts: int = 128, top_k: int = 8):
-            return experts.apply(
-                output=None,
+            kw = {name: object() for name in APPLY_PARAMS[1:]}  # each must arrive as is
+            kw.update(
                 hidden_states=torch.empty(1, 256, 1),
-                w1=None,
-                w2=None,
-                topk_weights=None,
                 topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64),
-                activation=None,
                 global_num_experts=global_experts,
-                expert_map=None,
                 a1q_scale=None,
-                a2_scale=None,
-                workspace13=None,
-                workspace2=None,
-                expert_tokens_meta=None,
-                apply_router_weight_on_input=False,
             )
+            assert experts.apply(**kw) == "vllm's result"
+            assert given[-1].keys() == kw.keys() and all(given[-1][k] is kw[k] for k in kw)
 
+        monkeypatch.setattr(fc, "_forward_context", None)  # no forward context
+        call(1)
         monkeypatch.setattr(fc, "_forward_context", SimpleNamespace(dp_metadata=None))
-        assert call(1) == "vllm's result"
         call(128)  # 128 x 8 / 128 = 8 -> 16
+        call(300)  # 18.75 -> 18 -> rounded up to 32
         call(1024)  # 64
         call(256, global_experts=8)  # 256 x 8 / 8 = 256: the rows
-        assert seen == [16, 16, 64, 256]
+        assert seen == [16, 16, 32, 64, 256]
         assert "estimate_expected_m" not in vars(experts)  # vLLM's own again
         across = torch.tensor([1024, 1024])  # DP metadata: vLLM's estimate from it
         dp = SimpleNamespace(dp_metadata=SimpleNamespace(num_tokens_across_dp_cpu=across))
@@ -292,3 +300,13 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(monkeypat
         assert seen[-1] == 128
     finally:
         _helper.undo_instances()
+
+
+def test_a_deep_gemm_apply_of_another_shape_is_refused(harness, monkeypatch):
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+
+    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", lambda self, *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="is not vLLM 0.33.0's"):
+        harness.patch_deep_gemm_expected_m()

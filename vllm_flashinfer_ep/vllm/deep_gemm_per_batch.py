@@ -7,8 +7,8 @@ a fraction of a row per expert the received-rows Triton experts
 `expected_m` rows per expert. A forward whose rows per expert (the busiest sender's
 tokens x senders x top_k / global experts) are at most `RECEIVED_ROWS_UP_TO` runs the
 received rows, any other DeepGEMM. The bound comes from the probe's `received_rows`
-and `deep_gemm_dp` columns (docs/benchmarks.md), not from a world-1 engine, whose
-DeepGEMM gets the whole buffer's `expected_m`.
+and `deep_gemm_dp` columns (docs/benchmarks.md): DeepGEMM at the `expected_m` data
+parallel ranks give it, not world 1's whole buffer.
 
 Both read vLLM's DeepGEMM weights (on Hopper FP32 block scales in their usual layout) and
 quantize the intermediate with vLLM's E8M0 choice; they differ as two FP8 kernels do
