@@ -118,9 +118,11 @@ for step in "${steps[@]}"; do
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|per batch|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
       for scheme in ${PROBE_SCHEMES:-block channel tensor_static}; do
-        python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" \
+        batches=1,8,32,128,256  # block: the probe's finer default, for the per-forward bound
+        [ "$scheme" = block ] && batches=1,2,4,8,16,32,64,128,256
+        python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" --batches "$batches" \
           --json "$out/fp8_experts_probe_$scheme.json" > "$out/fp8-experts-probe-$scheme.txt" 2>&1 || rc=1
-        grep "^|\|E=\|MISMATCH\|Error" "$out/fp8-experts-probe-$scheme.txt"
+        grep "^|\|E=\|MISMATCH\|Error\|received rows faster" "$out/fp8-experts-probe-$scheme.txt"
       done ;;
     bench-30b-fp8-*)  # one FP8 engine per call (merge: bench_engine.py --merge a.json b.json --out all.json)
       # BENCH_QUANT: vLLM's online scheme (fp8_per_block by default; fp8_per_channel)

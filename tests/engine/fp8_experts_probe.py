@@ -32,7 +32,8 @@ may be rounded to powers of two). Outputs are compared on the received rows (rel
 against batched_triton, printed). Median GPU microseconds per call from CUDA-event timings
 of a CUDA graph holding 10 calls (tests/engine/batched_tile_probe.py `_time`). Which path
 `--moe-backend auto` (and `compact_experts.FP8_ENABLED`) should take is read from these
-tables (docs/benchmarks.md).
+tables (docs/benchmarks.md); for `block` the last line names the bound of
+vllm/deep_gemm_per_batch.py they give (`received_rows_bound`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ import json
 import torch
 
 PATHS = ("batched_triton", "received_rows", "deep_gemm", "deep_gemm_dp", "no_ep")
+
+
+def received_rows_bound(rows: list[dict], top_k: int, experts: int) -> float:
+    """`deep_gemm_per_batch.RECEIVED_ROWS_UP_TO` as these rows measure it: the rows per
+    expert (tokens x top_k / experts) of the largest batch up to which the received rows
+    were faster than DeepGEMM at data parallel ranks' `expected_m` at every measured
+    batch (0: not even at the smallest; rows without both timings end the run)."""
+    bound = 0.0
+    for row in sorted(rows, key=lambda r: r["tokens"]):
+        ours, theirs = row["us"].get("received_rows"), row["us"].get("deep_gemm_dp")
+        if ours is None or theirs is None or ours >= theirs:
+            break
+        bound = row["tokens"] * top_k / experts
+    return bound
+
+
 # probe scheme -> the weight layout of tests/kernels/test_fp8_join_gpu.py::_quantize_weight
 WEIGHTS = {"block": "block", "channel": "token", "tensor": "tensor", "tensor_static": "tensor"}
 
@@ -83,7 +100,7 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--rows", type=int, default=256, help="buffer rows per expert")
-    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--json", default=None, help="write the table here")
     args = ap.parse_args()
 
@@ -220,11 +237,18 @@ def main() -> int:
         if any(v > 5e-2 for v in rel.values()):
             print(f"MISMATCH at {tokens} tokens: {rels}")
             return 1
+    doc = dict(gpu=torch.cuda.get_device_name(), rows=rows_out)
+    if dg_experts is not None:
+        doc["received_rows_bound"] = bound = received_rows_bound(rows_out, top_k, E)
+        print(
+            f"received rows faster than deep_gemm_dp up to {bound:g} rows per expert "
+            f"(deep_gemm_per_batch.RECEIVED_ROWS_UP_TO = {bound:g})"
+        )
     if args.json:
         with open(args.json, "w") as f:
             # the arguments less --json: no machine path in the results
             shape = {k: v for k, v in vars(args).items() if k != "json"}
-            json.dump(dict(shape=shape, gpu=torch.cuda.get_device_name(), rows=rows_out), f)
+            json.dump(dict(shape=shape, **doc), f)
     return 0
 
 
