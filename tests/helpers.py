@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
 import json
 import os
 import signal
@@ -188,3 +189,16 @@ def moe_config(
         in_dtype=torch.bfloat16,
         max_num_tokens=max_num_tokens,
     )
+
+
+def vllm_apply(body):
+    """`body(self, kw)` as an experts `apply` with vLLM 0.33.0's parameters (what the
+    package's instance patches check), `kw` every argument by vLLM's name."""
+    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, named_args
+
+    def apply(self, *args, **kw):
+        return body(self, named_args(args, kw))
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    apply.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in APPLY_PARAMS])
+    return apply

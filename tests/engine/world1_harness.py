@@ -231,7 +231,7 @@ def patch_deep_gemm_expected_m() -> None:
     """vLLM's BatchedDeepGemmExperts: with no DP metadata (world 1), `expected_m` as vLLM
     estimates it from DP metadata holding this forward's tokens (topk_ids' rows: under a
     CUDA graph the captured size), for the rows per expert that arrive. The class's `apply`
-    keeps vLLM's parameters, checked here (the package's instance patches check the
+    shows vLLM's parameters, checked here (the package's instance patches check the
     class's); applying it twice changes nothing."""
     import contextlib
 
@@ -241,7 +241,7 @@ def patch_deep_gemm_expected_m() -> None:
     )
 
     from vllm_flashinfer_ep.vllm import deep_gemm_warmup
-    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
+    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, named_args
 
     original = BatchedDeepGemmExperts.apply
     if getattr(original, DP_EXPECTED_M_TAG, False):
@@ -252,51 +252,20 @@ def patch_deep_gemm_expected_m() -> None:
             f"({tuple(inspect.signature(original).parameters)})"
         )
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        args = dict(
-            output=output,
-            hidden_states=hidden_states,
-            w1=w1,
-            w2=w2,
-            topk_weights=topk_weights,
-            topk_ids=topk_ids,
-            activation=activation,
-            global_num_experts=global_num_experts,
-            expert_map=expert_map,
-            a1q_scale=a1q_scale,
-            a2_scale=a2_scale,
-            workspace13=workspace13,
-            workspace2=workspace2,
-            expert_tokens_meta=expert_tokens_meta,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-        )
+    def apply(self, *args, **kw):
+        kw = named_args(args, kw)  # every argument by vLLM's name
         has_dp = is_forward_context_available() and get_forward_context().dp_metadata is not None
         scope = contextlib.nullcontext()
         if not has_dp and "estimate_expected_m" not in vars(self):  # not fixed already
+            ids, rows = kw["topk_ids"], kw["hidden_states"].shape[1]
             m = deep_gemm_warmup.dp_estimate(
-                topk_ids.shape[0], topk_ids.shape[1], global_num_experts, hidden_states.shape[1]
+                ids.shape[0], ids.shape[1], kw["global_num_experts"], rows
             )
             scope = deep_gemm_warmup.fixed_expected_m(self, m)
         with scope:
-            return original(self, **args)
+            return original(self, **kw)
 
+    apply.__signature__ = inspect.signature(original)  # vLLM's, as the instance patches check
     setattr(apply, DP_EXPECTED_M_TAG, True)
     BatchedDeepGemmExperts.apply = apply
 

@@ -22,6 +22,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe import (
 )
 
 from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import vllm_apply
 from tests.unit.test_prepare_finalize_cpu import (
     HIDDEN,
     INTER,
@@ -68,45 +69,12 @@ class RecordingTritonExperts(fused_batched_moe.BatchedTritonExperts):
 
     tiles: list[dict]
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        self.tiles.append(_vllm_tile(self, hidden_states, w1, w2, topk_ids))
+    @vllm_apply
+    def apply(self, kw):
+        self.tiles.append(_vllm_tile(self, kw["hidden_states"], kw["w1"], kw["w2"], kw["topk_ids"]))
         if self.fail:
             raise RuntimeError("planted experts failure")
-        return TorchActNaiveBatchedExperts.apply(
-            self,
-            output,
-            hidden_states,
-            w1,
-            w2,
-            topk_weights,
-            topk_ids,
-            activation,
-            global_num_experts,
-            expert_map,
-            a1q_scale,
-            a2_scale,
-            workspace13,
-            workspace2,
-            expert_tokens_meta,
-            apply_router_weight_on_input,
-        )
+        return TorchActNaiveBatchedExperts.apply(self, **kw)
 
     def activation(self, activation, output, input, **kwargs) -> None:
         TorchActNaiveBatchedExperts.activation(self, activation, output, input)

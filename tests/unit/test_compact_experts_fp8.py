@@ -34,7 +34,7 @@ from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
 from tests.fakes.runtime import build_fake_runtime
-from tests.helpers import moe_config
+from tests.helpers import moe_config, vllm_apply
 from tests.unit.test_prepare_finalize_cpu import reference_moe
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
@@ -185,24 +185,8 @@ class VllmBatchedExperts(fused_batched_moe.BatchedTritonExperts):
 
     own_applies: int = 0
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
+    @vllm_apply
+    def apply(self, kw):
         self.own_applies += 1
 
     def activation(self, activation, output, input, **kwargs) -> None:

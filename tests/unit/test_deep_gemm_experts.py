@@ -27,7 +27,7 @@ from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
 from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import BatchedTritonExperts
 
 import vllm_flashinfer_ep
-from tests.helpers import moe_config
+from tests.helpers import moe_config, vllm_apply
 from vllm_flashinfer_ep import cli, doctor, envs
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.bench.reference import random_routing
@@ -215,25 +215,9 @@ class RecordingDeepGemm(BatchedDeepGemmExperts):
         super().__init__(*args, **kwargs)
         self.calls: list[dict] = []
 
-    def apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        self.calls.append({"hidden": hidden_states, "scales": a1q_scale})
+    @vllm_apply
+    def apply(self, kw):
+        self.calls.append({"hidden": kw["hidden_states"], "scales": kw["a1q_scale"]})
 
 
 def _experts_apply(experts, prepared, ids, weights) -> None:

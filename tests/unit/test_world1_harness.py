@@ -231,6 +231,7 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(harness, 
         BatchedDeepGemmExperts,
     )
 
+    from tests.helpers import vllm_apply
     from tests.unit.test_deep_gemm_experts import _block_qc, _moe_config
     from vllm_flashinfer_ep.vllm import deep_gemm_per_batch
     from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
@@ -238,31 +239,14 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(harness, 
 
     seen, given = [], []
 
-    def vllm_apply(
-        self,
-        output,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        a1q_scale,
-        a2_scale,
-        workspace13,
-        workspace2,
-        expert_tokens_meta,
-        apply_router_weight_on_input,
-    ):
-        here = locals()
-        given.append({name: here[name] for name in APPLY_PARAMS[1:]})
-        rows, top_k = hidden_states.shape[1], topk_ids.shape[1]
-        seen.append(self.estimate_expected_m(global_num_experts, rows, top_k))
+    @vllm_apply
+    def recording_apply(self, kw):
+        given.append(kw)
+        rows, top_k = kw["hidden_states"].shape[1], kw["topk_ids"].shape[1]
+        seen.append(self.estimate_expected_m(kw["global_num_experts"], rows, top_k))
         return "vllm's result"
 
-    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", vllm_apply)
+    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", recording_apply)
     harness.patch_deep_gemm_expected_m()
     patched = BatchedDeepGemmExperts.apply
     harness.patch_deep_gemm_expected_m()  # a second time: a no-op
