@@ -38,6 +38,9 @@ FP8_DISPATCH = "VLLM_FLASHINFER_EP_FP8_DISPATCH"
 # "0" issues eager LL rounds through FlashInfer's handle methods instead of the nccl.ep
 # calls underneath them (runtime/native_handle.py).
 NATIVE_EAGER = "VLLM_FLASHINFER_EP_NATIVE_EAGER"
+# Block-FP8 LL layers on DeepGEMM: forwards of at most this many rows per expert run the
+# received-rows Triton experts, larger ones DeepGEMM (vllm/deep_gemm_per_batch.py).
+DEEP_GEMM_RECEIVED_ROWS = "VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
@@ -132,6 +135,24 @@ def _parse_rdma_bytes(name: str, raw: str) -> int:
     return value
 
 
+# Where the received rows and DeepGEMM cross at Qwen3-30B-A3B's shape on an H100 (the FP8
+# experts probe, docs/benchmarks.md); the engine benchmark measured the choice up to 2.
+DEFAULT_DEEP_GEMM_RECEIVED_ROWS = "4"
+ROWS_ACCEPTED = (
+    "a number of rows per expert >= 0 (decimal; 0: DeepGEMM for every forward; inf: the "
+    "received rows for every forward)"
+)
+_DECIMAL = re.compile(r"[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)")
+
+
+def _parse_rows(name: str, raw: str) -> float:
+    if raw.lower() in ("inf", "infinity"):
+        return float("inf")
+    if _DECIMAL.fullmatch(raw) is None:  # float() would take "nan", "1e3", "1_0"
+        raise _error(name, raw, ROWS_ACCEPTED)
+    return float(raw)
+
+
 def _parse_transport(name: str, raw: str) -> str:
     if raw not in TRANSPORTS:
         raise _error(name, raw, " or ".join(TRANSPORTS))
@@ -187,6 +208,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         BOOL_ACCEPTED,
         _parse_bool,
         "0 runs eager LL rounds through FlashInfer's handle methods, not direct nccl.ep calls",
+    ),
+    EnvVar(
+        DEEP_GEMM_RECEIVED_ROWS,
+        DEFAULT_DEEP_GEMM_RECEIVED_ROWS,
+        ROWS_ACCEPTED,
+        _parse_rows,
+        "block-FP8 LL layers on DeepGEMM: forwards of at most this many rows per expert run "
+        "the received-rows Triton experts",
     ),
 )
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
@@ -252,8 +281,13 @@ def skip_env_checks() -> bool:
     return BY_NAME[SKIP_ENV_CHECKS].value()
 
 
-# How one rank checks its host and issues its calls: its peers see the same collectives.
-RANK_LOCAL = (SKIP_ENV_CHECKS, NATIVE_EAGER)
+def deep_gemm_received_rows() -> float:
+    return BY_NAME[DEEP_GEMM_RECEIVED_ROWS].value()
+
+
+# How one rank checks its host, issues its calls and runs its own experts: its peers see
+# the same collectives.
+RANK_LOCAL = (SKIP_ENV_CHECKS, NATIVE_EAGER, DEEP_GEMM_RECEIVED_ROWS)
 
 
 def settings() -> dict[str, Any]:

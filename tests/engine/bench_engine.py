@@ -56,13 +56,17 @@ CONFIGS = {
         {"backend": LL, "moe_backend": "triton"},
         {"FLASHINFER_EP_TEST_LISTED_QUANT": "0"},
     ),
-    # BF16 arrivals (per-channel FP8) quantized by one kernel over the block list instead of
-    # gathered, quantized and scattered (listed_quant.INPUT_ENABLED, off until measured here)
-    "ll_graph_listed_input": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_INPUT_QUANT": "1"}),
-    # Block FP8 on DeepGEMM (`auto`) with forwards of at most 2 rows per expert (32 tokens at
-    # this shape) on the received-rows Triton experts (vllm/deep_gemm_per_batch.py, off
-    # until measured here)
-    "ll_graph_per_batch": ({"backend": LL}, {"FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS": "2"}),
+    # BF16 arrivals (per-channel FP8) gathered, quantized with vLLM's op and scattered back
+    # instead of quantized by one kernel over the block list (listed_quant.INPUT_ENABLED, on
+    # by default since measured here)
+    "ll_graph_gathered_input": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_INPUT_QUANT": "0"}),
+    # Block FP8 on DeepGEMM (`auto`) for every forward, none on the received-rows Triton
+    # experts (vllm/deep_gemm_per_batch.py: up to 4 rows per expert by default, since
+    # measured here)
+    "ll_graph_deepgemm_only": (
+        {"backend": LL},
+        {"VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS": "0"},
+    ),
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "no_ep_eager": ({"backend": None, "enforce_eager": True}, {}),  # ll_eager's reference
     "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
@@ -258,7 +262,7 @@ def _run(args, work: Path) -> int:
                 "listed_activation": probe.get("listed_activation"),  # block_list's switch
                 "listed_quant": probe.get("listed_quant"),  # listed_quant.ENABLED
                 "listed_input_quant": probe.get("listed_input_quant"),  # .INPUT_ENABLED
-                # deep_gemm_per_batch.RECEIVED_ROWS_UP_TO (block FP8 on DeepGEMM)
+                # deep_gemm_per_batch.bound() (block FP8 on DeepGEMM)
                 "deep_gemm_received_rows": probe.get("deep_gemm_received_rows"),
                 # DeepGEMM's expected_m as DP ranks estimate it (world1_harness, a switch;
                 # it acts where "kernels" name BatchedDeepGemmExperts)

@@ -98,7 +98,7 @@ def worker_probe(worker: Any) -> dict[str, Any]:
     out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switches as the worker sees them
     out["listed_quant"] = listed_quant.ENABLED
     out["listed_input_quant"] = listed_quant.INPUT_ENABLED
-    out["deep_gemm_received_rows"] = deep_gemm_per_batch.RECEIVED_ROWS_UP_TO
+    out["deep_gemm_received_rows"] = deep_gemm_per_batch.bound()
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )

@@ -19,13 +19,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 HARNESS_DIST = "vllm_flashinfer_ep_world1_harness-0.0.0.dist-info"
 LOG_DIR_ENV = "FLASHINFER_EP_TEST_ENGINE_LOG_DIR"
+PACKAGE_PREFIX = "VLLM_FLASHINFER_EP_"  # envs.PREFIX
 # Harness switches read by the engine processes (world1_harness): they change what an
-# engine computes, so a kept result is keyed by them too.
+# engine computes, so a kept result is keyed by them too, as by the package's variables.
 ENGINE_SWITCHES = (
     "FLASHINFER_EP_TEST_LISTED_ACTIVATION",
     "FLASHINFER_EP_TEST_LISTED_QUANT",
     "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT",
-    "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS",
     "FLASHINFER_EP_TEST_DP_EXPECTED_M",
     "FLASHINFER_EP_TEST_VLLM_TILES",
     "FLASHINFER_EP_TEST_BATCHED_KERNEL",
@@ -108,7 +108,11 @@ class EngineRunner:
         env: dict[str, str] | None = None,
         timeout: float = 540,  # within one 600 s device call
     ) -> dict[str, Any]:
-        switches = {name: os.environ.get(name) for name in ENGINE_SWITCHES}
+        switches = {
+            name: value
+            for name, value in os.environ.items()
+            if name in ENGINE_SWITCHES or name.startswith(PACKAGE_PREFIX)
+        }
         key = hashlib.sha1(
             json.dumps([spec, env, switches, self._code], sort_keys=True).encode()
         ).hexdigest()[:12]

@@ -48,7 +48,7 @@ PATHS = ("batched_triton", "received_rows", "deep_gemm", "deep_gemm_dp", "no_ep"
 
 
 def received_rows_bound(rows: list[dict], top_k: int, experts: int) -> float:
-    """`deep_gemm_per_batch.RECEIVED_ROWS_UP_TO` as these rows measure it: the rows per
+    """VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS as these rows measure it: the rows per
     expert (tokens x top_k / experts) of the largest batch up to which the received rows
     were faster than DeepGEMM at data parallel ranks' `expected_m` at every measured
     batch (0: not even at the smallest; rows without both timings end the run)."""
@@ -242,7 +242,7 @@ def main() -> int:
         doc["received_rows_bound"] = bound = received_rows_bound(rows_out, top_k, E)
         print(
             f"received rows faster than deep_gemm_dp up to {bound:g} rows per expert "
-            f"(deep_gemm_per_batch.RECEIVED_ROWS_UP_TO = {bound:g})"
+            f"(VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS={bound:g})"
         )
     if args.json:
         with open(args.json, "w") as f:

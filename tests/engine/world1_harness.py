@@ -57,7 +57,6 @@ BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
 LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
 LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
 LISTED_INPUT_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT"
-DEEP_GEMM_RECEIVED_ROWS_ENV = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
 DP_EXPECTED_M_ENV = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
 
 
@@ -92,7 +91,6 @@ def install() -> None:
         batched_tiles,
         block_list,
         compact_experts,
-        deep_gemm_per_batch,
         listed_quant,
     )
 
@@ -111,12 +109,6 @@ def install() -> None:
             setattr(module, attr, value == "1")
         elif value:
             raise ValueError(f"{name}: 0 or 1, got {value!r}")
-    # rows per expert up to which DeepGEMM layers run the received rows, to measure
-    bound = os.environ.get(DEEP_GEMM_RECEIVED_ROWS_ENV)
-    if bound:  # unset or empty: the package's default
-        deep_gemm_per_batch.RECEIVED_ROWS_UP_TO = deep_gemm_per_batch.check_bound(
-            bound, DEEP_GEMM_RECEIVED_ROWS_ENV
-        )
     if dp_expected_m == "1":
         patch_deep_gemm_expected_m()
     _installed = True

@@ -63,6 +63,29 @@ def test_ll_block_fp8_keeps_deep_gemm_and_says_so(tiny_moe, caplog):
         )
     assert cfg.kernel_config.moe_backend == "deep_gemm"
     assert "DeepGEMM batched experts (--moe-backend deep_gemm)" in caplog.text
+    assert "at most 4 rows per expert run the package's received-rows" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        ("0", "every forward on DeepGEMM (VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS=0)"),
+        ("1.5", "at most 1.5 rows per expert run the package's received-rows"),
+    ],
+)
+def test_the_named_deep_gemm_logs_where_small_forwards_go(
+    tiny_moe, caplog, monkeypatch, rows, says
+):
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", rows)
+    with caplog.at_level(logging.INFO):
+        engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
+    assert says in caplog.text
+
+
+def test_a_bad_small_forwards_bound_fails_the_engine_config(tiny_moe, monkeypatch):
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "-2")
+    with pytest.raises(Exception, match="VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS='-2'"):
+        engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
 
 
 def test_a_block_fp8_checkpoint_keeps_deep_gemm(tmp_path):
@@ -415,6 +438,7 @@ def test_auto_takes_deep_gemm_for_ll_block_fp8_on_hopper(tiny_moe, caplog):
         cfg = engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block")
     assert cfg.kernel_config.moe_backend == "deep_gemm"
     assert "--moe-backend auto -> deep_gemm" in caplog.text
+    assert "DeepGEMM: forwards of at most 4 rows per expert run" in caplog.text
 
 
 @pytest.mark.usefixtures("hopper")
@@ -432,6 +456,7 @@ def test_auto_keeps_triton_where_deep_gemm_cannot_run(tiny_moe, backend, kwargs,
         cfg = engine_config(tiny_moe, backend, **kwargs)
     assert cfg.kernel_config.moe_backend == "triton"
     assert "--moe-backend auto -> triton" in caplog.text
+    assert "received-rows Triton experts, faster" not in caplog.text  # no DeepGEMM layers
 
 
 def test_auto_keeps_triton_off_hopper(tiny_moe, caplog):

@@ -6,7 +6,7 @@ expert (tokens over all ranks x top_k / experts) are at most `RECEIVED_ROWS_UP_T
 the received-rows experts, with vLLM's fused-MoE kernel and group quantization replaced
 by the stand-ins of test_compact_experts_fp8.py, and must compute what each received
 row's expert computes; any other reaches vLLM's apply with the scales MN-major. The bound
-is off by default. On the GPU: tests/kernels/test_deep_gemm_experts_gpu.py compares the
+is VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS (4 by default), read at install. On the GPU: tests/kernels/test_deep_gemm_experts_gpu.py compares the
 choice's two sides with vLLM's batched experts on one receive buffer.
 """
 
@@ -49,9 +49,10 @@ class RecordingDeepGemm(test_deep_gemm_experts.RecordingDeepGemm):
 
 @pytest.fixture
 def experts(monkeypatch):
-    """A DeepGEMM experts object with the patch installed at `bound`; undone after."""
+    """A DeepGEMM experts object with the patch installed at `bound` (None: the package
+    variable's); undone after."""
 
-    def build(bound: float, dispatchers: int = 1, sent=None, seed: int = 0):
+    def build(bound: float | None, dispatchers: int = 1, sent=None, seed: int = 0):
         monkeypatch.setattr(deep_gemm_per_batch, "RECEIVED_ROWS_UP_TO", bound)
         (q1, s1, d1), (q2, s2, d2) = _block_weights(seed)
         e = RecordingDeepGemm(
@@ -175,25 +176,49 @@ def test_rows_per_expert_count_every_rank_s_experts(experts):
     assert not e.calls and len(rec.gemms) == 2
 
 
-@pytest.mark.parametrize("value", [0, 0.5, 4, "2.5", "inf", float("inf")])
-def test_a_bound_is_a_number_of_rows_at_least_zero(value):
-    assert deep_gemm_per_batch.check_bound(value, "X") == float(value)
+def test_the_bound_is_the_package_variable_read_when_a_layer_is_set_up(experts, monkeypatch):
+    """Unset, the measured default (4 rows per expert); set, its value, read at install:
+    the forwards of a layer set up before a change keep the bound they were set up with."""
+    from vllm_flashinfer_ep import envs
+
+    monkeypatch.delenv(envs.DEEP_GEMM_RECEIVED_ROWS, raising=False)
+    monkeypatch.setattr(deep_gemm_per_batch, "RECEIVED_ROWS_UP_TO", None)
+    assert deep_gemm_per_batch.bound() == 4.0
+    monkeypatch.setenv(envs.DEEP_GEMM_RECEIVED_ROWS, "0.5")
+    e, (q1, q2, *_) = experts(None)
+    monkeypatch.setenv(envs.DEEP_GEMM_RECEIVED_ROWS, "inf")
+    _, q, s, c, _ = _received_buffer(_counts(4), CAP, seed=4)  # 1 row per expert
+    _call(e, q, s, q1, q2, c, 4)
+    assert len(e.calls) == 1 and not rec.gemms  # above 0.5: DeepGEMM
 
 
-@pytest.mark.parametrize("value", [-1, "-0.5", "nan", "many", ""])
-def test_other_bounds_are_refused_naming_the_setting(value):
-    with pytest.raises(ValueError, match="X: a number of rows per expert >= 0"):
-        deep_gemm_per_batch.check_bound(value, "X")
+def test_a_bad_bound_fails_the_set_up_naming_the_variable(monkeypatch):
+    from vllm_flashinfer_ep import envs
+    from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
+
+    monkeypatch.setattr(deep_gemm_per_batch, "RECEIVED_ROWS_UP_TO", None)
+    monkeypatch.setenv(envs.DEEP_GEMM_RECEIVED_ROWS, "-1")
+    with pytest.raises(FlashInferEPEnvVarError, match=envs.DEEP_GEMM_RECEIVED_ROWS):
+        deep_gemm_per_batch.bound()
 
 
-def test_the_choice_is_logged_once_when_on(experts, caplog, monkeypatch):
+def test_the_choice_is_logged_once(experts, caplog, monkeypatch):
+    monkeypatch.setattr(deep_gemm_per_batch, "_logged", False)
+    with caplog.at_level(logging.INFO):
+        experts(2.0)
+        experts(2.0)
+        experts(0.0)
+    assert caplog.text.count("at most 2 rows per expert run the received-rows") == 1
+    assert "DEEP_GEMM_RECEIVED_ROWS=0: DeepGEMM for every forward" in caplog.text
+    assert "run DeepGEMM for every forward" not in caplog.text
+
+
+def test_off_the_log_says_deep_gemm_for_every_forward(experts, caplog, monkeypatch):
     monkeypatch.setattr(deep_gemm_per_batch, "_logged", False)
     with caplog.at_level(logging.INFO):
         experts(0.0)
-        assert "received-rows Triton experts" not in caplog.text
-        experts(2.0)
-        experts(2.0)
-    assert caplog.text.count("at most 2 rows per expert run the received-rows") == 1
+    assert "block-FP8 layers run DeepGEMM for every forward" in caplog.text
+    assert "received-rows Triton experts" not in caplog.text
 
 
 def test_undone_the_object_is_vllm_s_again(experts):

@@ -81,3 +81,20 @@ def test_a_harness_switch_keys_the_kept_result(tmp_path, monkeypatch):
     assert len(calls) == 2
     engine_runner.EngineRunner(tmp_path / "c").run("ll", {"model": "/m"})
     assert len(calls) == 2  # the same switch again: kept
+
+
+def test_a_package_variable_keys_the_kept_result(tmp_path, monkeypatch):
+    """The package's variables change what an engine computes (e.g. DeepGEMM's small
+    forwards on the received rows, VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS=0): a call
+    with one set never reads the result of a call without it."""
+    calls: list[dict] = []
+    monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
+    monkeypatch.setenv(engine_runner.CACHE_ENV, str(tmp_path / "kept"))
+    monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
+    monkeypatch.delenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", raising=False)
+    engine_runner.EngineRunner(tmp_path / "a").run("ll", {"model": "/m"})
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "0")
+    engine_runner.EngineRunner(tmp_path / "b").run("ll", {"model": "/m"})
+    assert len(calls) == 2
+    engine_runner.EngineRunner(tmp_path / "c").run("ll", {"model": "/m"})
+    assert len(calls) == 2  # the same value again: kept

@@ -175,6 +175,23 @@ CASES: dict[str, dict] = {
         ],
     },
     envs.RDMA_BUFFER_BYTES: _rdma_cases(),
+    envs.DEEP_GEMM_RECEIVED_ROWS: {
+        "default": 4.0,
+        "accepted": [
+            ("0", 0.0),
+            ("4", 4.0),
+            ("2.5", 2.5),
+            (".5", 0.5),
+            ("3.", 3.0),
+            ("+1", 1.0),
+            (" 8 ", 8.0),
+            ("inf", float("inf")),
+            ("INF", float("inf")),
+            ("Infinity", float("inf")),
+            ("", 4.0),
+        ],
+        "bad": ["-1", "-0.5", "nan", "NaN", "-inf", "1e3", "1_0", "many", "4 rows", "0x4", "."],
+    },
 }
 
 ACCEPTED = [(name, raw, value) for name, c in CASES.items() for raw, value in c["accepted"]]

@@ -41,6 +41,7 @@ from vllm_flashinfer_ep.vllm.fp8_experts_choice import (
     deep_gemm_step,
     draft_moe,
     fp8_experts_reason,
+    small_forwards_note,
     unquantized_experts_reason,
     unquantized_moe,
 )
@@ -313,9 +314,10 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     if kernel.moe_backend == dg.MOE_BACKEND:
         logger.info(
             "%s: FP8 MoE layers use vLLM's DeepGEMM batched experts (--moe-backend %s) over "
-            "the LL buffer, with MN-major activation scales.",
+            "the LL buffer, with MN-major activation scales; %s",
             flag,
             dg.MOE_BACKEND,
+            small_forwards_note(),
         )
         return
     if kernel.moe_backend == "triton":
@@ -334,11 +336,12 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     logger.info(
         "%s: FP8 MoE layers use --moe-backend auto -> %s (%s); 128x128 block-FP8 layers "
         "dispatch FP8 (%s=0: BF16), the others dispatch BF16 and quantize to FP8 after "
-        "receive.",
+        "receive.%s",
         flag,
         choice,
         why,
         envs.FP8_DISPATCH,
+        f" DeepGEMM: {small_forwards_note()}" if choice == dg.MOE_BACKEND else "",
     )
 
 

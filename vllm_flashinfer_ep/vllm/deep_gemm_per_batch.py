@@ -5,10 +5,13 @@ Why: `--moe-backend auto` gives 128x128 block-FP8 LL layers vLLM's
 a fraction of a row per expert the received-rows Triton experts
 (vllm/compact_experts_fp8.py) can be faster, as DeepGEMM's tile is sized for
 `expected_m` rows per expert. A forward whose rows per expert (the busiest sender's
-tokens x senders x top_k / global experts) are at most `RECEIVED_ROWS_UP_TO` runs the
-received rows, any other DeepGEMM. The bound comes from the probe's `received_rows`
-and `deep_gemm_dp` columns (docs/benchmarks.md): DeepGEMM at the `expected_m` data
-parallel ranks give it, not world 1's whole buffer.
+tokens x senders x top_k / global experts) are at most
+VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS (default 4) runs the received rows, any other
+DeepGEMM. The default is where
+the FP8 experts probe's `received_rows` and `deep_gemm_dp` columns cross at Qwen3-30B-A3B's
+shape (DeepGEMM at the `expected_m` data parallel ranks give it, not world 1's whole
+buffer); the engine benchmark measured the choice faster at 1-32 tokens
+(docs/benchmarks.md).
 
 Both read vLLM's DeepGEMM weights (on Hopper FP32 block scales in their usual layout) and
 quantize the intermediate with vLLM's E8M0 choice; they differ as two FP8 kernels do
@@ -25,10 +28,10 @@ prepare/finalize's setup hook (`install`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.vllm import compact_experts, deep_gemm_experts
 from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, leave_to_vllm, named_args
@@ -42,30 +45,22 @@ from vllm_flashinfer_ep.vllm.patches._helper import (
 
 logger = get_logger(__name__)
 
-# The average rows per expert up to which a forward takes the received rows; 0: DeepGEMM
-# for every forward. Off until this wrapper's GPU tests have run and the probe has
-# measured where the two cross (docs/device_vllm.md, "Open"); the test harness sets it.
-RECEIVED_ROWS_UP_TO = 0.0
+# The average rows per expert up to which a forward takes the received rows (0: DeepGEMM
+# for every forward); None: the package's VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS, read
+# when a layer is set up. Tests set it.
+RECEIVED_ROWS_UP_TO: float | None = None
 _logged = False
 
 
-def check_bound(value: float, name: str) -> float:
-    """`value` as a bound on the average rows per expert: a number >= 0 (infinity: every
-    forward), or ValueError naming `name`."""
-    try:
-        bound = float(value)
-    except (TypeError, ValueError):
-        bound = math.nan
-    if math.isnan(bound) or bound < 0:
-        raise ValueError(f"{name}: a number of rows per expert >= 0, got {value!r}")
-    return bound
+def bound() -> float:
+    """The rows per expert up to which a forward runs the received rows, as set up now."""
+    return envs.deep_gemm_received_rows() if RECEIVED_ROWS_UP_TO is None else RECEIVED_ROWS_UP_TO
 
 
-def takes_received_rows(tokens_across: int, top_k: int, global_experts: int) -> bool:
+def takes_received_rows(tokens_across: int, top_k: int, global_experts: int, up_to: float) -> bool:
     """Whether a forward of `tokens_across` tokens over all ranks runs the received rows:
-    its average rows per expert, tokens x top_k / experts, at most RECEIVED_ROWS_UP_TO."""
-    bound = RECEIVED_ROWS_UP_TO
-    return bound > 0 and global_experts > 0 and tokens_across * top_k <= bound * global_experts
+    its average rows per expert, tokens x top_k / experts, at most `up_to`."""
+    return up_to > 0 and global_experts > 0 and tokens_across * top_k <= up_to * global_experts
 
 
 def tokens_across(fused_experts: Any, kw: dict, sent_per_rank: int | None) -> int:
@@ -83,20 +78,23 @@ def _per_batch_apply(
     fused_experts: Any,
     inner: Callable[..., Any],
     sent_per_rank: Callable[[], int | None] | None = None,
+    up_to: float = 0.0,
 ) -> Callable[..., Any]:
-    """`fused_experts.apply` choosing per forward between the received rows and `inner`
-    (DeepGEMM through vLLM's apply), handing the latter MN-major scales."""
+    """`fused_experts.apply` choosing per forward between the received rows (at most
+    `up_to` rows per expert) and `inner` (DeepGEMM through vLLM's apply), handing the
+    latter MN-major scales."""
 
     def apply(*args: Any, **kw: Any) -> Any:
         kw = named_args(args, kw)
         sent = sent_per_rank() if sent_per_rank else None
         if (
-            RECEIVED_ROWS_UP_TO > 0  # off: no token count to look up per layer
+            up_to > 0  # off: no token count to look up per layer
             and compact_experts.ENABLED
             and takes_received_rows(
                 tokens_across(fused_experts, kw, sent),
                 kw["topk_ids"].shape[1],
                 kw["global_num_experts"],
+                up_to,
             )
             and compact_experts.eligible(fused_experts, kw)
         ):
@@ -118,7 +116,7 @@ PATCH = Patch(
     _per_batch_apply,
     APPLY_PARAMS,
     what="LL batched DeepGEMM experts: small forwards run the received-rows Triton experts "
-    "(RECEIVED_ROWS_UP_TO), the others DeepGEMM with its activation scales MN-major",
+    "(VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS), the others DeepGEMM with its activation scales MN-major",
     why="DeepGEMM reads MN-major scales (the FP8 wire gives row-major ones) and, at a "
     "fraction of a row per expert, costs more than the received rows (docs/benchmarks.md)",
     how="per experts object, from the LL prepare/finalize's post_init_setup, over "
@@ -136,17 +134,26 @@ def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None =
     scales MN-major. `sent_per_rank()`: see compact_experts.senders_tokens. Returns
     whether it now does (False: not such an object, or its `apply` is not vLLM 0.33.0's,
     logged: DeepGEMM then re-lays the row-major scales itself, every row of the buffer)."""
+    up_to = bound()
     try:
-        if not apply_instance(PATCH, fused_experts, sent_per_rank):
+        if not apply_instance(PATCH, fused_experts, sent_per_rank, up_to):
             return False
     except PatchTargetError as error:
         return leave_to_vllm(error, "the scale layout and every forward's experts kernel")
     global _logged
-    if RECEIVED_ROWS_UP_TO > 0 and not _logged:
+    if not _logged:
         _logged = True
-        logger.info(
-            "flashinfer_ep_low_latency: block-FP8 forwards of at most %g rows per expert run "
-            "the received-rows Triton experts, larger ones DeepGEMM",
-            RECEIVED_ROWS_UP_TO,
-        )
+        if up_to > 0:
+            logger.info(
+                "flashinfer_ep_low_latency: block-FP8 forwards of at most %g rows per expert "
+                "run the received-rows Triton experts, larger ones DeepGEMM (%s=0: DeepGEMM "
+                "for every forward)",
+                up_to,
+                envs.DEEP_GEMM_RECEIVED_ROWS,
+            )
+        else:
+            logger.info(
+                "flashinfer_ep_low_latency: block-FP8 layers run DeepGEMM for every forward (%s=0)",
+                envs.DEEP_GEMM_RECEIVED_ROWS,
+            )
     return True

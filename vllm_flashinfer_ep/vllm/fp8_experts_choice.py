@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_flashinfer_ep import backends, model_shape
+from vllm_flashinfer_ep import backends, envs, model_shape
 from vllm_flashinfer_ep.vllm import deep_gemm_experts as dg
 from vllm_flashinfer_ep.vllm.config_rules import FP8_METHODS
 
@@ -133,6 +133,19 @@ def auto_fp8_experts(
     if reason is not None:
         return "triton", f"DeepGEMM experts cannot run here: {reason}"
     return deep_gemm, "the fastest block-FP8 experts over the LL buffer"
+
+
+def small_forwards_note() -> str:
+    """What the LL DeepGEMM layers run small forwards on (vllm/deep_gemm_per_batch.py), for
+    the config-time log line."""
+    up_to = envs.deep_gemm_received_rows()
+    if up_to <= 0:
+        return f"every forward on DeepGEMM ({envs.DEEP_GEMM_RECEIVED_ROWS}=0)."
+    return (
+        f"forwards of at most {up_to:g} rows per expert run the package's received-rows "
+        f"Triton experts, faster there ({envs.DEEP_GEMM_RECEIVED_ROWS}=0: DeepGEMM for "
+        "every forward)."
+    )
 
 
 def _is_block_128(method: str | None, block: Any) -> bool:

@@ -16,9 +16,10 @@ vLLM's activation writes), then vLLM's dynamic quantization of those 16-bit valu
 - per token (`dynamic_per_token_scaled_fp8_quant`): scale = max(amax / 448, 1 / (448 x
   512)), the row's amax gathered over column chunks;
 - q = clamp(x / scale, -448, 448) as E4M3, true divisions as vLLM's CUDA kernels divide.
-On (`ENABLED`) since its GPU test against vLLM's ops passed and the engine benchmark
-measured per-channel LL faster with it at every batch (docs/benchmarks.md); off gives the
-listed activation and vLLM's quantization back.
+Both on (`ENABLED`, `INPUT_ENABLED`) since their GPU tests against vLLM's ops passed and
+the engine benchmark measured per-channel LL faster with each at every batch, the engine
+test's prompt logprobs within the floor (docs/benchmarks.md); off gives the listed
+activation and vLLM's quantization of gathered rows back.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ except ImportError:  # pragma: no cover - CPU-only installs without Triton
 from vllm_flashinfer_ep.vllm import block_list
 
 ENABLED = True
-# The received rows' own quantization (BF16 arrivals) in one launch: off until measured.
-INPUT_ENABLED = False
+# The received rows' own quantization (BF16 arrivals) in one launch.
+INPUT_ENABLED = True
 GROUP = 128  # elements per scale of block layers (vLLM's block_shape[1])
 FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's group quantization floor on amax
@@ -76,7 +77,7 @@ def quantize_rows(
     `silu_mul_quant` without the activation: vLLM's dynamic quantization of the listed rows
     in one launch, where compact_experts_fp8.quantize_listed_rows gathers every entry of the
     block list (sentinels included: a partial block per expert with rows), quantizes
-    and scatters back. Off (`INPUT_ENABLED`) until its GPU test and the engine benchmark run."""
+    and scatters back (`INPUT_ENABLED`)."""
     return _listed_quant(x, blocks, group, ue8m0, act=False)
 
 
