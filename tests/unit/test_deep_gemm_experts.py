@@ -474,6 +474,7 @@ def test_doctor_says_what_auto_becomes(tiny_moe, monkeypatch):
     cli.main(["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"])
     check = {c.name: c for c in seen}["FP8 experts"]
     assert check.ok and "--moe-backend auto -> deep_gemm" in check.detail
+    assert "forwards of at most 4 rows per expert run the package's received-rows" in check.detail
 
 
 # ------------------------------------------------ MoE layers that stay unquantized

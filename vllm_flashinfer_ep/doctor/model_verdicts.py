@@ -19,6 +19,7 @@ from vllm_flashinfer_ep.doctor.settings import (
     vllm_default_tokens,
     vllm_defaults,
 )
+from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
 from vllm_flashinfer_ep.runtime.buffer_sizes import LL_BUFFER_BUDGET_FRACTION
 from vllm_flashinfer_ep.runtime.env_checks import Check
 from vllm_flashinfer_ep.runtime.limits import (
@@ -205,7 +206,13 @@ def _fp8_experts_check(
         )
         shown += f" -> {runs} ({why})"
     kind = "DeepGEMM batched" if runs == "deep_gemm" else "Triton"
-    return Check("FP8 experts", True, f"{shown}: vLLM's {kind} experts")
+    detail = f"{shown}: vLLM's {kind} experts"
+    if runs == "deep_gemm" and backend == LOW_LATENCY:
+        try:  # a bad value is the environment check's to report
+            detail += f"; {fp8_choice.small_forwards_note()}"
+        except FlashInferEPEnvVarError:
+            pass
+    return Check("FP8 experts", True, detail)
 
 
 def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: str) -> Check:
