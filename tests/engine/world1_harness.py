@@ -58,6 +58,8 @@ LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
 LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
 LISTED_INPUT_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT"
 DP_EXPECTED_M_ENV = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
+# The harness's bound for DeepGEMM's small forwards, replaced by the package's variable.
+REMOVED_ENV = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
 
 
 def _ours(backend: str | None) -> bool:
@@ -75,6 +77,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    if os.environ.get(REMOVED_ENV):  # a copied old command would measure the default silently
+        raise ValueError(f"{REMOVED_ENV} is gone: set VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS")
     dp_expected_m = os.environ.get(DP_EXPECTED_M_ENV)  # checked before anything is patched
     if dp_expected_m not in (None, "", "0", "1"):
         raise ValueError(f"{DP_EXPECTED_M_ENV}: 0 or 1, got {dp_expected_m!r}")

@@ -82,10 +82,33 @@ def test_the_named_deep_gemm_logs_where_small_forwards_go(
     assert says in caplog.text
 
 
-def test_a_bad_small_forwards_bound_fails_the_engine_config(tiny_moe, monkeypatch):
+@pytest.mark.parametrize("quantization", ["fp8_per_block", None])
+def test_a_bad_small_forwards_bound_fails_the_engine_config(tiny_moe, monkeypatch, quantization):
+    """Refused with the other variables, whatever the model (a BF16 one has no DeepGEMM)."""
+    from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
+
     monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "-2")
-    with pytest.raises(Exception, match="VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS='-2'"):
+    kwargs = {"quantization": quantization} if quantization else {}
+    with pytest.raises(
+        FlashInferEPEnvVarError, match="VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS='-2'"
+    ):
+        engine_config(tiny_moe, LOW_LATENCY, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        ("0.5", "at most 0.5 rows per expert run the package's received-rows"),
+        ("inf", "every forward on the package's received-rows Triton experts"),
+    ],
+)
+def test_fractional_and_infinite_bounds_are_logged_as_they_route(
+    tiny_moe, caplog, monkeypatch, rows, says
+):
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", rows)
+    with caplog.at_level(logging.INFO):
         engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
+    assert says in caplog.text and "every forward on DeepGEMM" not in caplog.text
 
 
 def test_a_block_fp8_checkpoint_keeps_deep_gemm(tmp_path):
@@ -475,6 +498,18 @@ def test_doctor_says_what_auto_becomes(tiny_moe, monkeypatch):
     check = {c.name: c for c in seen}["FP8 experts"]
     assert check.ok and "--moe-backend auto -> deep_gemm" in check.detail
     assert "forwards of at most 4 rows per expert run the package's received-rows" in check.detail
+
+
+@pytest.mark.usefixtures("hopper")
+def test_doctor_with_a_bad_small_forwards_bound_reports_it_once(tiny_moe, monkeypatch):
+    """The variables' check names the bad value; the FP8 experts line does not crash."""
+    monkeypatch.setenv(envs.DEEP_GEMM_RECEIVED_ROWS, "-1")
+    seen = []
+    real = doctor.model_checks
+    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
+    cli.main(["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"])
+    check = {c.name: c for c in seen}["FP8 experts"]
+    assert check.ok and "rows per expert" not in check.detail
 
 
 # ------------------------------------------------ MoE layers that stay unquantized

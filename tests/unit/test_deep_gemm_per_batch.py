@@ -2,12 +2,13 @@
 
 vLLM 0.33.0's own `BatchedDeepGemmExperts` (its apply, DeepGEMM, absent here, replaced by
 a recorder) gets the instance patch the LL setup hook applies. A forward whose rows per
-expert (tokens over all ranks x top_k / experts) are at most `RECEIVED_ROWS_UP_TO` runs
+expert (tokens over all ranks x top_k / experts) are at most the bound runs
 the received-rows experts, with vLLM's fused-MoE kernel and group quantization replaced
 by the stand-ins of test_compact_experts_fp8.py, and must compute what each received
 row's expert computes; any other reaches vLLM's apply with the scales MN-major. The bound
-is VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS (4 by default), read at install. On the GPU: tests/kernels/test_deep_gemm_experts_gpu.py compares the
-choice's two sides with vLLM's batched experts on one receive buffer.
+is VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS (4 by default), read at install. On the
+GPU: tests/kernels/test_deep_gemm_experts_gpu.py compares the choice's two sides with
+vLLM's batched experts on one receive buffer.
 """
 
 from __future__ import annotations
@@ -211,6 +212,23 @@ def test_the_choice_is_logged_once(experts, caplog, monkeypatch):
     assert caplog.text.count("at most 2 rows per expert run the received-rows") == 1
     assert "DEEP_GEMM_RECEIVED_ROWS=0: DeepGEMM for every forward" in caplog.text
     assert "run DeepGEMM for every forward" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("bound", "says"),
+    [
+        (0.5, "at most 0.5 rows per expert run the received-rows"),
+        (0.0625, "at most 0.0625 rows per expert run the received-rows"),
+        (float("inf"), "run every forward on the received-rows Triton experts"),
+    ],
+)
+def test_fractional_and_infinite_bounds_are_logged_as_they_route(
+    experts, caplog, monkeypatch, bound, says
+):
+    monkeypatch.setattr(deep_gemm_per_batch, "_logged", False)
+    with caplog.at_level(logging.INFO):
+        experts(bound)
+    assert says in caplog.text and "DeepGEMM for every forward (" not in caplog.text
 
 
 def test_off_the_log_says_deep_gemm_for_every_forward(experts, caplog, monkeypatch):

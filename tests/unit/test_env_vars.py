@@ -39,6 +39,8 @@ BAD = [
     (envs.SKIP_ENV_CHECKS, "2", "0/false/no/off"),
     (envs.FT_TIMEOUT_MS, "0", "from 1 to 3600000"),
     (envs.FT_TIMEOUT_MS, "soon", "from 1 to 3600000"),
+    (envs.DEEP_GEMM_RECEIVED_ROWS, "-1", "a number of rows per expert >= 0"),
+    (envs.DEEP_GEMM_RECEIVED_ROWS, "nan", "a number of rows per expert >= 0"),
 ]
 
 
@@ -112,6 +114,7 @@ def test_defaults_when_unset():
     assert envs.ft_timeout_ms() == envs.DEFAULT_FT_TIMEOUT_MS
     assert envs.rdma_buffer_bytes() == 0
     assert envs.skip_env_checks() is False
+    assert envs.deep_gemm_received_rows() == 4.0
 
 
 @pytest.mark.parametrize(("name", "raw", "accepted"), BAD)
@@ -124,6 +127,7 @@ def test_worker_side_readers_refuse_too(monkeypatch, name, raw, accepted):
         envs.TRANSPORT: envs.transport,
         envs.SKIP_ENV_CHECKS: envs.skip_env_checks,
         envs.FT_TIMEOUT_MS: envs.ft_timeout_ms,
+        envs.DEEP_GEMM_RECEIVED_ROWS: envs.deep_gemm_received_rows,
     }[name]
     with pytest.raises(FlashInferEPEnvVarError, match=name):
         reader()
@@ -197,3 +201,9 @@ def test_the_project_names_no_variable_the_engine_would_refuse():
         if n not in envs.BY_NAME and n not in deliberate_typos
     }
     assert not unknown, unknown
+
+
+def test_the_small_forwards_bound_is_rank_local(monkeypatch):
+    """Each rank's experts choice is its own (no collective in it): ranks may differ."""
+    monkeypatch.setenv(envs.DEEP_GEMM_RECEIVED_ROWS, "0")
+    assert envs.DEEP_GEMM_RECEIVED_ROWS not in envs.settings()

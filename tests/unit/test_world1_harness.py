@@ -159,6 +159,14 @@ def test_the_intermediate_switches_reach_the_package(name, attr, default, value)
         assert name in got
 
 
+def test_the_removed_bound_switch_is_refused_by_name():
+    """FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS (replaced by the package's variable): a
+    copied old command fails instead of measuring the default."""
+    name = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
+    got = _after_install(name, "inf", "listed_quant.ENABLED")
+    assert got.startswith("error") and "VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS" in got, got
+
+
 DG_APPLY = (
     "=getattr(__import__('vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe', "
     "fromlist=['x']).BatchedDeepGemmExperts.apply, '_flashinfer_ep_test_dp_expected_m', False)"

@@ -28,6 +28,7 @@ prepare/finalize's setup hook (`install`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -77,8 +78,8 @@ def tokens_across(fused_experts: Any, kw: dict, sent_per_rank: int | None) -> in
 def _per_batch_apply(
     fused_experts: Any,
     inner: Callable[..., Any],
-    sent_per_rank: Callable[[], int | None] | None = None,
-    up_to: float = 0.0,
+    sent_per_rank: Callable[[], int | None] | None,
+    up_to: float,
 ) -> Callable[..., Any]:
     """`fused_experts.apply` choosing per forward between the received rows (at most
     `up_to` rows per expert) and `inner` (DeepGEMM through vLLM's apply), handing the
@@ -143,7 +144,13 @@ def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None =
     global _logged
     if not _logged:
         _logged = True
-        if up_to > 0:
+        if up_to == math.inf:
+            logger.info(
+                "flashinfer_ep_low_latency: block-FP8 layers run every forward on the "
+                "received-rows Triton experts (%s=inf)",
+                envs.DEEP_GEMM_RECEIVED_ROWS,
+            )
+        elif up_to > 0:
             logger.info(
                 "flashinfer_ep_low_latency: block-FP8 forwards of at most %g rows per expert "
                 "run the received-rows Triton experts, larger ones DeepGEMM (%s=0: DeepGEMM "

@@ -11,6 +11,7 @@ the choice in vllm/config_validation.py and doctor prints it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from vllm_flashinfer_ep import backends, envs, model_shape
@@ -111,8 +112,9 @@ def auto_fp8_experts(
 ) -> tuple[str, str]:
     """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
     block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (the fastest
-    of the measured paths at every batch, docs/benchmarks.md) and every MoE layer is
-    block FP8 (`unquantized`: why not); everything else, vLLM's Triton experts."""
+    measured path from a few rows per expert up; smaller forwards go to the received rows,
+    vllm/deep_gemm_per_batch.py) and every MoE layer is block FP8 (`unquantized`: why
+    not); everything else, vLLM's Triton experts."""
     deep_gemm = dg.MOE_BACKEND
     if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
         return "triton", "the scale layouts the package hands vLLM's Triton experts"
@@ -141,6 +143,8 @@ def small_forwards_note() -> str:
     up_to = envs.deep_gemm_received_rows()
     if up_to <= 0:
         return f"every forward on DeepGEMM ({envs.DEEP_GEMM_RECEIVED_ROWS}=0)."
+    if up_to == math.inf:
+        return f"every forward on the package's received-rows Triton experts ({envs.DEEP_GEMM_RECEIVED_ROWS}=inf)."
     return (
         f"forwards of at most {up_to:g} rows per expert run the package's received-rows "
         f"Triton experts, faster there ({envs.DEEP_GEMM_RECEIVED_ROWS}=0: DeepGEMM for "
