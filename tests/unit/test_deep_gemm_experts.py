@@ -66,20 +66,30 @@ def test_ll_block_fp8_keeps_deep_gemm_and_says_so(tiny_moe, caplog):
     assert "at most 4 rows per expert run the package's received-rows" in caplog.text
 
 
+SMALL_FORWARDS = {  # what the config-time line says for each kind of bound
+    "off": "every forward on DeepGEMM (VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS=0)",
+    "bound": "rows per expert run the package's received-rows",
+    "all": "every forward on the package's received-rows Triton experts",
+}
+
+
 @pytest.mark.parametrize(
-    ("rows", "says"),
+    ("rows", "kind", "says"),
     [
-        ("0", "every forward on DeepGEMM (VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS=0)"),
-        ("1.5", "at most 1.5 rows per expert run the package's received-rows"),
+        ("0", "off", ""),
+        ("1.5", "bound", "at most 1.5 rows"),
+        ("0.5", "bound", "at most 0.5 rows"),
+        ("inf", "all", "=inf"),
     ],
 )
 def test_the_named_deep_gemm_logs_where_small_forwards_go(
-    tiny_moe, caplog, monkeypatch, rows, says
+    tiny_moe, caplog, monkeypatch, rows, kind, says
 ):
     monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", rows)
     with caplog.at_level(logging.INFO):
         engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
     assert says in caplog.text
+    assert [k for k, line in SMALL_FORWARDS.items() if line in caplog.text] == [kind]
 
 
 @pytest.mark.parametrize("quantization", ["fp8_per_block", None])
@@ -93,22 +103,6 @@ def test_a_bad_small_forwards_bound_fails_the_engine_config(tiny_moe, monkeypatc
         FlashInferEPEnvVarError, match="VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS='-2'"
     ):
         engine_config(tiny_moe, LOW_LATENCY, **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("rows", "says"),
-    [
-        ("0.5", "at most 0.5 rows per expert run the package's received-rows"),
-        ("inf", "every forward on the package's received-rows Triton experts"),
-    ],
-)
-def test_fractional_and_infinite_bounds_are_logged_as_they_route(
-    tiny_moe, caplog, monkeypatch, rows, says
-):
-    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", rows)
-    with caplog.at_level(logging.INFO):
-        engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
-    assert says in caplog.text and "every forward on DeepGEMM" not in caplog.text
 
 
 def test_a_block_fp8_checkpoint_keeps_deep_gemm(tmp_path):

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 import engine_runner  # noqa: E402
@@ -66,34 +68,25 @@ def test_an_unreadable_kept_result_is_run_again(tmp_path, monkeypatch):
     assert not list((tmp_path / "kept").glob("*.partial"))
 
 
-def test_a_harness_switch_keys_the_kept_result(tmp_path, monkeypatch):
-    """The harness switches change what an engine computes (e.g. the listed activation
-    off): a call with a switch set never reads the result of a call without it."""
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "0"),  # a harness switch
+        ("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "0"),  # a package variable
+    ],
+)
+def test_a_switch_or_package_variable_keys_the_kept_result(tmp_path, monkeypatch, name, value):
+    """Harness switches and the package's variables change what an engine computes (the
+    listed activation off, DeepGEMM's small forwards on DeepGEMM): a call with one set
+    never reads the result of a call without it."""
     calls: list[dict] = []
     monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
     monkeypatch.setenv(engine_runner.CACHE_ENV, str(tmp_path / "kept"))
     monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
-    for name in engine_runner.ENGINE_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
+    for unset in (*engine_runner.ENGINE_SWITCHES, name):
+        monkeypatch.delenv(unset, raising=False)
     engine_runner.EngineRunner(tmp_path / "a").run("ll", {"model": "/m"})
-    monkeypatch.setenv("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "0")
-    engine_runner.EngineRunner(tmp_path / "b").run("ll", {"model": "/m"})
-    assert len(calls) == 2
-    engine_runner.EngineRunner(tmp_path / "c").run("ll", {"model": "/m"})
-    assert len(calls) == 2  # the same switch again: kept
-
-
-def test_a_package_variable_keys_the_kept_result(tmp_path, monkeypatch):
-    """The package's variables change what an engine computes (e.g. DeepGEMM's small
-    forwards on the received rows, VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS=0): a call
-    with one set never reads the result of a call without it."""
-    calls: list[dict] = []
-    monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))
-    monkeypatch.setenv(engine_runner.CACHE_ENV, str(tmp_path / "kept"))
-    monkeypatch.setenv(engine_runner.LOG_DIR_ENV, str(tmp_path / "logs"))
-    monkeypatch.delenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", raising=False)
-    engine_runner.EngineRunner(tmp_path / "a").run("ll", {"model": "/m"})
-    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "0")
+    monkeypatch.setenv(name, value)
     engine_runner.EngineRunner(tmp_path / "b").run("ll", {"model": "/m"})
     assert len(calls) == 2
     engine_runner.EngineRunner(tmp_path / "c").run("ll", {"model": "/m"})
