@@ -7,11 +7,10 @@ a fraction of a row per expert the received-rows Triton experts
 `expected_m` rows per expert. A forward whose rows per expert (the busiest sender's
 tokens x senders x top_k / global experts) are at most
 VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS (default 4) runs the received rows, any other
-DeepGEMM. The default is where
-the FP8 experts probe's `received_rows` and `deep_gemm_dp` columns cross at Qwen3-30B-A3B's
-shape (DeepGEMM at the `expected_m` data parallel ranks give it, not world 1's whole
-buffer); the engine benchmark measured the choice faster at 1-32 tokens
-(docs/benchmarks.md).
+DeepGEMM. The default is where the FP8 experts probe's `received_rows` and `deep_gemm_dp`
+columns cross at Qwen3-30B-A3B's shape (DeepGEMM at the `expected_m` data parallel ranks
+give it, not world 1's whole buffer); the engine benchmark measured the choice faster at
+1-32 tokens (docs/benchmarks.md).
 
 Both read vLLM's DeepGEMM weights (on Hopper FP32 block scales in their usual layout) and
 quantize the intermediate with vLLM's E8M0 choice; they differ as two FP8 kernels do
@@ -117,7 +116,8 @@ PATCH = Patch(
     _per_batch_apply,
     APPLY_PARAMS,
     what="LL batched DeepGEMM experts: small forwards run the received-rows Triton experts "
-    "(VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS), the others DeepGEMM with its activation scales MN-major",
+    "(VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS), the others DeepGEMM with its activation "
+    "scales MN-major",
     why="DeepGEMM reads MN-major scales (the FP8 wire gives row-major ones) and, at a "
     "fraction of a row per expert, costs more than the received rows (docs/benchmarks.md)",
     how="per experts object, from the LL prepare/finalize's post_init_setup, over "

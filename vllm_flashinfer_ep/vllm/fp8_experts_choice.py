@@ -144,7 +144,10 @@ def small_forwards_note() -> str:
     if up_to <= 0:
         return f"every forward on DeepGEMM ({envs.DEEP_GEMM_RECEIVED_ROWS}=0)."
     if up_to == math.inf:
-        return f"every forward on the package's received-rows Triton experts ({envs.DEEP_GEMM_RECEIVED_ROWS}=inf)."
+        return (
+            "every forward on the package's received-rows Triton experts "
+            f"({envs.DEEP_GEMM_RECEIVED_ROWS}=inf)."
+        )
     return (
         f"forwards of at most {up_to:g} rows per expert run the package's received-rows "
         f"Triton experts, faster there ({envs.DEEP_GEMM_RECEIVED_ROWS}=0: DeepGEMM for "
