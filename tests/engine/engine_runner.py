@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import NO_MULTICAST
+from vllm_flashinfer_ep import envs
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 HARNESS_DIST = "vllm_flashinfer_ep_world1_harness-0.0.0.dist-info"
 LOG_DIR_ENV = "FLASHINFER_EP_TEST_ENGINE_LOG_DIR"
-PACKAGE_PREFIX = "VLLM_FLASHINFER_EP_"  # envs.PREFIX
 # Harness switches read by the engine processes (world1_harness): they change what an
 # engine computes, so a kept result is keyed by them too, as by the package's variables.
 ENGINE_SWITCHES = (
@@ -111,7 +111,7 @@ class EngineRunner:
         switches = {
             name: value
             for name, value in os.environ.items()
-            if name in ENGINE_SWITCHES or name.startswith(PACKAGE_PREFIX)
+            if name in ENGINE_SWITCHES or name.startswith(envs.PREFIX)
         }
         key = hashlib.sha1(
             json.dumps([spec, env, switches, self._code], sort_keys=True).encode()
