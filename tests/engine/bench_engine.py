@@ -60,6 +60,12 @@ CONFIGS = {
     # instead of quantized by one kernel over the block list (listed_quant.INPUT_ENABLED, on
     # by default since measured here)
     "ll_graph_gathered_input": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_INPUT_QUANT": "0"}),
+    # Dynamic per-tensor FP8 (fp8_per_tensor) on the received rows instead of vLLM's batched
+    # kernel over the whole buffer (compact_experts.FP8_DYNAMIC_TENSOR, off by default)
+    "ll_graph_dynamic_tensor_rows": (
+        {"backend": LL},
+        {"FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR": "1"},
+    ),
     # Block FP8 on DeepGEMM (`auto`) for every forward, none on the received-rows Triton
     # experts (vllm/deep_gemm_per_batch.py: up to 4 rows per expert by default, since
     # measured here)
@@ -262,6 +268,8 @@ def _run(args, work: Path) -> int:
                 "listed_activation": probe.get("listed_activation"),  # block_list's switch
                 "listed_quant": probe.get("listed_quant"),  # listed_quant.ENABLED
                 "listed_input_quant": probe.get("listed_input_quant"),  # .INPUT_ENABLED
+                # compact_experts.FP8_DYNAMIC_TENSOR (online fp8_per_tensor layers)
+                "fp8_dynamic_tensor": probe.get("fp8_dynamic_tensor"),
                 # deep_gemm_per_batch.bound() (block FP8 on DeepGEMM)
                 "deep_gemm_received_rows": probe.get("deep_gemm_received_rows"),
                 # DeepGEMM's expected_m as DP ranks estimate it (world1_harness, a switch;

@@ -93,11 +93,17 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         }
     )
     out["num_kernels"] = len(impls)
-    from vllm_flashinfer_ep.vllm import block_list, deep_gemm_per_batch, listed_quant
+    from vllm_flashinfer_ep.vllm import (
+        block_list,
+        compact_experts,
+        deep_gemm_per_batch,
+        listed_quant,
+    )
 
     out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switches as the worker sees them
     out["listed_quant"] = listed_quant.ENABLED
     out["listed_input_quant"] = listed_quant.INPUT_ENABLED
+    out["fp8_dynamic_tensor"] = compact_experts.FP8_DYNAMIC_TENSOR
     out["deep_gemm_received_rows"] = deep_gemm_per_batch.bound()
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
