@@ -60,12 +60,16 @@ CONFIGS = {
     # instead of quantized by one kernel over the block list (listed_quant.INPUT_ENABLED, on
     # by default since measured here)
     "ll_graph_gathered_input": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_INPUT_QUANT": "0"}),
-    # Dynamic per-tensor FP8 (fp8_per_tensor) on the received rows instead of vLLM's batched
-    # kernel over the whole buffer (compact_experts.FP8_DYNAMIC_TENSOR, off by default)
-    "ll_graph_dynamic_tensor_rows": (
+    # Dynamic per-tensor FP8 (fp8_per_tensor) on vLLM's batched kernel over the whole buffer
+    # instead of the received rows (compact_experts.FP8_DYNAMIC_TENSOR, on by default since
+    # measured here)
+    "ll_graph_dynamic_tensor_batched": (
         {"backend": LL},
-        {"FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR": "1"},
+        {"FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR": "0"},
     ),
+    # Dynamic per-tensor layers' input and intermediate quantized in two launches each over
+    # the block list (listed_quant.TENSOR_ENABLED, off by default until measured here)
+    "ll_graph_listed_tensor": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT": "1"}),
     # Block FP8 on DeepGEMM (`auto`) for every forward, none on the received-rows Triton
     # experts (vllm/deep_gemm_per_batch.py: up to 4 rows per expert by default, since
     # measured here)
@@ -270,6 +274,7 @@ def _run(args, work: Path) -> int:
                 "listed_input_quant": probe.get("listed_input_quant"),  # .INPUT_ENABLED
                 # compact_experts.FP8_DYNAMIC_TENSOR (online fp8_per_tensor layers)
                 "fp8_dynamic_tensor": probe.get("fp8_dynamic_tensor"),
+                "listed_tensor_quant": probe.get("listed_tensor_quant"),  # .TENSOR_ENABLED
                 # deep_gemm_per_batch.bound() (block FP8 on DeepGEMM)
                 "deep_gemm_received_rows": probe.get("deep_gemm_received_rows"),
                 # DeepGEMM's expected_m as DP ranks estimate it (world1_harness, a switch;

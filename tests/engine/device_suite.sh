@@ -112,12 +112,12 @@ for step in "${steps[@]}"; do
       grep -E "LISTED_(INPUT_)?QUANT|passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -12 ;;
     fp8-experts)  # issue 28: DeepGEMM's experts (both sides of the per-forward choice) against vLLM's, then
       # every FP8 LL experts path timed side by side (the received-rows GPU tests are fp8-compact's);
-      # PROBE_SCHEMES: which layouts (the dynamic per-tensor one, `tensor`, stays on vLLM's kernel)
+      # PROBE_SCHEMES: which layouts (block channel tensor tensor_static)
       python3 -m pytest tests/kernels/test_deep_gemm_experts_gpu.py \
         tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
       grep -E "BLOCK_LIST|per batch|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
-      for scheme in ${PROBE_SCHEMES:-block channel tensor_static}; do
+      for scheme in ${PROBE_SCHEMES:-block channel tensor tensor_static}; do
         batches=1,8,32,128,256  # block: the probe's finer default, for the per-forward bound
         [ "$scheme" = block ] && batches=1,2,4,8,16,32,64,128,256
         python3 tests/engine/fp8_experts_probe.py --scheme "$scheme" --batches "$batches" \

@@ -104,6 +104,7 @@ def worker_probe(worker: Any) -> dict[str, Any]:
     out["listed_quant"] = listed_quant.ENABLED
     out["listed_input_quant"] = listed_quant.INPUT_ENABLED
     out["fp8_dynamic_tensor"] = compact_experts.FP8_DYNAMIC_TENSOR
+    out["listed_tensor_quant"] = listed_quant.TENSOR_ENABLED
     out["deep_gemm_received_rows"] = deep_gemm_per_batch.bound()
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,

@@ -8,8 +8,7 @@ experts) one FP8 MoE layer's experts run over the LL receive buffer (256 rows pe
 as the engine hands it to them: vLLM 0.33.0 experts objects, whole `apply` calls. The
 buffer: for `block` (128x128 weight blocks) what the FP8 wire delivers (E4M3 rows, FP32
 scales per 128, row-major); for `channel` (per-channel weights, per-token activations)
-and `tensor` (one weight scale per expert, a dynamic per-tensor activation scale; the
-received-rows path leaves these to vLLM's batched kernel, so both columns run it) or
+and `tensor` (one weight scale per expert, a dynamic per-tensor activation scale) or
 `tensor_static` (static input scales, as per-tensor checkpoints carry) what the LL
 prepare quantizes after receive (vllm/receive_quant.py).
   batched_triton : vLLM's BatchedTritonExperts with the package's tile per batch (what
@@ -78,7 +77,7 @@ def _layer(scheme: str, experts: int, hidden: int, inter: int):
     if scheme == "channel":
         qc = fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True)
         return q1, q2, qc, None
-    if scheme == "tensor":  # dynamic activation scales: vLLM's batched kernel (FP8_DYNAMIC_TENSOR)
+    if scheme == "tensor":  # dynamic activation scales (compact_experts.FP8_DYNAMIC_TENSOR)
         return q1, q2, fp8_w8a8_moe_quant_config(s1, s2), None
     if scheme == "tensor_static":  # a static checkpoint's input scales: received rows
         static = torch.tensor([0.02], device="cuda")

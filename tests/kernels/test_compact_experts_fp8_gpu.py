@@ -48,8 +48,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
-    """Production keeps dynamic per-tensor intermediates on vLLM's kernel
-    (compact_experts.FP8_DYNAMIC_TENSOR); these tests exercise every case."""
+    """On in production (compact_experts.FP8_ENABLED, FP8_DYNAMIC_TENSOR); set here so a
+    build with either switched off still tests every case."""
     from vllm_flashinfer_ep.vllm import compact_experts as ce
 
     monkeypatch.setattr(ce, "FP8_ENABLED", True)

@@ -229,3 +229,136 @@ def test_captured_received_rows_quantization_is_timed(group):
             f"{times['fused'] - times['list']:.2f}, gather/quantize/scatter "
             f"{times['split'] - times['list']:.2f}"
         )
+
+
+def _vllm_tensor(x: torch.Tensor, blocks, rows: int, per_expert: bool, act: bool):
+    """vLLM's activation (`act`), then its dynamic per-tensor quantization of the listed
+    rows: each expert's with their own scale (its batched experts' eager loop) or all of
+    them with one (their captured path, and the LL prepare's input scale)."""
+    from vllm import _custom_ops as ops
+
+    total = x.shape[0]
+    y = x
+    if act:
+        y = torch.empty(total, x.shape[1] // 2, dtype=x.dtype, device=x.device)
+        torch.ops._C.silu_and_mul(y, x)
+    ids = blocks[0]
+    listed = torch.unique(ids[ids < total].long())
+    q = torch.zeros(total, y.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.full((total, 1), float("nan"), device=x.device)
+    owners = listed // rows if per_expert else torch.zeros_like(listed)
+    for owner in torch.unique(owners).tolist():
+        at = listed[owners == owner]
+        q[at], s[at] = ops.scaled_fp8_quant(y[at].contiguous())
+    return q, s
+
+
+@pytest.mark.parametrize("act", [True, False], ids=["intermediate", "input"])
+@pytest.mark.parametrize("per_expert", [True, False], ids=["per-expert", "one-scale"])
+@pytest.mark.parametrize(
+    ("experts", "rows", "d", "block_m"),
+    # Qwen3-30B-A3B: intermediate 768, hidden 2048; a few experts at a wider row
+    [(128, 256, 768, 16), (128, 256, 2048, 16), (8, 32, 1536, 64)],
+)
+def test_dynamic_per_tensor_rows_get_vllm_s_bytes(experts, rows, d, block_m, per_expert, act):
+    """`tensor_quant` (listed_quant.TENSOR_ENABLED): the max over the listed rows, then
+    the quantization, against vLLM's SiLU-and-mul and dynamic per-tensor quantization of
+    the same rows, at the edge counts."""
+    gen = torch.Generator().manual_seed(d + block_m)
+    x = (torch.randn(experts * rows, 2 * d if act else d, generator=gen) * 3).to(torch.bfloat16)
+    x = x.cuda()
+    whole = experts * -(-rows // block_m)
+    for kind in ("empty", "full", "one row", "random"):
+        counts = _counts(kind, experts, rows, gen)
+        blocks = block_list.fused_expert_blocks(counts, rows, block_m, whole)
+        got = listed_quant.tensor_quant(x, blocks, rows, per_expert, act)
+        want = _vllm_tensor(x, blocks, rows, per_expert, act)
+        torch.cuda.synchronize()
+        _assert_listed_rows_equal(blocks, experts * rows, got, want)
+        if not act:  # no exp on the way: vLLM's scales exactly
+            ids = blocks[0]
+            at = ids[ids < experts * rows].long()
+            assert torch.equal(got[1][at], want[1][at]), kind
+
+
+@pytest.mark.parametrize("act", [True, False], ids=["intermediate", "input"])
+def test_a_nan_counts_as_zero_in_the_dynamic_per_tensor_max(act):
+    """vLLM's max skips NaN (fmaxf); an atomic max over the float's bits would take it."""
+    experts, rows, d, block_m = 8, 32, 512, 16
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(experts * rows, 2 * d if act else d, generator=gen) * 3).to(torch.bfloat16)
+    x = x.cuda()
+    x[2 * rows + 1, 5] = float("nan")  # expert 2's second row
+    counts = torch.full((experts,), 4, dtype=torch.int32, device="cuda")
+    blocks = block_list.fused_expert_blocks(counts, rows, block_m, experts)
+    for per_expert in (True, False):
+        got = listed_quant.tensor_quant(x, blocks, rows, per_expert, act)[1]
+        want = _vllm_tensor(x, blocks, rows, per_expert, act)[1]
+        at = blocks[0][blocks[0] < experts * rows].long()
+        torch.cuda.synchronize()
+        assert torch.isfinite(got[at]).all()
+        assert torch.allclose(got[at], want[at], rtol=2**-7, atol=0), per_expert
+
+
+@pytest.mark.parametrize("act", [True, False], ids=["intermediate", "input"])
+def test_captured_dynamic_per_tensor_quantization_is_timed(act):
+    """Qwen3-30B-A3B's shape (128 local experts, 256 rows; intermediate 768, hidden 2048)
+    at the bound of a 1-token and a 128-token forward: 48 layers captured (one scale over
+    the listed rows, as in a graph) and replayed with new routings and rows, against
+    vLLM's ops; timed against the path it replaces (the listed activation, the scale over
+    the gathered rows, vLLM's quantization, the scatters)."""
+    from types import SimpleNamespace
+
+    experts, rows, block_m = 128, 256, 16
+    d = 768 if act else 2048
+    qc = SimpleNamespace(quant_dtype=torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(experts * rows, 2 * d if act else d, generator=gen) * 3).to(torch.bfloat16)
+    x = x.cuda()
+    y = torch.empty(experts * rows, d, dtype=torch.bfloat16, device="cuda")
+    for tokens in (1, 128):
+        nb = max_blocks(tokens * 8, experts, rows, block_m)
+        counts = _routed(experts, tokens, 3).cuda()
+        times = {}
+        for name in ("list", "kernels", "split"):
+            outs = []
+
+            def layer(name=name, outs=outs, counts=counts, nb=nb):
+                blocks = block_list.fused_expert_blocks(counts, rows, block_m, nb)
+                if name == "kernels":
+                    outs.append(listed_quant.tensor_quant(x, blocks, rows, False, act))
+                elif name == "split":
+                    src = x
+                    if act:
+                        block_list.listed_silu_and_mul(y, x, blocks)
+                        src = y
+                    outs.append(
+                        compact_experts_fp8.quantize_listed_rows_per_tensor(
+                            src, blocks[0], rows, qc, None, one_scale=True
+                        )
+                    )
+
+            graph = capture_graph(lambda: [layer() for _ in range(48)])
+            if name == "kernels":
+
+                def want(x, counts=counts, nb=nb):
+                    blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
+                    return _vllm_tensor(x, blocks, rows, False, act)
+
+                _replays_match_vllm(
+                    graph,
+                    lambda o=outs: o[-1],
+                    x,
+                    counts,
+                    gen,
+                    (experts, tokens, rows, block_m, nb),
+                    want,
+                )
+            times[name] = _us_per_layer(graph)
+            del graph
+        print(
+            f"LISTED_TENSOR_QUANT {'intermediate' if act else 'input'} tokens={tokens} "
+            f"blocks={nb}: captured us per layer past the block list: two launches "
+            f"{times['kernels'] - times['list']:.2f}, the path it replaces "
+            f"{times['split'] - times['list']:.2f}"
+        )

@@ -61,8 +61,8 @@ SCHEMES = ["tensor-dynamic", "tensor-static", "token-channel", "token-tensor"]
 
 @pytest.fixture(autouse=True)
 def _fp8_path_on(monkeypatch):
-    """Production keeps dynamic per-tensor intermediates on vLLM's kernel
-    (compact_experts.FP8_DYNAMIC_TENSOR); these tests exercise every case."""
+    """On in production (compact_experts.FP8_ENABLED, FP8_DYNAMIC_TENSOR); set here so a
+    build with either switched off still tests every case."""
     monkeypatch.setattr(compact_experts, "FP8_ENABLED", True)
     monkeypatch.setattr(compact_experts, "FP8_DYNAMIC_TENSOR", True)
 
@@ -403,7 +403,8 @@ def test_vllm_s_per_tensor_and_per_channel_configs_take_the_received_rows_path(
     assert compact_experts.eligible(experts, kw)
 
 
-def test_production_keeps_dynamic_per_tensor_intermediates_on_vllm_s_kernel(monkeypatch):
+def test_switched_off_dynamic_per_tensor_intermediates_stay_on_vllm_s_kernel(monkeypatch):
+    """FP8_DYNAMIC_TENSOR off (a measurement of vLLM's kernel): only those layers leave."""
     monkeypatch.setattr(compact_experts, "FP8_DYNAMIC_TENSOR", False)
     for kind, scales, taken in (
         ("tensor-dynamic", "per-expert", False),
@@ -664,6 +665,47 @@ def test_bf16_arrival_of_a_per_tensor_layer_quantized_as_vllm_s_prepare_would(
     assert g1["A_scale"].stride(0) == 0 and float(g1["A_scale"][0, 0]) == float(xs.flatten()[0])
 
 
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "in-graph"])
+@pytest.mark.parametrize("kind", ["tensor-static", "tensor-dynamic"])
+def test_per_tensor_layers_reach_the_two_launch_kernels_when_taken(monkeypatch, kind, in_graph):
+    """With listed_quant's per-tensor kernels taken (TENSOR_ENABLED on a GPU), a dynamic
+    layer's BF16 input goes to them with one scale over the listed rows, its intermediate
+    with a scale per expert when eager and one in a graph, as vLLM's batched experts take
+    it; a layer with static scales keeps vLLM's static quantization. A stand-in returning
+    the gathered path's bytes keeps vLLM's output."""
+    from vllm_flashinfer_ep.vllm import listed_quant
+
+    _in_graph(monkeypatch, in_graph)
+    q1, q2, qc = _layer(kind, seed=8)
+    x, c = _buffer([3, 0, 1, 0, 0, 2, 0, 2], seed=8)
+    want = _call(_experts(qc, compact=True), x, None, q1, q2, c, 4)
+    seen = []
+
+    def kernels(rows, blocks, rows_per_expert, per_expert, act):
+        seen.append((per_expert, act, tuple(rows.shape)))
+        if act:
+            d = rows.shape[1] // 2
+            y = torch.nn.functional.silu(rows[:, :d].float()) * rows[:, d:].float()
+            rows = y.to(rows.dtype)
+        one = not per_expert or not act
+        return compact_experts_fp8.quantize_listed_rows_per_tensor(
+            rows, blocks[0], rows_per_expert, qc, None, one_scale=one
+        )
+
+    monkeypatch.setattr(listed_quant, "takes_tensor", lambda x, act, *args: True)
+    monkeypatch.setattr(listed_quant, "tensor_quant", kernels)
+    got = _call(_experts(qc, compact=True), x, None, q1, q2, c, 4)
+    received = _received(c, CAP)
+    assert torch.equal(got[received], want[received])
+    if kind == "tensor-static":
+        assert seen == []
+        return
+    assert seen == [
+        (False, False, (EXPERTS * CAP, HIDDEN)),
+        (not in_graph, True, (EXPERTS * CAP, 2 * INTER)),
+    ]
+
+
 def test_only_installed_fp8_experts_that_take_quantized_inputs_quantize_their_input():
     _, _, qc = _layer("token-channel", 0)
     assert compact_experts.quantizes_input(_experts(qc, compact=True))
@@ -679,10 +721,10 @@ def test_only_installed_fp8_experts_that_take_quantized_inputs_quantize_their_in
     assert not compact_experts.quantizes_input(deferring)
 
 
-def test_production_s_dynamic_per_tensor_layers_are_quantized_by_the_fallback(monkeypatch):
-    """Production keeps dynamic per-tensor intermediates on vLLM's kernel; through the LL
-    prepare/finalize such a layer still arrives in BF16 and the wrapper quantizes the whole
-    buffer as the prepare would have: vLLM's output, bit for bit."""
+def test_switched_off_dynamic_per_tensor_layers_are_quantized_by_the_fallback(monkeypatch):
+    """FP8_DYNAMIC_TENSOR off keeps dynamic per-tensor intermediates on vLLM's kernel;
+    through the LL prepare/finalize such a layer still arrives in BF16 and the wrapper
+    quantizes the whole buffer as the prepare would have: vLLM's output, bit for bit."""
     monkeypatch.setattr(compact_experts, "FP8_DYNAMIC_TENSOR", False)
     q1, q2, qc = _layer("tensor-dynamic", seed=6)
     gen = torch.Generator().manual_seed(5)

@@ -198,3 +198,112 @@ def test_it_is_taken_only_when_on_for_plain_silu_on_an_fp8_gpu(monkeypatch):
     assert not listed_quant.takes(experts, "silu", x.float(), 128)
     monkeypatch.setattr(listed_quant, "ENABLED", False)
     assert not listed_quant.takes(experts, "silu", x, 128)
+
+
+# The dynamic per-tensor kernels (`tensor_quant`) against a torch statement of vLLM's
+# batched experts' per-tensor quantization of the listed rows: the scale max |y| / 448
+# floored at FP32's smallest normal, per expert (eager) or one over every listed row, and
+# q = y x (1 / scale) clamped, as vLLM's static kernel multiplies by the inverted scale.
+TENSOR_CHILD = CHILD[: CHILD.index("\nfor experts, rows, d, bm, dtype, counts")] + textwrap.dedent(
+    """
+    tiny = torch.finfo(torch.float32).tiny
+    for experts, rows, d, bm, dtype, counts, nb, per_expert, act, poison in cases:
+        dtype = getattr(torch, dtype)
+        counts = torch.tensor(counts, dtype=torch.int32)
+        total = experts * rows
+        gen = torch.Generator().manual_seed(len(counts) * d + nb)
+        x = (torch.randn(total, 2 * d if act else d, generator=gen) * 3).to(dtype)
+        blocks = bl.torch_expert_blocks(counts, rows, bm, nb)
+        ids = blocks[0]
+        listed = torch.zeros(total, dtype=torch.bool)
+        listed[ids[ids < total].long()] = True
+        if poison == "nan" and listed.any():  # counts as zero in the max
+            x[int(listed.nonzero()[0]), 1] = float("nan")
+        if poison == "zeros":  # an expert of all-zero rows (the first): its scale floors
+            x[:rows] = 0
+        if poison == "unlisted" and (~listed).any():  # a huge value no max may see
+            x[int((~listed).nonzero()[0]), :] = 3e38 if dtype == torch.bfloat16 else 6e4
+        q, s = lq.tensor_quant(x, blocks, rows, per_expert, act)
+        if act:
+            g, u = x[:, :d].float(), x[:, d:].float()
+            y = rounded(rounded(g / (1 + torch.exp(-g)), dtype) * u, dtype)
+        else:
+            y = x.float()
+        row_max = torch.where(listed, y.abs().nan_to_num(nan=0.0).amax(dim=1), 0.0)
+        if per_expert:
+            amax = row_max.view(experts, rows).amax(dim=1).repeat_interleave(rows)
+        else:
+            amax = row_max.amax().expand(total)
+        scale = torch.clamp_min(amax / torch.full_like(amax, 448.0), tiny)[:, None]
+        inverted = torch.ones_like(scale) / scale
+        want_q = e4m3((y * inverted).clamp(-448.0, 448.0))
+        if not (q.view(torch.uint8)[~listed] == 0x55).all() or not s[~listed].isnan().all():
+            print("WROTE AN UNLISTED ROW", experts, rows, d, bm, counts.tolist(), nb, act)
+            sys.exit(1)
+        got_s, ref_s = s[listed], scale[listed]
+        if not torch.allclose(got_s, ref_s, rtol=2 ** -7, atol=0):
+            print("SCALES", experts, rows, d, bm, per_expert, act, poison, (got_s - ref_s).abs().max().item())
+            sys.exit(1)
+        if not act and not torch.equal(got_s, ref_s):  # no exp on the way: exact
+            print("SCALES NOT EXACT", experts, rows, d, bm, per_expert, poison)
+            sys.exit(1)
+        got_q, ref_q = q[listed].float(), want_q[listed]
+        finite = ~y[listed].isnan()
+        same = (got_q[finite] == ref_q[finite]).float().mean().item() if finite.any() else 1.0
+        if same < 0.999:
+            print("Q", experts, rows, d, bm, dtype, per_expert, act, poison, counts.tolist(), nb, same)
+            sys.exit(1)
+    print("OK", len(cases))
+    """
+)
+
+
+def _tensor_cases() -> list:
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for experts, rows, d, bm, dtype in SHAPES:
+        whole = experts * -(-rows // bm)
+        for counts in count_kinds(experts, rows, gen):
+            for nb in (1, whole):
+                for per_expert in (True, False):
+                    for act in (True, False):
+                        case = [experts, rows, d, bm, dtype, counts.tolist(), nb, per_expert, act]
+                        cases.append(case + [None])
+    for act in (True, False):
+        for poison in ("nan", "unlisted", "zeros"):
+            cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, True, act, poison])
+        cases.append([2, 16, 4224, 16, "bfloat16", [16, 3], 2, False, act, None])  # wide rows
+    return cases
+
+
+def test_dynamic_per_tensor_rows_get_vllm_s_scale_and_quantization():
+    """`tensor_quant`, input and intermediate: each listed row gets its expert's scale (or
+    the one over every listed row) and vLLM's static quantization with it; an expert of
+    zeros gets the floor, an unlisted row never reaches the max, and no unlisted row is
+    written. (A NaN counts as zero in the max: the interpreter's max and atomic skip NaN
+    either way, so only the GPU test can show it.)"""
+    _assert_ok_in_the_interpreter(TENSOR_CHILD, _tensor_cases())
+
+
+def test_the_per_tensor_kernels_are_taken_only_when_on_on_an_fp8_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
+
+    experts = SimpleNamespace(activation_config=ApplyMoEActivationConfig())
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    monkeypatch.setattr(listed_quant, "TENSOR_ENABLED", True)
+    assert not listed_quant.takes_tensor(x, False)  # CPU tensors: the gathered path
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not listed_quant.takes_tensor(x, False)  # no E4M3 conversion
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert listed_quant.takes_tensor(x, False)
+    assert listed_quant.takes_tensor(x, True, experts, "silu")
+    assert not listed_quant.takes_tensor(x, True, experts, "gelu")
+    assert not listed_quant.takes_tensor(x.float(), False)
+    assert not listed_quant.takes_tensor(
+        torch.zeros(4, 255, dtype=torch.bfloat16), True, experts, "silu"
+    )
+    monkeypatch.setattr(listed_quant, "TENSOR_ENABLED", False)
+    assert not listed_quant.takes_tensor(x, False)  # off: the gathered path

@@ -103,6 +103,7 @@ SWITCHES = (
     "FLASHINFER_EP_TEST_LISTED_QUANT",
     "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT",
     "FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR",
+    "FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT",
     "FLASHINFER_EP_TEST_DP_EXPECTED_M",
 )
 
@@ -146,13 +147,14 @@ def _after_install(name: str, value: str | None, attr: str) -> str:
         ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
         ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
         ("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", "listed_quant.INPUT_ENABLED", "True"),
-        ("FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR", "compact_experts.FP8_DYNAMIC_TENSOR", "False"),
+        ("FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR", "compact_experts.FP8_DYNAMIC_TENSOR", "True"),
+        ("FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT", "listed_quant.TENSOR_ENABLED", "False"),
     ],
 )
 @pytest.mark.parametrize("value", [None, "0", "1", "yes"])
 def test_the_intermediate_switches_reach_the_package(name, attr, default, value):
     """FLASHINFER_EP_TEST_LISTED_ACTIVATION / _LISTED_QUANT / _LISTED_INPUT_QUANT /
-    _FP8_DYNAMIC_TENSOR: unset keeps the package's default, 0 and 1 turn the kernel off
+    _FP8_DYNAMIC_TENSOR / _LISTED_TENSOR_QUANT: unset keeps the package's default, 0 and 1 turn the kernel off
     and on to measure it, anything else is refused by name."""
     expected = {None: default, "0": "False", "1": "True", "yes": "error"}[value]
     got = _after_install(name, value, attr)

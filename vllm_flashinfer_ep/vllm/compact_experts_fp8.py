@@ -26,7 +26,8 @@ prepare's one scale, static or max |x| / 448 over the received rows). The interm
 GEMMs is quantized as vLLM's batched experts quantize it, for the listed rows only: block
 and token intermediates activated and quantized in one kernel (vllm/listed_quant.py, on;
 off: the listed activation, then vLLM's `moe_kernel_quantize_input` on the gathered rows,
-scattered back), per-tensor ones gathered, quantized with vLLM's op and scattered back:
+scattered back), per-tensor ones gathered, quantized with vLLM's op and scattered back
+(dynamic ones, with `listed_quant.TENSOR_ENABLED`, by its two launches instead):
 
 - block and token scales are per row, so those rows get the bytes quantizing the whole
   buffer would give them; a static per-tensor scale likewise.
@@ -243,6 +244,16 @@ def _dynamic_tensor_scale(
     return over_fp8_max(expert_max).clamp_min(tiny)[owner][:, None]
 
 
+def _in_graph() -> bool:
+    """vLLM's own test for its batched experts' in-graph branch (one dynamic per-tensor
+    scale over the whole buffer), read at the call as vLLM reads it."""
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+        _is_capturing_or_compiling,
+    )
+
+    return bool(_is_capturing_or_compiling())
+
+
 def quantize_listed_rows_per_tensor(
     x: torch.Tensor,
     listed: torch.Tensor,
@@ -258,15 +269,11 @@ def quantize_listed_rows_per_tensor(
     row inside a CUDA graph or torch.compile), through vLLM's static quantization.
     `one_scale`: one dynamic scale over every listed row always, as the LL prepare
     quantizes a layer's BF16 input (vllm/receive_quant.py)."""
-    # vLLM's own test for its in-graph branch, read at the call (as vLLM reads it).
-    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
-        _is_capturing_or_compiling,
-    )
     from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 
     rows = x.shape[0]
     t, index, whole = _gather(x, listed)
-    one_scale = one_scale or static_scale is not None or _is_capturing_or_compiling()
+    one_scale = one_scale or static_scale is not None or _in_graph()
     if static_scale is not None:
         scale = static_scale
     else:
@@ -332,9 +339,13 @@ def apply(
     group = GROUP if kind == BLOCK else None
     ue8m0 = kind == BLOCK and _e8m0_scales()
     if kind == TENSOR and hidden.dtype != FP8:  # BF16: one scale, as the prepare's
-        a1, a1_scale = quantize_listed_rows_per_tensor(
-            hidden.view(total, k), listed, rows, qc, qc.a1_scale, one_scale=True
-        )
+        x = hidden.view(total, k)
+        if qc.a1_scale is None and listed_quant.takes_tensor(x, act=False):  # two launches
+            a1, a1_scale = listed_quant.tensor_quant(x, blocks, rows, per_expert=False, act=False)
+        else:
+            a1, a1_scale = quantize_listed_rows_per_tensor(
+                x, listed, rows, qc, qc.a1_scale, one_scale=True
+            )
     elif kind == TENSOR:  # E4M3 with a scale per expert: one per row
         a1 = hidden.view(total, k)
         a1_scale = expert_scales(kw["a1q_scale"], experts)
@@ -354,6 +365,13 @@ def apply(
     if kind != TENSOR and listed_quant.takes(fused_experts, kw["activation"], x1, group):
         # activation and quantization in one launch, scales as vLLM's op would round them
         a2, a2_scale = listed_quant.silu_mul_quant(x1, blocks, group, ue8m0)
+    elif (
+        kind == TENSOR
+        and kw["a2_scale"] is None
+        and listed_quant.takes_tensor(x1, True, fused_experts, kw["activation"])
+    ):  # the max, then activation and quantization: the scale per expert when eager
+        per_expert = not _in_graph()
+        a2, a2_scale = listed_quant.tensor_quant(x1, blocks, rows, per_expert, act=True)
     else:
         block_list.activation(fused_experts, kw["activation"], cache2, cache1, counts, blocks)
         x2 = cache2.view(total, act_n)

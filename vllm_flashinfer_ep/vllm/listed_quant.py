@@ -20,6 +20,14 @@ Both on (`ENABLED`, `INPUT_ENABLED`) since their GPU tests against vLLM's ops pa
 the engine benchmark measured per-channel LL faster with each at every batch, the engine
 test's prompt logprobs within the floor (docs/benchmarks.md); off gives the listed
 activation and vLLM's quantization of gathered rows back.
+
+A dynamic per-tensor scale (online `fp8_per_tensor`) spans rows, so `tensor_quant` takes
+two launches over the block list: the max |y| of the listed rows (atomic, per expert when
+vLLM's eager kernel takes it per expert, else one), then vLLM's static per-tensor
+quantization with it (y x (1 / scale), as vLLM's kernel multiplies by the inverted
+scale). It replaces about ten launches (the max's masks and reductions, the gather, vLLM's
+quantization, the scatters); off (`TENSOR_ENABLED`) until its GPU test against vLLM's ops
+and the engine benchmark have run.
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ from vllm_flashinfer_ep.vllm import block_list
 ENABLED = True
 # The received rows' own quantization (BF16 arrivals) in one launch.
 INPUT_ENABLED = True
+# Dynamic per-tensor layers' input and intermediate in two launches each (`tensor_quant`).
+TENSOR_ENABLED = False
 GROUP = 128  # elements per scale of block layers (vLLM's block_shape[1])
 FP8_MAX = 448.0
 EPS = 1e-10  # vLLM's group quantization floor on amax
+TENSOR_FLOOR = torch.finfo(torch.float32).tiny  # the per-tensor scale's floor (receive_quant)
 MIN_TOKEN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's per-token floor on the scale
 TILE = 4096  # elements one program holds at a time: BLOCK_M x BLOCK_N
 
@@ -121,6 +132,56 @@ def _listed_quant(
         ACT=act,
     )
     return q, scales
+
+
+def tensor_quant(
+    x: torch.Tensor, blocks: tuple, rows_per_expert: int, per_expert: bool, act: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, 2d] (`act`: GEMM1's output, activated as `silu_mul_quant` does) or [rows, d]
+    (the received rows), 16-bit -> (E4M3 [rows, d], FP32 [rows, 1]) for a dynamic
+    per-tensor layer: scale = max(max |y| / 448, FP32's smallest normal) over the listed
+    rows (NaN counting as zero, an infinity kept), each expert's own when `per_expert`
+    (vLLM's eager loop over experts) else one over them all (its captured path, and the
+    prepare's input scale); every listed row gets its scale and vLLM's static per-tensor
+    quantization with it. Rows not listed are left undefined."""
+    if triton is None:
+        raise RuntimeError("tensor_quant needs Triton")
+    why = unlisted_reason(x, None, act)
+    if why is not None:
+        raise ValueError(f"tensor_quant: {why}")
+    sorted_ids, expert_ids, blocks_rows = blocks
+    rows, d = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
+    q = torch.empty(rows, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    num_blocks = expert_ids.numel()
+    if num_blocks == 0 or d == 0:
+        return q, scales
+    block_m = sorted_ids.numel() // num_blocks
+    block_n = min(triton.next_power_of_2(d), max(16, TILE // block_m))
+    slots = rows // rows_per_expert if per_expert else 1
+    amax = torch.zeros(slots, dtype=torch.float32, device=x.device)
+    grid = (num_blocks, triton.cdiv(d, block_n))
+    args = (sorted_ids, expert_ids, blocks_rows, rows, d)
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "PER_EXPERT": per_expert, "ACT": act}
+    _listed_amax_kernel[grid](x, amax, *args, **meta)
+    _tensor_quant_kernel[grid](x, q, scales, amax, *args, FLOOR=TENSOR_FLOOR, **meta)
+    return q, scales
+
+
+def takes_tensor(
+    x: torch.Tensor, act: bool, fused_experts: Any = None, activation: Any = None
+) -> bool:
+    """Whether a dynamic per-tensor layer's input (`act` False, x [rows, d]) or
+    intermediate (GEMM1's output [rows, 2d] of a plain SiLU-and-mul layer) goes through
+    `tensor_quant`: on, CUDA buffers it takes on a GPU that converts to E4M3."""
+    return (
+        TENSOR_ENABLED
+        and triton is not None
+        and x.is_cuda
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and (not act or block_list.plain_silu_and_mul(fused_experts, activation))
+        and unlisted_reason(x, None, act) is None
+    )
 
 
 def token_tiling(d: int, block_m: int) -> tuple[int, int]:
@@ -238,3 +299,67 @@ if triton is not None:
                 scale = tl.math.exp2(tl.math.ceil(tl.math.log2(tl.maximum(scale, 1e-10))))
             tl.store(s_ptr + ids * (d // BLOCK_N) + g, scale, mask=listed)
             _store_q(q_ptr, y, scale, ids, cols, mask, d)
+
+    @triton.jit
+    def _listed_amax_kernel(
+        x_ptr,
+        amax_ptr,
+        sorted_ids_ptr,
+        expert_ids_ptr,
+        blocks_rows_ptr,
+        rows,
+        d,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PER_EXPERT: tl.constexpr,
+        ACT: tl.constexpr,
+    ):
+        """max |y| of one block's listed rows over one column chunk, into its expert's
+        slot (or the one slot): NaN counts as zero, as vLLM's fmaxf skips it."""
+        b = tl.program_id(0)
+        if b * BLOCK_M >= tl.load(blocks_rows_ptr):
+            return
+        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (ids < rows)[:, None] & (cols < d)[None, :]
+        a = tl.abs(_rows(x_ptr, ids, cols, mask, d, ACT))
+        a = tl.where(a == a, a, 0.0)
+        slot = tl.load(expert_ids_ptr + b) if PER_EXPERT else 0
+        tl.atomic_max(amax_ptr + slot, tl.max(tl.max(a, axis=1), axis=0))
+
+    @triton.jit
+    def _tensor_quant_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        amax_ptr,
+        sorted_ids_ptr,
+        expert_ids_ptr,
+        blocks_rows_ptr,
+        rows,
+        d,
+        FLOOR: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PER_EXPERT: tl.constexpr,
+        ACT: tl.constexpr,
+    ):
+        """One block's listed rows over one column chunk quantized with their slot's
+        scale, as vLLM's static per-tensor kernel does (times the inverted scale); the
+        first chunk writes each row's scale."""
+        b = tl.program_id(0)
+        if b * BLOCK_M >= tl.load(blocks_rows_ptr):
+            return
+        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        listed = ids < rows
+        slot = tl.load(expert_ids_ptr + b) if PER_EXPERT else 0
+        scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr + slot), 448.0), FLOOR)
+        inverted = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
+        g = tl.program_id(1)
+        cols = g * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = listed[:, None] & (cols < d)[None, :]
+        y = _rows(x_ptr, ids, cols, mask, d, ACT)
+        q = tl.clamp(y * inverted[:, None], -448.0, 448.0)
+        tl.store(q_ptr + ids[:, None] * d + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        if g == 0:
+            tl.store(s_ptr + ids, tl.full([BLOCK_M], 0.0, tl.float32) + scale, mask=listed)
