@@ -209,17 +209,17 @@ def test_the_choice_is_logged_once(experts, caplog, monkeypatch):
         experts(2.0)
         experts(2.0)
         experts(0.0)
-    assert caplog.text.count("at most 2 rows per expert run the received-rows") == 1
+    assert caplog.text.count("at most 2 rows per expert run the package's received-rows") == 1
     assert "DEEP_GEMM_RECEIVED_ROWS=0: DeepGEMM for every forward" in caplog.text
-    assert "run DeepGEMM for every forward" not in caplog.text
+    assert "every forward on DeepGEMM" not in caplog.text
 
 
 @pytest.mark.parametrize(
     ("bound", "says"),
     [
-        (0.5, "at most 0.5 rows per expert run the received-rows"),
-        (0.0625, "at most 0.0625 rows per expert run the received-rows"),
-        (float("inf"), "run every forward on the received-rows Triton experts"),
+        (0.5, "at most 0.5 rows per expert run the package's received-rows"),
+        (0.0625, "at most 0.0625 rows per expert run the package's received-rows"),
+        (float("inf"), "every forward on the package's received-rows Triton experts"),
     ],
 )
 def test_fractional_and_infinite_bounds_are_logged_as_they_route(
@@ -228,14 +228,14 @@ def test_fractional_and_infinite_bounds_are_logged_as_they_route(
     monkeypatch.setattr(deep_gemm_per_batch, "_logged", False)
     with caplog.at_level(logging.INFO):
         experts(bound)
-    assert says in caplog.text and "DeepGEMM for every forward (" not in caplog.text
+    assert says in caplog.text and "every forward on DeepGEMM" not in caplog.text
 
 
 def test_off_the_log_says_deep_gemm_for_every_forward(experts, caplog, monkeypatch):
     monkeypatch.setattr(deep_gemm_per_batch, "_logged", False)
     with caplog.at_level(logging.INFO):
         experts(0.0)
-    assert "block-FP8 layers run DeepGEMM for every forward" in caplog.text
+    assert "block-FP8 layers on DeepGEMM: every forward on DeepGEMM" in caplog.text
     assert "received-rows Triton experts" not in caplog.text
 
 

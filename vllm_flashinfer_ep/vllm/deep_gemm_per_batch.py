@@ -27,13 +27,12 @@ prepare/finalize's setup hook (`install`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.vllm import compact_experts, deep_gemm_experts
+from vllm_flashinfer_ep.vllm import compact_experts, deep_gemm_experts, fp8_experts_choice
 from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, leave_to_vllm, named_args
 from vllm_flashinfer_ep.vllm.deep_gemm_warmup import TARGET
 from vllm_flashinfer_ep.vllm.patches._helper import (
@@ -142,25 +141,10 @@ def install(fused_experts: Any, sent_per_rank: Callable[[], int | None] | None =
     except PatchTargetError as error:
         return leave_to_vllm(error, "the scale layout and every forward's experts kernel")
     global _logged
-    if not _logged:
+    if not _logged:  # the bound these layers were set up with (tests may override it)
         _logged = True
-        if up_to == math.inf:
-            logger.info(
-                "flashinfer_ep_low_latency: block-FP8 layers run every forward on the "
-                "received-rows Triton experts (%s=inf)",
-                envs.DEEP_GEMM_RECEIVED_ROWS,
-            )
-        elif up_to > 0:
-            logger.info(
-                "flashinfer_ep_low_latency: block-FP8 forwards of at most %g rows per expert "
-                "run the received-rows Triton experts, larger ones DeepGEMM (%s=0: DeepGEMM "
-                "for every forward)",
-                up_to,
-                envs.DEEP_GEMM_RECEIVED_ROWS,
-            )
-        else:
-            logger.info(
-                "flashinfer_ep_low_latency: block-FP8 layers run DeepGEMM for every forward (%s=0)",
-                envs.DEEP_GEMM_RECEIVED_ROWS,
-            )
+        logger.info(
+            "flashinfer_ep_low_latency: block-FP8 layers on DeepGEMM: %s",
+            fp8_experts_choice.small_forwards_note(up_to),
+        )
     return True

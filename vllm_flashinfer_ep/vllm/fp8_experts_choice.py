@@ -137,10 +137,12 @@ def auto_fp8_experts(
     return deep_gemm, "the fastest block-FP8 experts over the LL buffer"
 
 
-def small_forwards_note() -> str:
-    """What the LL DeepGEMM layers run small forwards on (vllm/deep_gemm_per_batch.py), for
-    the config-time log line."""
-    up_to = envs.deep_gemm_received_rows()
+def small_forwards_note(up_to: float | None = None) -> str:
+    """What the LL DeepGEMM layers run small forwards on (vllm/deep_gemm_per_batch.py) at
+    the bound `up_to` (None: the variable's), in the words of the config-time line, doctor
+    and the worker's line once the layers are set up."""
+    if up_to is None:
+        up_to = envs.deep_gemm_received_rows()
     if up_to <= 0:
         return f"every forward on DeepGEMM ({envs.DEEP_GEMM_RECEIVED_ROWS}=0)."
     if up_to == math.inf:
