@@ -277,6 +277,16 @@ if triton is not None:
         return (act.to(tl.float32) * up).to(ty).to(tl.float32)
 
     @triton.jit
+    def block_tile(sorted_ids_ptr, rows, d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The rows of block program_id(0) (flat ids; the sentinel `rows` where the block
+        has none) and the columns of chunk program_id(1): (ids, cols, the mask of listed
+        rows x columns below d). Shared with vllm/listed_quant.py's kernels."""
+        ids = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+        ids = ids.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return ids, cols, (ids < rows)[:, None] & (cols < d)[None, :]
+
+    @triton.jit
     def _listed_silu_and_mul_kernel(
         x_ptr,
         out_ptr,
@@ -287,12 +297,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        if b * BLOCK_M >= tl.load(blocks_rows_ptr):
+        if tl.program_id(0) * BLOCK_M >= tl.load(blocks_rows_ptr):
             return
-        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (ids < rows)[:, None] & (cols < d)[None, :]
+        ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
         y = silu_mul_rows(x_ptr, ids, cols, mask, d)  # out has x's type (_unlisted_buffers)
         tl.store(
             out_ptr + ids[:, None] * d + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask

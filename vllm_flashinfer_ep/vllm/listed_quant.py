@@ -223,6 +223,7 @@ def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | Non
 
 if triton is not None:
     silu_mul_rows = block_list.silu_mul_rows  # the activation, as the listed one computes it
+    block_tile = block_list.block_tile  # a block's rows and a column chunk, as it reads them
 
     @triton.jit
     def _rows(x_ptr, ids, cols, mask, d, ACT: tl.constexpr):
@@ -319,9 +320,7 @@ if triton is not None:
         b = tl.program_id(0)
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
             return
-        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (ids < rows)[:, None] & (cols < d)[None, :]
+        ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
         a = tl.abs(_rows(x_ptr, ids, cols, mask, d, ACT))
         a = tl.where(a == a, a, 0.0)
         slot = tl.load(expert_ids_ptr + b) if PER_EXPERT else 0
@@ -350,16 +349,12 @@ if triton is not None:
         b = tl.program_id(0)
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
             return
-        ids = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        listed = ids < rows
+        ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
         slot = tl.load(expert_ids_ptr + b) if PER_EXPERT else 0
         scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr + slot), 448.0), FLOOR)
         inverted = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
-        g = tl.program_id(1)
-        cols = g * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = listed[:, None] & (cols < d)[None, :]
         y = _rows(x_ptr, ids, cols, mask, d, ACT)
         q = tl.clamp(y * inverted[:, None], -448.0, 448.0)
         tl.store(q_ptr + ids[:, None] * d + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        if g == 0:
-            tl.store(s_ptr + ids, tl.full([BLOCK_M], 0.0, tl.float32) + scale, mask=listed)
+        if tl.program_id(1) == 0:
+            tl.store(s_ptr + ids, tl.full([BLOCK_M], 0.0, tl.float32) + scale, mask=ids < rows)
