@@ -404,19 +404,36 @@ def _takes_the_path(experts, p: SchemeProblem, arrival: str) -> None:
 # bf16: what the LL prepare hands the received-rows experts of a layer without FP8 on the
 # wire (compact_experts.quantizes_input); they quantize the listed rows as it would.
 SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [(kind, "bf16") for kind in SCHEMES]
+# and the dynamic per-tensor layer once more with listed_quant's two-launch kernels
+# (TENSOR_ENABLED, off in production until measured): its BF16 input and its intermediate
+SCHEME_ARRIVALS += [("tensor-dynamic-kernels", "prepared"), ("tensor-dynamic-kernels", "bf16")]
+
+
+@pytest.fixture
+def scheme_kind(request, monkeypatch):
+    """The kind under test; "tensor-dynamic-kernels" is "tensor-dynamic" with
+    listed_quant.TENSOR_ENABLED on."""
+    from vllm_flashinfer_ep.vllm import listed_quant
+
+    kind = request.param
+    if kind == "tensor-dynamic-kernels":
+        monkeypatch.setattr(listed_quant, "TENSOR_ENABLED", True)
+        kind = "tensor-dynamic"
+    return kind
 
 
 @pytest.mark.usefixtures("fp8_intermediate")
-@pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
+@pytest.mark.parametrize(("scheme_kind", "arrival"), SCHEME_ARRIVALS, indirect=["scheme_kind"])
 @pytest.mark.parametrize(("tokens", "counts", "sent"), CASES)
 def test_per_tensor_and_per_channel_received_rows_match_vllm_s_batched_kernel(
     vllm_env,  # noqa: F811
-    kind,
+    scheme_kind,
     arrival,
     tokens,
     counts,
     sent,
 ):
+    kind = scheme_kind
     p = SchemeProblem(kind, seed=tokens + int(counts.sum()))
     p.load(counts, seed=7 * tokens + 3)
     want = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -442,15 +459,16 @@ def test_per_tensor_and_per_channel_experts_without_rows_write_nothing(vllm_env,
 
 
 @pytest.mark.usefixtures("fp8_intermediate")
-@pytest.mark.parametrize(("kind", "arrival"), SCHEME_ARRIVALS)
+@pytest.mark.parametrize(("scheme_kind", "arrival"), SCHEME_ARRIVALS, indirect=["scheme_kind"])
 def test_captured_per_tensor_and_per_channel_experts_follow_new_counts_and_rows(
     vllm_env,  # noqa: F811
-    kind,
+    scheme_kind,
     arrival,
 ):
     """Both sides captured, each in its own graph (vLLM's batched experts quantize the
     intermediate in-graph as they do in serving), and replayed with new rows and counts,
     the edges included."""
+    kind = scheme_kind
     p = SchemeProblem(kind, seed=5)
     tokens = ROWS  # a list that can cover the edge counts
     compact, batched = _experts(p.qc, compact=True), _experts(p.qc, compact=False)

@@ -40,14 +40,17 @@ def _vllm(x: torch.Tensor, group: int | None, ue8m0: bool):
     return per_token_group_quant_fp8(y, group, use_ue8m0=ue8m0)
 
 
-def _assert_listed_rows_equal(blocks, rows, got, want) -> None:
+def _assert_listed_rows_equal(blocks, rows, got, want, shared_scales: bool = False) -> None:
+    """`shared_scales`: a scale spans rows (per tensor), so one last-bit difference in the
+    activation at a maximum moves every row's scale by an ulp: scales compared within
+    2 units of bfloat16 only, bytes as for per-row scales."""
     ids = blocks[0]
     listed = torch.zeros(rows, dtype=torch.bool, device=ids.device)
     listed[ids[ids < rows].long()] = True
     (gq, gs), (wq, ws) = got, want
     gs, ws = gs[listed], ws[listed]
     assert torch.allclose(gs, ws, rtol=2**-7, atol=0), float((gs - ws).abs().max())
-    assert int((gs != ws).sum()) <= max(1, 1e-3 * gs.numel())
+    assert shared_scales or int((gs != ws).sum()) <= max(1, 1e-3 * gs.numel())
     gq, wq = gq[listed].float(), wq[listed].float()
     assert torch.allclose(gq, wq, rtol=2**-3, atol=2**-9), float((gq - wq).abs().max())
     assert int((gq != wq).sum()) <= 1e-3 * max(1, gq.numel())
@@ -99,7 +102,7 @@ def _split_qc(group: int | None):
     )
 
 
-def _replays_match_vllm(graph, written, x, counts, gen, shape, want) -> None:
+def _replays_match_vllm(graph, written, x, counts, gen, shape, want, shared_scales=False) -> None:
     """Replay a captured graph with new routings and rows, its outputs reset to sentinels
     first, against vLLM's ops: `written()` is the (q, s) its last layer writes, `want(x)`
     vLLM's over every row, `shape` (experts, tokens, rows, block_m, blocks)."""
@@ -113,7 +116,7 @@ def _replays_match_vllm(graph, written, x, counts, gen, shape, want) -> None:
         graph.replay()
         blocks = block_list.torch_expert_blocks(counts, rows, block_m, nb)
         torch.cuda.synchronize()
-        _assert_listed_rows_equal(blocks, experts * rows, (q, s), want(x))
+        _assert_listed_rows_equal(blocks, experts * rows, (q, s), want(x), shared_scales)
 
 
 @pytest.mark.parametrize("group", [128, None])
@@ -274,7 +277,7 @@ def test_dynamic_per_tensor_rows_get_vllm_s_bytes(experts, rows, d, block_m, per
         got = listed_quant.tensor_quant(x, blocks, rows, per_expert, act)
         want = _vllm_tensor(x, blocks, rows, per_expert, act)
         torch.cuda.synchronize()
-        _assert_listed_rows_equal(blocks, experts * rows, got, want)
+        _assert_listed_rows_equal(blocks, experts * rows, got, want, shared_scales=True)
         if not act:  # no exp on the way: vLLM's scales exactly
             ids = blocks[0]
             at = ids[ids < experts * rows].long()
@@ -353,6 +356,7 @@ def test_captured_dynamic_per_tensor_quantization_is_timed(act):
                     gen,
                     (experts, tokens, rows, block_m, nb),
                     want,
+                    shared_scales=True,
                 )
             times[name] = _us_per_layer(graph)
             del graph

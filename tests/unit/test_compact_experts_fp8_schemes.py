@@ -692,7 +692,13 @@ def test_per_tensor_layers_reach_the_two_launch_kernels_when_taken(monkeypatch, 
             rows, blocks[0], rows_per_expert, qc, None, one_scale=one
         )
 
-    monkeypatch.setattr(listed_quant, "takes_tensor", lambda x, act, *args: True)
+    asked = []
+
+    def takes_tensor(x, act, fused_experts=None, activation=None):
+        asked.append((act, fused_experts is not None, activation))
+        return True
+
+    monkeypatch.setattr(listed_quant, "takes_tensor", takes_tensor)
     monkeypatch.setattr(listed_quant, "tensor_quant", kernels)
     got = _call(_experts(qc, compact=True), x, None, q1, q2, c, 4)
     received = _received(c, CAP)
@@ -700,6 +706,9 @@ def test_per_tensor_layers_reach_the_two_launch_kernels_when_taken(monkeypatch, 
     if kind == "tensor-static":
         assert seen == []
         return
+    # asked with what the real check reads: the input without, the intermediate with the
+    # layer's activation (a non-SiLU layer must not get the kernel's SiLU)
+    assert asked == [(False, False, None), (True, True, MoEActivation.SILU)]
     assert seen == [
         (False, False, (EXPERTS * CAP, HIDDEN)),
         (not in_graph, True, (EXPERTS * CAP, 2 * INTER)),

@@ -91,3 +91,24 @@ def test_a_switch_or_package_variable_keys_the_kept_result(tmp_path, monkeypatch
     assert len(calls) == 2
     engine_runner.EngineRunner(tmp_path / "c").run("ll", {"model": "/m"})
     assert len(calls) == 2  # the same value again: kept
+
+
+def test_every_harness_switch_keys_kept_results_and_every_bench_switch_is_one():
+    """A switch the harness reads changes what an engine computes, so a kept result is
+    keyed by it (ENGINE_SWITCHES); a bench configuration may set only switches the harness
+    reads, or the package's and vLLM's variables (a misspelt one would measure the
+    default under another name)."""
+    import bench_engine
+    import world1_harness
+
+    read = {
+        value
+        for name, value in vars(world1_harness).items()
+        if name.endswith("_ENV") and name != "REMOVED_ENV"
+    }
+    assert read and read <= set(engine_runner.ENGINE_SWITCHES), read - set(
+        engine_runner.ENGINE_SWITCHES
+    )
+    for name, (_, env) in bench_engine.CONFIGS.items():
+        for var in env:
+            assert var in read or not var.startswith("FLASHINFER_EP_TEST_"), (name, var)

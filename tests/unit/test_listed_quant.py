@@ -221,8 +221,8 @@ TENSOR_CHILD = CHILD[: CHILD.index("\nfor experts, rows, d, bm, dtype, counts")]
             x[int(listed.nonzero()[0]), 1] = float("nan")
         if poison == "zeros":  # an expert of all-zero rows (the first): its scale floors
             x[:rows] = 0
-        if poison == "unlisted" and (~listed).any():  # a huge value no max may see
-            x[int((~listed).nonzero()[0]), :] = 3e38 if dtype == torch.bfloat16 else 6e4
+        if poison == "unlisted":  # a huge value in a listed expert's unlisted row
+            x[int((~listed).nonzero()[-1]), :] = 3e38 if dtype == torch.bfloat16 else 6e4
         q, s = lq.tensor_quant(x, blocks, rows, per_expert, act)
         if act:
             g, u = x[:, :d].float(), x[:, d:].float()
@@ -270,8 +270,11 @@ def _tensor_cases() -> list:
                         case = [experts, rows, d, bm, dtype, counts.tolist(), nb, per_expert, act]
                         cases.append(case + [None])
     for act in (True, False):
-        for poison in ("nan", "unlisted", "zeros"):
-            cases.append([3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, True, act, poison])
+        for per_expert in (True, False):
+            for poison in ("nan", "unlisted", "zeros"):
+                # the last row (expert 2's, 5 of 8 filled) is unlisted
+                case = [3, 8, 200, 16, "bfloat16", [8, 0, 5], 3, per_expert, act, poison]
+                cases.append(case)
         cases.append([2, 16, 4224, 16, "bfloat16", [16, 3], 2, False, act, None])  # wide rows
     return cases
 

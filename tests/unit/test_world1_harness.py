@@ -154,8 +154,8 @@ def _after_install(name: str, value: str | None, attr: str) -> str:
 @pytest.mark.parametrize("value", [None, "0", "1", "yes"])
 def test_the_intermediate_switches_reach_the_package(name, attr, default, value):
     """FLASHINFER_EP_TEST_LISTED_ACTIVATION / _LISTED_QUANT / _LISTED_INPUT_QUANT /
-    _FP8_DYNAMIC_TENSOR / _LISTED_TENSOR_QUANT: unset keeps the package's default, 0 and 1 turn the kernel off
-    and on to measure it, anything else is refused by name."""
+    _FP8_DYNAMIC_TENSOR / _LISTED_TENSOR_QUANT: unset keeps the package's default, 0 and 1
+    turn the kernel off and on to measure it, anything else is refused by name."""
     expected = {None: default, "0": "False", "1": "True", "yes": "error"}[value]
     got = _after_install(name, value, attr)
     assert got.split()[0] == expected, got

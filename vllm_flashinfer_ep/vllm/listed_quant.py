@@ -161,8 +161,8 @@ def tensor_quant(
     slots = rows // rows_per_expert if per_expert else 1
     amax = torch.zeros(slots, dtype=torch.float32, device=x.device)
     grid = (num_blocks, triton.cdiv(d, block_n))
-    args = (sorted_ids, expert_ids, blocks_rows, rows, d)
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "PER_EXPERT": per_expert, "ACT": act}
+    args = (sorted_ids, expert_ids, blocks_rows, rows, d, int(per_expert))
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "ACT": act}
     _listed_amax_kernel[grid](x, amax, *args, **meta)
     _tensor_quant_kernel[grid](x, q, scales, amax, *args, FLOOR=TENSOR_FLOOR, **meta)
     return q, scales
@@ -301,7 +301,9 @@ if triton is not None:
             tl.store(s_ptr + ids * (d // BLOCK_N) + g, scale, mask=listed)
             _store_q(q_ptr, y, scale, ids, cols, mask, d)
 
-    @triton.jit
+    # per_expert is a runtime 0 / 1, not specialized: the eager call (per expert) and the
+    # captured one (one scale) run one compiled kernel, so none compiles during a capture.
+    @triton.jit(do_not_specialize=["per_expert"])
     def _listed_amax_kernel(
         x_ptr,
         amax_ptr,
@@ -310,9 +312,9 @@ if triton is not None:
         blocks_rows_ptr,
         rows,
         d,
+        per_expert,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        PER_EXPERT: tl.constexpr,
         ACT: tl.constexpr,
     ):
         """max |y| of one block's listed rows over one column chunk, into its expert's
@@ -323,10 +325,10 @@ if triton is not None:
         ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
         a = tl.abs(_rows(x_ptr, ids, cols, mask, d, ACT))
         a = tl.where(a == a, a, 0.0)
-        slot = tl.load(expert_ids_ptr + b) if PER_EXPERT else 0
+        slot = tl.load(expert_ids_ptr + b) * per_expert  # a live block's expert, or slot 0
         tl.atomic_max(amax_ptr + slot, tl.max(tl.max(a, axis=1), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["per_expert"])
     def _tensor_quant_kernel(
         x_ptr,
         q_ptr,
@@ -337,10 +339,10 @@ if triton is not None:
         blocks_rows_ptr,
         rows,
         d,
+        per_expert,
         FLOOR: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        PER_EXPERT: tl.constexpr,
         ACT: tl.constexpr,
     ):
         """One block's listed rows over one column chunk quantized with their slot's
@@ -350,7 +352,7 @@ if triton is not None:
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
             return
         ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
-        slot = tl.load(expert_ids_ptr + b) if PER_EXPERT else 0
+        slot = tl.load(expert_ids_ptr + b) * per_expert  # a live block's expert, or slot 0
         scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr + slot), 448.0), FLOOR)
         inverted = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), scale)
         y = _rows(x_ptr, ids, cols, mask, d, ACT)
