@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import world1_harness  # the harness this module installs in every engine process
+
 from tests.helpers import NO_MULTICAST
 from vllm_flashinfer_ep import envs
 
@@ -20,19 +22,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 HARNESS_DIST = "vllm_flashinfer_ep_world1_harness-0.0.0.dist-info"
 LOG_DIR_ENV = "FLASHINFER_EP_TEST_ENGINE_LOG_DIR"
-# Harness switches read by the engine processes (world1_harness): they change what an
-# engine computes, so a kept result is keyed by them too, as by the package's variables.
-ENGINE_SWITCHES = (
-    "FLASHINFER_EP_TEST_LISTED_ACTIVATION",
-    "FLASHINFER_EP_TEST_LISTED_QUANT",
-    "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT",
-    "FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR",
-    "FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT",
-    "FLASHINFER_EP_TEST_DP_EXPECTED_M",
-    "FLASHINFER_EP_TEST_VLLM_TILES",
-    "FLASHINFER_EP_TEST_BATCHED_KERNEL",
-    "FLASHINFER_EP_TEST_FAULT",
-)
+# Harness switches read by the engine processes: they change what an engine computes, so
+# a kept result is keyed by them too, as by the package's variables.
+ENGINE_SWITCHES = world1_harness.SWITCHES
 
 
 def write_plugin_dist(root: Path) -> Path:

@@ -95,7 +95,8 @@ def test_a_switch_or_package_variable_keys_the_kept_result(tmp_path, monkeypatch
 
 def test_every_harness_switch_keys_kept_results_and_every_bench_switch_is_one():
     """A switch the harness reads changes what an engine computes, so a kept result is
-    keyed by it (ENGINE_SWITCHES); a bench configuration may set only switches the harness
+    keyed by it (ENGINE_SWITCHES, the harness's SWITCHES: none left out of that tuple); a
+    bench configuration may set only switches the harness
     reads, or the package's and vLLM's variables (a misspelt one would measure the
     default under another name)."""
     import bench_engine
