@@ -72,8 +72,8 @@ ENABLED = True  # the test harness turns it off to measure vLLM's batched kernel
 # test_compact_experts_fp8_gpu.py) passed on the H200 on 2026-12-05 for block and per-token
 # layers and static per-tensor ones. Dynamic per-tensor intermediates (online
 # fp8_per_tensor) followed once per-tensor scales became true FP32 divisions (their captured
-# replay had differed from vLLM's by 1.5 %; it passes since, 2026-12-05 and 2026-12-06),
-# after the engine's accuracy test and benchmark on the H100 (docs/benchmarks.md).
+# replay had differed from vLLM's before), after the engine's accuracy test and benchmark
+# (docs/benchmarks.md, docs/device_vllm.md).
 FP8_ENABLED = True
 FP8_DYNAMIC_TENSOR = True
 _logged = False
