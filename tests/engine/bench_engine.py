@@ -67,9 +67,10 @@ CONFIGS = {
         {"backend": LL},
         {"FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR": "0"},
     ),
-    # Dynamic per-tensor layers' input and intermediate quantized in two launches each over
-    # the block list (listed_quant.TENSOR_ENABLED, off by default until measured here)
-    "ll_graph_listed_tensor": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT": "1"}),
+    # Dynamic per-tensor layers' input and intermediate through the max's masks and
+    # reductions, the gather, vLLM's quantization and the scatters instead of two launches
+    # each over the block list (listed_quant.TENSOR_ENABLED, on by default since measured here)
+    "ll_graph_gathered_tensor": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT": "0"}),
     # Block FP8 on DeepGEMM (`auto`) for every forward, none on the received-rows Triton
     # experts (vllm/deep_gemm_per_batch.py: up to 4 rows per expert by default, since
     # measured here)

@@ -404,20 +404,21 @@ def _takes_the_path(experts, p: SchemeProblem, arrival: str) -> None:
 # bf16: what the LL prepare hands the received-rows experts of a layer without FP8 on the
 # wire (compact_experts.quantizes_input); they quantize the listed rows as it would.
 SCHEME_ARRIVALS = [(kind, "prepared") for kind in SCHEMES] + [(kind, "bf16") for kind in SCHEMES]
-# and the dynamic per-tensor layer once more with listed_quant's two-launch kernels
-# (TENSOR_ENABLED, off in production until measured): its BF16 input and its intermediate
+# and the dynamic per-tensor layer both ways: with listed_quant's two-launch kernels
+# (TENSOR_ENABLED, on by default) for its BF16 input and its intermediate, and without
+# them ("tensor-dynamic" here: the gathered rows, vLLM's quantization, the scatters)
 SCHEME_ARRIVALS += [("tensor-dynamic-kernels", "prepared"), ("tensor-dynamic-kernels", "bf16")]
 
 
 @pytest.fixture
 def scheme_kind(request, monkeypatch):
     """The kind under test; "tensor-dynamic-kernels" is "tensor-dynamic" with
-    listed_quant.TENSOR_ENABLED on."""
+    listed_quant.TENSOR_ENABLED on, and "tensor-dynamic" has it off (the fallback)."""
     from vllm_flashinfer_ep.vllm import listed_quant
 
     kind = request.param
-    if kind == "tensor-dynamic-kernels":
-        monkeypatch.setattr(listed_quant, "TENSOR_ENABLED", True)
+    if kind.startswith("tensor-dynamic"):
+        monkeypatch.setattr(listed_quant, "TENSOR_ENABLED", kind == "tensor-dynamic-kernels")
         kind = "tensor-dynamic"
     return kind
 

@@ -148,7 +148,7 @@ def _after_install(name: str, value: str | None, attr: str) -> str:
         ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
         ("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", "listed_quant.INPUT_ENABLED", "True"),
         ("FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR", "compact_experts.FP8_DYNAMIC_TENSOR", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT", "listed_quant.TENSOR_ENABLED", "False"),
+        ("FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT", "listed_quant.TENSOR_ENABLED", "True"),
     ],
 )
 @pytest.mark.parametrize("value", [None, "0", "1", "yes"])

@@ -26,8 +26,8 @@ prepare's one scale, static or max |x| / 448 over the received rows). The interm
 GEMMs is quantized as vLLM's batched experts quantize it, for the listed rows only: block
 and token intermediates activated and quantized in one kernel (vllm/listed_quant.py, on;
 off: the listed activation, then vLLM's `moe_kernel_quantize_input` on the gathered rows,
-scattered back), per-tensor ones gathered, quantized with vLLM's op and scattered back
-(dynamic ones, with `listed_quant.TENSOR_ENABLED`, by its two launches instead):
+scattered back), static per-tensor ones gathered, quantized with vLLM's op and scattered
+back, dynamic ones by listed_quant's two launches (`TENSOR_ENABLED`, on; off: gathered too):
 
 - block and token scales are per row, so those rows get the bytes quantizing the whole
   buffer would give them; a static per-tensor scale likewise.
