@@ -83,8 +83,9 @@ def fp8_intermediate(request, monkeypatch):
     """The FP8 received-rows experts' intermediate three ways: vLLM's masked activation,
     the listed activation, and the activation and quantization in one kernel
     (listed_quant.ENABLED; block and per-token layers, the others keep the listed
-    activation). The received rows must come out the same, and the kernel each way names
-    must have run (not a quiet fallback)."""
+    activation, but for dynamic per-tensor layers under listed_quant.TENSOR_ENABLED, which
+    take its two launches every way). The received rows must come out the same, and the
+    kernel each way names must have run (not a quiet fallback)."""
     from vllm_flashinfer_ep.vllm import block_list, listed_quant
 
     mode = request.param

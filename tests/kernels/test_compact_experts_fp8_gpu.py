@@ -24,7 +24,9 @@ Printed values (pytest -s) say how far below the bound the H200 lands.
 Per-tensor and per-channel layers: the second half of this module. The `fp8_intermediate`
 fixture runs each received-rows test three ways: vLLM's masked activation, the listed
 activation, and the listed activation and quantization in one kernel (vllm/listed_quant.py,
-which writes vLLM's bytes up to the last bit of exp: tests/kernels/test_listed_quant_gpu.py).
+which writes vLLM's bytes up to the last bit of exp: tests/kernels/test_listed_quant_gpu.py);
+dynamic per-tensor layers take listed_quant's two launches (activation inside) every way
+while `TENSOR_ENABLED` is on.
 Needs the real vLLM runtime on the GPU (docs/device_vllm.md).
 """
 
