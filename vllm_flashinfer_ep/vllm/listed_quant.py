@@ -135,6 +135,12 @@ def _listed_quant(
     return q, scales
 
 
+def _runs_on(x: torch.Tensor) -> bool:
+    """Whether these kernels can run on x's device: Triton, a CUDA buffer, and a GPU that
+    converts to E4M3 in-kernel (sm_89 and newer)."""
+    return triton is not None and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
 def tensor_quant(
     x: torch.Tensor, blocks: tuple, rows_per_expert: int, per_expert: bool, act: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +183,7 @@ def takes_tensor(
     `tensor_quant`: on, CUDA buffers it takes on a GPU that converts to E4M3."""
     return (
         TENSOR_ENABLED
-        and triton is not None
-        and x.is_cuda
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and _runs_on(x)
         and (not act or block_list.plain_silu_and_mul(fused_experts, activation))
         and unlisted_reason(x, None, act) is None
     )
@@ -199,13 +203,7 @@ def token_tiling(d: int, block_m: int) -> tuple[int, int]:
 def takes_input(x: torch.Tensor, group: int | None) -> bool:
     """Whether BF16 received rows `x` [rows, d] are quantized by `quantize_rows`: on, CUDA
     buffers it takes on a GPU that converts to E4M3 (sm_89 and newer)."""
-    return (
-        INPUT_ENABLED
-        and triton is not None
-        and x.is_cuda
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
-        and unlisted_reason(x, group, act=False) is None
-    )
+    return INPUT_ENABLED and _runs_on(x) and unlisted_reason(x, group, act=False) is None
 
 
 def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | None) -> bool:
@@ -214,9 +212,7 @@ def takes(fused_experts: Any, activation: Any, x: torch.Tensor, group: int | Non
     that converts to E4M3 (sm_89 and newer)."""
     return (
         ENABLED
-        and triton is not None
-        and x.is_cuda
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)  # E4M3 conversion in-kernel
+        and _runs_on(x)
         and block_list.plain_silu_and_mul(fused_experts, activation)
         and unlisted_reason(x, group) is None
     )
