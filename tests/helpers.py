@@ -192,13 +192,15 @@ def moe_config(
 
 
 def vllm_apply(body):
-    """`body(self, kw)` as an experts `apply` with vLLM 0.33.0's parameters (what the
-    package's instance patches check), `kw` every argument by vLLM's name."""
-    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, named_args
+    """`body(self, kw)` as an experts `apply` with vLLM 0.33.0's parameters, `kw` every
+    argument by vLLM's name (vLLM passes some positionally)."""
+    from vllm_flashinfer_ep.experts.deep_gemm import APPLY_PARAMS
 
     def apply(self, *args, **kw):
-        return body(self, named_args(args, kw))
+        kw.update(zip(APPLY_PARAMS, args))
+        return body(self, kw)
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    apply.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in APPLY_PARAMS])
+    names = ("self", *APPLY_PARAMS)
+    apply.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])
     return apply

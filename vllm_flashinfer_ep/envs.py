@@ -39,7 +39,7 @@ FP8_DISPATCH = "VLLM_FLASHINFER_EP_FP8_DISPATCH"
 # calls underneath them (runtime/native_handle.py).
 NATIVE_EAGER = "VLLM_FLASHINFER_EP_NATIVE_EAGER"
 # Block-FP8 LL layers on DeepGEMM: forwards of at most this many rows per expert run the
-# received-rows Triton experts, larger ones DeepGEMM (vllm/deep_gemm_per_batch.py).
+# received-rows Triton experts, larger ones DeepGEMM (experts/deep_gemm.py).
 DEEP_GEMM_RECEIVED_ROWS = "VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS"
 
 DEFAULT_TRANSPORT = "nccl_ep"

@@ -40,68 +40,20 @@ CONFIGS = {
     "no_ep": ({"backend": None}, {}),
     "ll_graph": ({"backend": LL}, {}),
     "ll_pooloff": ({"backend": LL}, {"VLLM_FLASHINFER_EP_HANDLE_POOL": "0"}),
-    # Diagnosis only (not in the default set): the pooled LL path without CUDA graphs;
-    # LL on vLLM's batched experts kernel with the package's per-batch tile (the
-    # received-rows experts of vllm/compact_experts.py off); LL with vLLM's own
-    # batched-experts path (both off); and that lookup fed a table whose tile does not spill.
     # FP8 (--quantization fp8_per_block): ll_graph is what `--moe-backend auto` picks, vLLM's
-    # batched DeepGEMM experts on Hopper (vllm/fp8_experts_choice.py; the JSON's "kernels"
-    # names them); ll_graph_deepgemm names them explicitly, ll_graph_triton takes the
-    # package's received-rows Triton experts instead (vllm/compact_experts_fp8.py).
+    # batched DeepGEMM experts on Hopper with small forwards on the received rows (the
+    # JSON's "kernels" name the classes); ll_graph_deepgemm names them explicitly,
+    # ll_graph_triton takes the received-rows experts for every forward, and
+    # ll_graph_deepgemm_only DeepGEMM for every forward.
     "ll_graph_deepgemm": ({"backend": LL, "moe_backend": "deep_gemm"}, {}),
     "ll_graph_triton": ({"backend": LL, "moe_backend": "triton"}, {}),
-    # ll_graph_triton with the listed activation, then vLLM's quantization of the listed rows,
-    # instead of both in one kernel (vllm/listed_quant.py, on by default since measured here)
-    "ll_graph_triton_split_quant": (
-        {"backend": LL, "moe_backend": "triton"},
-        {"FLASHINFER_EP_TEST_LISTED_QUANT": "0"},
-    ),
-    # BF16 arrivals (per-channel FP8) gathered, quantized with vLLM's op and scattered back
-    # instead of quantized by one kernel over the block list (listed_quant.INPUT_ENABLED, on
-    # by default since measured here)
-    "ll_graph_gathered_input": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_INPUT_QUANT": "0"}),
-    # Dynamic per-tensor FP8 (fp8_per_tensor) on vLLM's batched kernel over the whole buffer
-    # instead of the received rows (compact_experts.FP8_DYNAMIC_TENSOR, on by default since
-    # measured here)
-    "ll_graph_dynamic_tensor_batched": (
-        {"backend": LL},
-        {"FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR": "0"},
-    ),
-    # Dynamic per-tensor layers' input and intermediate through the max's masks and
-    # reductions, the gather, vLLM's quantization and the scatters instead of two launches
-    # each over the block list (listed_quant.TENSOR_ENABLED, on by default since measured here)
-    "ll_graph_gathered_tensor": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT": "0"}),
-    # Block FP8 on DeepGEMM (`auto`) for every forward, none on the received-rows Triton
-    # experts (vllm/deep_gemm_per_batch.py: up to 4 rows per expert by default, since
-    # measured here)
     "ll_graph_deepgemm_only": (
         {"backend": LL},
         {"VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS": "0"},
     ),
+    # Diagnosis only (not in the default set): the pooled LL path without CUDA graphs.
     "ll_eager": ({"backend": LL, "enforce_eager": True}, {}),
     "no_ep_eager": ({"backend": None, "enforce_eager": True}, {}),  # ll_eager's reference
-    "ll_graph_batched": ({"backend": LL}, {"FLASHINFER_EP_TEST_BATCHED_KERNEL": "1"}),
-    # ll_graph with vLLM's masked activation over the whole buffer instead of the listed
-    # rows' (vllm/block_list.py LISTED_ACTIVATION, on by default since measured here).
-    "ll_graph_vllm_act": ({"backend": LL}, {"FLASHINFER_EP_TEST_LISTED_ACTIVATION": "0"}),
-    "ll_graph_vllm_tiles": ({"backend": LL}, {"FLASHINFER_EP_TEST_VLLM_TILES": "1"}),
-    "ll_graph_tiles": (
-        {"backend": LL},
-        {"FLASHINFER_EP_TEST_VLLM_TILES": "1", "VLLM_TUNED_CONFIG_FOLDER": "{tiles}"},
-    ),
-}
-# A tile for vLLM's batched_triton_kernel that compiles without register spills on sm_90
-# (the tile the tiny model gets from vLLM's default config). vLLM looks the batched
-# experts' tile up in the fused_moe tables at M = rows per expert (256 for LL at world 1),
-# whose H200 entry for E=128,N=768 (32x256x128) spills thousands of bytes per thread in
-# that kernel (offline compile, Triton 3.8): the suspect of the 30B-shape slowdown.
-NON_SPILLING_TILE = {
-    "BLOCK_SIZE_M": 64,
-    "BLOCK_SIZE_N": 128,
-    "BLOCK_SIZE_K": 64,
-    "GROUP_SIZE_M": 1,
-    "num_warps": 4,
-    "num_stages": 3,
 }
 DEFAULT_CONFIGS = "no_ep,ll_graph,ll_pooloff"
 # FP8 engines (--quantization): vLLM's own start-up switches, so each engine starts within
@@ -121,24 +73,6 @@ def startup_switches() -> dict:
 
     kernel = {name: os.environ.get(name, "unset") for name in FP8_KERNEL_SWITCHES}
     return {**FP8_STARTUP_ENV, **FP8_STARTUP_SPEC, **kernel}
-
-
-def _tile_folder(work: Path, experts: int, intermediate: int) -> Path:
-    """A VLLM_TUNED_CONFIG_FOLDER whose table for this MoE shape uses NON_SPILLING_TILE."""
-    import torch
-
-    device = torch.cuda.get_device_name().replace(" ", "_")
-    if "H200" in device.split("_"):  # vLLM's own file naming for the H200 family
-        device = "NVIDIA_H200"
-    folder = work / "moe-tiles"
-    folder.mkdir(exist_ok=True)
-    table = {
-        str(m): NON_SPILLING_TILE for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-    }
-    (folder / f"E={experts},N={intermediate},device_name={device}.json").write_text(
-        json.dumps(table)
-    )
-    return folder
 
 
 def _model(shape: str, work: Path) -> tuple[str, dict]:
@@ -215,10 +149,6 @@ def _run(args, work: Path) -> int:
     failed: list[str] = []
     for name in args.configs.split(","):
         base, env = CONFIGS[name]
-        if "{tiles}" in env.values():
-            shape_cfg = QWEN3_30B_A3B if args.shape != "tiny" else qwen3_moe_config(2048)
-            tiles = _tile_folder(work, shape_cfg["num_experts"], shape_cfg["moe_intermediate_size"])
-            env = {k: str(tiles) if v == "{tiles}" else v for k, v in env.items()}
         spec = {
             "model": model,
             "max_model_len": 512,
@@ -270,16 +200,10 @@ def _run(args, work: Path) -> int:
                 "startup_seconds": round(res["startup_seconds"], 1),
                 "pool_sizes": [rt["pool_sizes"] for rt in probe["runtimes"]],
                 "kernels": probe["kernels"],  # prepare/finalize + experts, as the engine built them
-                "listed_activation": probe.get("listed_activation"),  # block_list's switch
-                "listed_quant": probe.get("listed_quant"),  # listed_quant.ENABLED
-                "listed_input_quant": probe.get("listed_input_quant"),  # .INPUT_ENABLED
-                # compact_experts.FP8_DYNAMIC_TENSOR (online fp8_per_tensor layers)
-                "fp8_dynamic_tensor": probe.get("fp8_dynamic_tensor"),
-                "listed_tensor_quant": probe.get("listed_tensor_quant"),  # .TENSOR_ENABLED
-                # deep_gemm_per_batch.bound() (block FP8 on DeepGEMM)
+                # the bound of DeepGEMM layers' small forwards (experts/deep_gemm.py)
                 "deep_gemm_received_rows": probe.get("deep_gemm_received_rows"),
                 # DeepGEMM's expected_m as DP ranks estimate it (world1_harness, a switch;
-                # it acts where "kernels" name BatchedDeepGemmExperts)
+                # it acts where "kernels" name ReceivedRowsOrDeepGemmExperts)
                 "dp_expected_m": probe.get("dp_expected_m"),
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
                 "device": probe.get("device"),  # the GPU: timings compare only on one card

@@ -3,20 +3,22 @@
 # staging calls of docs/device_vllm.md (it sources the staged runtime itself).
 #
 #   bash tests/engine/device_suite.sh [step ...]
-#   steps: doctor tests (= engine-tests kernel-tests; engine-tests = engine-tests-a + -b) compact padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
+#   steps: doctor tests (= engine-tests kernel-tests; engine-tests = engine-tests-a + -b) received-rows padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
 #          fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht
 #          fp8-engine-select (the FP8 engine tests FP8_K selects, a pytest -k expression),
 #          engine-select (the world-1 engine tests ENGINE_K selects)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
 #          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
-#          fp8-experts (DeepGEMM experts GPU tests + fp8_experts_probe.py), fp8-compact (the received-rows FP8 GPU tests, and listed_quant's)
-#          bench-30b-fp8-CONFIG (FP8 engines of bench_engine.CONFIGS, comma-separated: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton, ll_graph_deepgemm_only, ll_graph_gathered_input, ll_graph_dynamic_tensor_batched, ll_graph_gathered_tensor)
+#          received-rows (the received-rows experts' kernels and classes against vLLM's, and the LL join)
+#          fp8-experts (DeepGEMM experts GPU tests + fp8_experts_probe.py)
+#          vllm-combinations (vLLM's own modular-kernel combination test over the experts classes)
+#          bench-30b-fp8-CONFIG (FP8 engines of bench_engine.CONFIGS, comma-separated: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton, ll_graph_deepgemm_only)
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
-# `compact` = the GPU tests of the LL experts path alone (a quick first check);
+# `received-rows` = the GPU tests of the LL experts alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations (PROFILE_CONFIGS the
-# profile's, e.g. no_ep,ll_graph,ll_graph_vllm_act; PROFILE_ARGS adds arguments to it,
+# profile's, e.g. no_ep,ll_graph; PROFILE_ARGS adds arguments to it,
 # e.g. "--quantization fp8_per_block", after bench-30b-fp8 on the same machine so that
 # FlashInfer's JIT is built); HTBENCH_ARGS adds
 # arguments to the HT transport benchmark (e.g. HTBENCH_ARGS=--no-ll).
@@ -87,8 +89,8 @@ for step in "${steps[@]}"; do
       timeout -k 15 -s INT "$(left)" python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
-    engine-select)  # chosen world-1 engine tests (ENGINE_K: a pytest -k expression), e.g. with
-      # FLASHINFER_EP_TEST_LISTED_ACTIVATION=0: "every_moe_layer or ll_with_cuda_graphs_matches_the_engine_without_ep"
+    engine-select)  # chosen world-1 engine tests (ENGINE_K: a pytest -k expression), e.g.
+      # "every_moe_layer or ll_with_cuda_graphs_matches_the_engine_without_ep"
       export FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models
       timeout -k 15 -s INT "$(left)" python3 -m pytest tests/engine/test_engine_world1.py \
         -k "${ENGINE_K:?ENGINE_K=<pytest -k expression>}" -m "not multigpu" -p no:cacheprovider -rs -s -q \
@@ -101,22 +103,21 @@ for step in "${steps[@]}"; do
       python3 -m pytest tests/engine/test_engine_spec_decode_world1.py "${sel[@]}" -p no:cacheprovider \
         -rs -s -q -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "k=|passed|failed|Error" "$out/pytest-$step.txt" | tail -8 ;;
-    compact)  # the LL experts (received rows, and vLLM's batched kernel) against vLLM
-      python3 -m pytest tests/kernels/test_compact_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
-        tests/kernels/test_block_list_gpu.py \
-        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-compact.txt" 2>&1 || rc=1
-      grep -E "BLOCK_LIST|LISTED_ACTIVATION|passed|failed|Error" "$out/pytest-compact.txt" | tail -15 ;;
-    fp8-compact)  # the received-rows FP8 experts' GPU tests alone (about a minute)
-      python3 -m pytest tests/kernels/test_compact_experts_fp8_gpu.py tests/kernels/test_listed_quant_gpu.py \
-        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-fp8-compact.txt" 2>&1 || rc=1
-      grep -E "LISTED_(INPUT_)?QUANT|passed|failed|Error" "$out/pytest-fp8-compact.txt" | tail -12 ;;
-    fp8-experts)  # issue 28: DeepGEMM's experts (both sides of the per-forward choice) against vLLM's, then
-      # every FP8 LL experts path timed side by side (the received-rows GPU tests are fp8-compact's);
+    received-rows)  # the received-rows experts (kernels and classes) against vLLM's, and the LL join
+      python3 -m pytest tests/kernels/test_received_rows_kernels_gpu.py \
+        tests/kernels/test_received_rows_experts_gpu.py tests/kernels/test_vllm_join_gpu.py \
+        -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-received-rows.txt" 2>&1 || rc=1
+      grep -E "passed|failed|Error" "$out/pytest-received-rows.txt" | tail -12 ;;
+    vllm-combinations)  # vLLM 0.33.0's own combination test over the experts classes (.vllm-tests carried)
+      python3 tests/kernels/vllm_combinations.py > "$out/vllm-combinations.txt" 2>&1 || rc=1
+      tail -15 "$out/vllm-combinations.txt" ;;
+    fp8-experts)  # DeepGEMM's experts (both sides of the per-forward choice) against vLLM's, then
+      # every FP8 LL experts path timed side by side (the received-rows GPU tests are received-rows');
       # PROBE_SCHEMES: which layouts (block channel tensor tensor_static)
       python3 -m pytest tests/kernels/test_deep_gemm_experts_gpu.py \
-        tests/kernels/test_block_list_gpu.py -p no:cacheprovider -rs -s -q -o addopts="" \
+        -p no:cacheprovider -rs -s -q -o addopts="" \
         > "$out/pytest-fp8-experts.txt" 2>&1 || rc=1
-      grep -E "BLOCK_LIST|per batch|passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
+      grep -E "passed|failed|Error" "$out/pytest-fp8-experts.txt" | tail -8
       for scheme in ${PROBE_SCHEMES:-block channel tensor tensor_static}; do
         batches=1,8,32,128,256  # block: the probe's finer default, for the per-forward bound
         [ "$scheme" = block ] && batches=1,2,4,8,16,32,64,128,256
@@ -236,7 +237,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests compact padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts fp8-compact bench-30b-fp8-CONFIG)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -93,19 +93,10 @@ def worker_probe(worker: Any) -> dict[str, Any]:
         }
     )
     out["num_kernels"] = len(impls)
-    from vllm_flashinfer_ep.vllm import (
-        block_list,
-        compact_experts,
-        deep_gemm_per_batch,
-        listed_quant,
-    )
-
-    out["listed_activation"] = block_list.LISTED_ACTIVATION  # the switches as the worker sees them
-    out["listed_quant"] = listed_quant.ENABLED
-    out["listed_input_quant"] = listed_quant.INPUT_ENABLED
-    out["fp8_dynamic_tensor"] = compact_experts.FP8_DYNAMIC_TENSOR
-    out["listed_tensor_quant"] = listed_quant.TENSOR_ENABLED
-    out["deep_gemm_received_rows"] = deep_gemm_per_batch.bound()
+    # the bound DeepGEMM layers were built with (experts/deep_gemm.py), as the worker has it
+    bounds = {getattr(k.fused_experts, "received_rows_up_to", None) for k in impls.values()}
+    bounds.discard(None)
+    out["deep_gemm_received_rows"] = bounds.pop() if len(bounds) == 1 else sorted(bounds) or None
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )

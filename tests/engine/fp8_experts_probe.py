@@ -11,14 +11,13 @@ scales per 128, row-major); for `channel` (per-channel weights, per-token activa
 and `tensor` (one weight scale per expert, a dynamic per-tensor activation scale) or
 `tensor_static` (static input scales, as per-tensor checkpoints carry) what the LL
 prepare quantizes after receive (vllm/receive_quant.py).
-  batched_triton : vLLM's BatchedTritonExperts with the package's tile per batch (what
-                   --moe-backend triton runs today: compact_experts.FP8_ENABLED off)
-  received_rows  : the same object with the package's received-rows experts
-                   (vllm/compact_experts_fp8.py), block list built from the counts
-  deep_gemm      : block only: vLLM's BatchedDeepGemmExperts (--moe-backend deep_gemm),
-                   the package's MN-major copy of the filled rows' scales included; at
-                   world 1 vLLM hands DeepGEMM expected_m = the buffer's rows per expert
-                   (no DP metadata)
+  batched_triton : vLLM's BatchedTritonExperts as vLLM ships them
+  received_rows  : the package's ReceivedRowsExperts (experts/received_rows.py), what LL
+                   runs in their place
+  deep_gemm      : block only: the package's DeepGemmExperts (vLLM's
+                   BatchedDeepGemmExperts, --moe-backend deep_gemm, with the MN-major copy
+                   of the filled rows' scales); at world 1 vLLM hands DeepGEMM expected_m
+                   = the buffer's rows per expert (no DP metadata)
   deep_gemm_dp   : the same call with the expected_m vLLM estimates when data parallel
                    ranks give it DP metadata (tokens x top_k / experts, rounded up to 16,
                    clamped to [16, rows]): what world 1 cannot show in the engine; left
@@ -29,17 +28,16 @@ prepare quantizes after receive (vllm/receive_quant.py).
 For `block` all four read the weights vLLM prepares for DeepGEMM (on sm90 the block scales
 may be rounded to powers of two). Outputs are compared on the received rows (relative L2
 against batched_triton, printed). Median GPU microseconds per call from CUDA-event timings
-of a CUDA graph holding 10 calls (tests/engine/batched_tile_probe.py `_time`). Which path
-`--moe-backend auto` (and `compact_experts.FP8_ENABLED`) should take is read from these
-tables (docs/benchmarks.md); for `block` the last line names the bound of
-vllm/deep_gemm_per_batch.py they give (`received_rows_bound`).
+of a CUDA graph holding 10 calls (`_time`). Which path `--moe-backend auto` should take is
+read from these tables (docs/benchmarks.md); for `block` the last line names the bound of
+ReceivedRowsOrDeepGemmExperts they give (`received_rows_bound`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import statistics
 
 import torch
 
@@ -60,6 +58,29 @@ def received_rows_bound(rows: list[dict], top_k: int, experts: int) -> float:
     return bound
 
 
+def _time(fn, reps: int = 20, inner: int = 10) -> float:
+    """Median GPU microseconds per call of `fn`, replayed from a CUDA graph of `inner` calls
+    (captured the way vLLM captures, runtime/capture.py: one eager warm-up first)."""
+    from vllm_flashinfer_ep.runtime.capture import capture_graph
+
+    for _ in range(3):
+        fn()
+    g = capture_graph(lambda: [fn() for _ in range(inner)])
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / inner)
+    del g
+    return statistics.median(times)
+
+
 # probe scheme -> the weight layout of tests/kernels/test_fp8_join_gpu.py::_quantize_weight
 WEIGHTS = {"block": "block", "channel": "token", "tensor": "tensor", "tensor_static": "tensor"}
 
@@ -77,7 +98,7 @@ def _layer(scheme: str, experts: int, hidden: int, inter: int):
     if scheme == "channel":
         qc = fp8_w8a8_moe_quant_config(s1, s2, per_act_token_quant=True, per_out_ch_quant=True)
         return q1, q2, qc, None
-    if scheme == "tensor":  # dynamic activation scales (compact_experts.FP8_DYNAMIC_TENSOR)
+    if scheme == "tensor":  # dynamic activation scales
         return q1, q2, fp8_w8a8_moe_quant_config(s1, s2), None
     if scheme == "tensor_static":  # a static checkpoint's input scales: received rows
         static = torch.tensor([0.02], device="cuda")
@@ -105,25 +126,17 @@ def main() -> int:
 
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
-        BatchedDeepGemmExperts,
-    )
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
         BatchedTritonExperts,
     )
     from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
     from vllm.utils.deep_gemm import is_deep_gemm_supported
 
-    from tests.engine.batched_tile_probe import _time
     from tests.helpers import moe_config
+    from vllm_flashinfer_ep.experts.deep_gemm import DeepGemmExperts, dp_estimate
+    from vllm_flashinfer_ep.experts.received_rows import ReceivedRowsExperts
     from vllm_flashinfer_ep.runtime import fp8_wire
-    from vllm_flashinfer_ep.vllm import (
-        batched_tiles,
-        compact_experts,
-        deep_gemm_experts,
-        deep_gemm_warmup,
-        receive_quant,
-    )
+    from vllm_flashinfer_ep.vllm import receive_quant
 
     E, K, N, R, top_k = args.experts, args.hidden, args.inter, args.rows, args.top_k
 
@@ -132,15 +145,12 @@ def main() -> int:
     q1, q2, qc, dg_qc = _layer(args.scheme, E, K, N)
     moe = moe_config(experts=E, top_k=top_k, hidden=K, inter=N, max_num_tokens=R, device=dev)
 
-    compact_experts.FP8_ENABLED = True  # this probe measures the received-rows FP8 path
     triton_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
-    batched_tiles.install(triton_experts)
-    rows_experts = BatchedTritonExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
-    batched_tiles.install(rows_experts)  # as the LL setup hook: what it leaves gets the tile
-    assert compact_experts.install(rows_experts), "received-rows experts refused these"
-    dg_experts = None
+    rows_experts = ReceivedRowsExperts(moe, qc, max_num_tokens=R, num_dispatchers=1)
+    dg_experts = sent = None
     if dg_qc is not None and is_deep_gemm_supported():
-        dg_experts = BatchedDeepGemmExperts(moe, dg_qc, max_num_tokens=R, num_dispatchers=1)
+        # the MN-major copy covers the rows the forward's senders fill
+        dg_experts = DeepGemmExperts(moe, dg_qc, R, 1, sent_per_rank=lambda: sent)
     elif dg_qc is not None:
         print("deep_gemm: not supported in this runtime (VLLM_USE_DEEP_GEMM?); column left out")
 
@@ -194,21 +204,13 @@ def main() -> int:
             )
         if dg_experts is not None:
             # world 1: vLLM's own estimate (no DP metadata); _dp: what it gives with DP ranks
-            dp_m = deep_gemm_warmup.dp_estimate(tokens, top_k, E, R)
-            for name, fixed in (
-                ("deep_gemm", contextlib.nullcontext()),
-                ("deep_gemm_dp", deep_gemm_warmup.fixed_expected_m(dg_experts, dp_m)),
-            ):
-                with fixed:
-                    times[name] = _time(
-                        lambda t=tokens, a=xq, s=xs, o=outputs[name]: apply(
-                            dg_experts,
-                            o,
-                            t,
-                            a,
-                            deep_gemm_experts.mn_major(s, t),  # the rows t senders fill
-                        )
-                    )
+            sent = tokens
+            for name, fixed in (("deep_gemm", None), ("deep_gemm_dp", dp_estimate(tokens, top_k, E, R))):  # fmt: skip
+                dg_experts._fixed_m = fixed
+                times[name] = _time(
+                    lambda t=tokens, a=xq, s=xs, o=outputs[name]: apply(dg_experts, o, t, a, s)
+                )
+            dg_experts._fixed_m = None
         x = torch.randn(tokens, K, device=dev, dtype=torch.bfloat16)
         weights = torch.rand(tokens, top_k, device=dev, dtype=torch.float32)
         ids32 = ids.to(torch.int32)

@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes, per MoE layer, from a torch.profiler run.
 
 Kernels are put in categories by name (`CATEGORIES`, first match wins): the transport
-(NCCL-EP's dispatch and combine), the experts' GEMMs, the block list the received-rows
+(NCCL-EP's dispatch and combine), the experts' GEMMs, the row blocks the received-rows
 experts build, the activation between the GEMMs, quantization, and the rest of the model
 (attention, dense GEMMs, norms, small torch kernels). Names that match no pattern are
 "other" and are listed, so a misfiled kernel shows. Per-layer figures divide by MoE layers
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 # (category, pattern on the lower-cased kernel name); first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("transport", r"nccl|ncclep|\bep_|dispatch_kernel|combine_kernel|low_latency|_ll_"),
-    ("block list", r"_block_list_kernel|searchsorted|cumsum|devicescan|scan_kernel"),
+    ("row blocks", r"_row_blocks_kernel|searchsorted|cumsum|devicescan|scan_kernel"),
     # DeepGEMM's grouped GEMMs carry their GemmType in the name: 1 contiguous, 2 masked (LL's
     # experts), 5 contiguous with psum layout; 0 (Normal) is a dense layer's GEMM.
     (
@@ -27,7 +27,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
         r"|gemmtype\)[125][,>]",
     ),
     ("activation", r"act_and_mul|silu|gelu|swiglu"),
-    ("quantization", r"quant|per_token_group|scaled_fp8|dynamic_scaled"),
+    ("quantization", r"quant|amax|per_token_group|scaled_fp8|dynamic_scaled"),
     ("attention", r"attn|attention|fmha|flash_fwd|paged|reshape_and_cache"),
     ("router", r"topk|softmax|gating|router"),
     ("dense GEMMs", r"gemm|cutlass|nvjet|cublas|sm90_xmma|xmma|hopper"),

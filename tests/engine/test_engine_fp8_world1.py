@@ -28,8 +28,8 @@ from test_engine_world1 import HT, LAYERS, LL, _assert_close, _diff, _spec, asse
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 ONLINE = "fp8_per_tensor"
-LL_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedTritonExperts"]
-LL_DEEP_GEMM_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+BatchedDeepGemmExperts"]
+LL_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+ReceivedRowsExperts"]
+LL_DEEP_GEMM_KERNELS = ["FlashInferEPLowLatencyPrepareAndFinalize+ReceivedRowsOrDeepGemmExperts"]
 FP8_LAYERS = ["torch.float8_e4m3fn"]  # every MoE layer's activations, EP or not
 
 
@@ -190,7 +190,7 @@ def test_online_scheme_matches_the_engine_without_ep(
 def test_ll_block_checkpoint_on_deep_gemm_matches_the_engine_without_ep(
     engines, fp8_models, fp8_floor
 ):
-    """`--moe-backend deep_gemm` (vllm/deep_gemm_experts.py): vLLM's batched DeepGEMM
+    """`--moe-backend deep_gemm` (experts/deep_gemm.py): vLLM's batched DeepGEMM
     experts over the LL buffer (scales re-laid MN-major by the package's wrapper), against the
     engine without EP on vLLM's DeepGEMM experts, which read the weights as prepared for
     DeepGEMM too. What differs: the transport, and the activation scales (NCCL-EP's

@@ -26,7 +26,7 @@ same objects a dp=2 engine builds on each rank:
 One more, off unless `FLASHINFER_EP_TEST_DP_EXPECTED_M=1` (a measurement switch):
 vLLM's batched DeepGEMM experts, which without DP metadata hand DeepGEMM `expected_m` =
 the buffer's rows per expert at every forward, get vLLM's DP estimate instead (its
-formula, `deep_gemm_warmup.dp_estimate`, over this rank's tokens as if they were every
+formula, `experts.deep_gemm.dp_estimate`, over this rank's tokens as if they were every
 rank's): the tile data parallel ranks pick for the same rows per expert (a dp=2 engine
 at half this batch per rank).
 
@@ -52,29 +52,27 @@ import os
 
 _installed = False
 FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
-VLLM_TILES_ENV = "FLASHINFER_EP_TEST_VLLM_TILES"
-BATCHED_KERNEL_ENV = "FLASHINFER_EP_TEST_BATCHED_KERNEL"
-LISTED_ACTIVATION_ENV = "FLASHINFER_EP_TEST_LISTED_ACTIVATION"
-LISTED_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_QUANT"
-LISTED_INPUT_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT"
-DYNAMIC_TENSOR_ENV = "FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR"
-LISTED_TENSOR_QUANT_ENV = "FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT"
 DP_EXPECTED_M_ENV = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
 # Every switch above: each changes what an engine computes (engine_runner keys kept
 # results by them).
-SWITCHES = (
-    FAULT_ENV,
-    VLLM_TILES_ENV,
-    BATCHED_KERNEL_ENV,
-    LISTED_ACTIVATION_ENV,
-    LISTED_QUANT_ENV,
-    LISTED_INPUT_QUANT_ENV,
-    DYNAMIC_TENSOR_ENV,
-    LISTED_TENSOR_QUANT_ENV,
-    DP_EXPECTED_M_ENV,
-)
-# The harness's bound for DeepGEMM's small forwards, replaced by the package's variable.
-REMOVED_ENV = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
+SWITCHES = (FAULT_ENV, DP_EXPECTED_M_ENV)
+# Switches of earlier versions, whose paths are gone (one path each now, or the package's
+# variable): a copied old command would measure the default silently, so they are refused.
+REMOVED_ENVS = {
+    "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS": "set VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS",
+    **{
+        f"FLASHINFER_EP_TEST_{name}": "the received-rows experts have one path"
+        for name in (
+            "VLLM_TILES",
+            "BATCHED_KERNEL",
+            "LISTED_ACTIVATION",
+            "LISTED_QUANT",
+            "LISTED_INPUT_QUANT",
+            "FP8_DYNAMIC_TENSOR",
+            "LISTED_TENSOR_QUANT",
+        )
+    },
+}
 
 
 def _ours(backend: str | None) -> bool:
@@ -92,8 +90,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    if os.environ.get(REMOVED_ENV):  # a copied old command would measure the default silently
-        raise ValueError(f"{REMOVED_ENV} is gone: set VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS")
+    for name, instead in REMOVED_ENVS.items():
+        if os.environ.get(name):
+            raise ValueError(f"{name} is gone: {instead}")
     dp_expected_m = os.environ.get(DP_EXPECTED_M_ENV)  # checked before anything is patched
     if dp_expected_m not in (None, "", "0", "1"):
         raise ValueError(f"{DP_EXPECTED_M_ENV}: 0 or 1, got {dp_expected_m!r}")
@@ -106,30 +105,6 @@ def install() -> None:
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
     _maybe_plant_fault()
-    from vllm_flashinfer_ep.vllm import (
-        batched_tiles,
-        block_list,
-        compact_experts,
-        listed_quant,
-    )
-
-    if os.environ.get(VLLM_TILES_ENV) == "1":  # diagnosis: vLLM's own batched-experts path
-        batched_tiles.ENABLED = compact_experts.ENABLED = False
-    if os.environ.get(BATCHED_KERNEL_ENV) == "1":  # vLLM's batched kernel, the package tile
-        compact_experts.ENABLED = False
-    # "0" / "1": the FP8 received rows' intermediate kernels off / on, to measure
-    for name, module, attr in (
-        (LISTED_ACTIVATION_ENV, block_list, "LISTED_ACTIVATION"),
-        (LISTED_QUANT_ENV, listed_quant, "ENABLED"),
-        (LISTED_INPUT_QUANT_ENV, listed_quant, "INPUT_ENABLED"),
-        (DYNAMIC_TENSOR_ENV, compact_experts, "FP8_DYNAMIC_TENSOR"),
-        (LISTED_TENSOR_QUANT_ENV, listed_quant, "TENSOR_ENABLED"),
-    ):
-        value = os.environ.get(name)
-        if value in ("0", "1"):
-            setattr(module, attr, value == "1")
-        elif value:
-            raise ValueError(f"{name}: 0 or 1, got {value!r}")
     if dp_expected_m == "1":
         patch_deep_gemm_expected_m()
     _installed = True
@@ -237,50 +212,48 @@ def _patch_splitting_ops() -> None:
     CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
 
 
-DP_EXPECTED_M_TAG = "_flashinfer_ep_test_dp_expected_m"  # on the harness's apply
+DP_EXPECTED_M_TAG = "_flashinfer_ep_test_dp_expected_m"  # on the harness's methods
 
 
 def patch_deep_gemm_expected_m() -> None:
     """vLLM's BatchedDeepGemmExperts: with no DP metadata (world 1), `expected_m` as vLLM
     estimates it from DP metadata holding this forward's tokens (topk_ids' rows: under a
-    CUDA graph the captured size), for the rows per expert that arrive. The class's `apply`
-    shows vLLM's parameters, checked here (the package's instance patches check the
-    class's); applying it twice changes nothing."""
-    import contextlib
-
+    CUDA graph the captured size). `apply` records the forward's tokens (its parameters
+    checked as vLLM 0.33.0's), `estimate_expected_m` reads them; the package's warm-up,
+    which fixes `expected_m` itself, still wins. Applying it twice changes nothing."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )
 
-    from vllm_flashinfer_ep.vllm import deep_gemm_warmup
-    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS, named_args
+    from vllm_flashinfer_ep.experts.deep_gemm import APPLY_PARAMS, dp_estimate
 
-    original = BatchedDeepGemmExperts.apply
-    if getattr(original, DP_EXPECTED_M_TAG, False):
+    apply, estimate = BatchedDeepGemmExperts.apply, BatchedDeepGemmExperts.estimate_expected_m
+    if getattr(apply, DP_EXPECTED_M_TAG, False):
         return
-    if tuple(inspect.signature(original).parameters) != APPLY_PARAMS:
+    params = tuple(inspect.signature(apply).parameters)[1:]
+    if params != APPLY_PARAMS:
         raise RuntimeError(
-            f"{DP_EXPECTED_M_ENV}: BatchedDeepGemmExperts.apply is not vLLM 0.33.0's "
-            f"({tuple(inspect.signature(original).parameters)})"
+            f"{DP_EXPECTED_M_ENV}: BatchedDeepGemmExperts.apply is not vLLM 0.33.0's ({params})"
         )
 
-    def apply(self, *args, **kw):
-        kw = named_args(args, kw)  # every argument by vLLM's name
-        has_dp = is_forward_context_available() and get_forward_context().dp_metadata is not None
-        scope = contextlib.nullcontext()
-        if not has_dp and "estimate_expected_m" not in vars(self):  # not fixed already
-            ids, rows = kw["topk_ids"], kw["hidden_states"].shape[1]
-            m = deep_gemm_warmup.dp_estimate(
-                ids.shape[0], ids.shape[1], kw["global_num_experts"], rows
-            )
-            scope = deep_gemm_warmup.fixed_expected_m(self, m)
-        with scope:
-            return original(self, **kw)
+    def recording_apply(self, *args, **kwargs):
+        bound = inspect.signature(apply).bind(self, *args, **kwargs)
+        self._harness_tokens = bound.arguments["topk_ids"].shape[0]
+        return apply(self, *args, **kwargs)
 
-    apply.__signature__ = inspect.signature(original)  # vLLM's, as the instance patches check
-    setattr(apply, DP_EXPECTED_M_TAG, True)
-    BatchedDeepGemmExperts.apply = apply
+    def dp_estimate_m(self, global_num_experts, max_tokens_per_expert, topk):
+        has_dp = is_forward_context_available() and get_forward_context().dp_metadata is not None
+        tokens = getattr(self, "_harness_tokens", None)
+        if has_dp or tokens is None:
+            return estimate(self, global_num_experts, max_tokens_per_expert, topk)
+        return dp_estimate(tokens, topk, global_num_experts, max_tokens_per_expert)
+
+    for fn in (recording_apply, dp_estimate_m):
+        setattr(fn, DP_EXPECTED_M_TAG, True)
+    recording_apply.__signature__ = inspect.signature(apply)
+    BatchedDeepGemmExperts.apply = recording_apply
+    BatchedDeepGemmExperts.estimate_expected_m = dp_estimate_m
 
 
 def _maybe_plant_fault() -> None:

@@ -1,8 +1,8 @@
 """FP8 MoE layers through both backends on a GPU: BF16 on the wire, quantized after receive.
 
 vLLM 0.33.0's FusedMoEKernel with the package's prepare/finalize and vLLM's Triton experts
-(BatchedTritonExperts for LL, TritonExperts for HT), for each FP8 activation layout the
-package carries (vllm/receive_quant.py): per tensor (dynamic, and static as checkpoints
+(BatchedTritonExperts, which LL runs as the received-rows experts; TritonExperts for HT),
+for each FP8 activation layout the package carries (vllm/receive_quant.py): per tensor (dynamic, and static as checkpoints
 store it), per token (with per-channel weights), 128-element groups (128x128 blocks).
 The reference is what vLLM runs without EP on the same FP8 weights and quant config
 (no-EP prepare/finalize + TritonExperts): at EP world 1 both quantize the same tokens, so

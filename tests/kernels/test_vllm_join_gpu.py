@@ -1,12 +1,13 @@
 """The join: vLLM 0.33.0's FusedMoEKernel with this package's prepare/finalize, on a GPU.
 
-LL: `FlashInferEPLowLatencyPrepareAndFinalize` + vLLM's `BatchedTritonExperts`, eager and
+LL: `FlashInferEPLowLatencyPrepareAndFinalize` + vLLM's `BatchedTritonExperts`, which the
+patch table's `experts_selection` turns into the received-rows experts, eager and
 captured in one CUDA graph over several layers (the persistent handle pool), against
 vLLM's own non-EP batched path on the same weights and routing and a torch reference.
 HT: `FlashInferEPHighThroughputPrepareAndFinalize` + vLLM's `TritonExperts`, eager.
 
 Needs the real vLLM 0.33.0 runtime (its compiled ops, torch 2.14) and a GPU with NCCL-EP;
-on the device machine that is ../shared/gpu/stage-engine.sh (docs/device_vllm.md).
+on the device machine, the staged engine runtime (docs/contributing/gpu_runs.md).
 """
 
 from __future__ import annotations
@@ -171,18 +172,11 @@ def _vllm_batched_reference(hidden: int, capacity: int):
     return mk.FusedMoEKernel(pf, experts)
 
 
-@pytest.mark.parametrize("experts_path", ["received_rows", "batched_kernel"])
 @pytest.mark.parametrize("hidden", [2048, 4096])
-def test_ll_join_eager_and_graph(vllm_env, hidden, experts_path, monkeypatch):
-    from vllm_flashinfer_ep.vllm import compact_experts
-
-    # received_rows: the package's experts over the received rows (vllm/compact_experts.py);
-    # batched_kernel: vLLM's batched kernel with the package's per-batch tile.
-    monkeypatch.setattr(compact_experts, "ENABLED", experts_path == "received_rows")
+def test_ll_join_eager_and_graph(vllm_env, hidden):
     capacity = max(POOL_SIZES)
     kernel, rt, cache = _ll_kernel(vllm_env, hidden, capacity, POOL_SIZES)
-    installed = getattr(kernel.fused_experts.apply, "_flashinfer_ep_compact", False)
-    assert installed == (experts_path == "received_rows")
+    assert type(kernel.fused_experts).__name__ == "ReceivedRowsExperts"  # experts_selection
     reference_kernel = _vllm_batched_reference(hidden, capacity)
     layers = [_weights(hidden, seed=10 + i) for i in range(LAYERS)]
     for num_tokens in POOL_SIZES:

@@ -71,13 +71,13 @@ def test_an_unreadable_kept_result_is_run_again(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "0"),  # a harness switch
+        ("FLASHINFER_EP_TEST_DP_EXPECTED_M", "1"),  # a harness switch
         ("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "0"),  # a package variable
     ],
 )
 def test_a_switch_or_package_variable_keys_the_kept_result(tmp_path, monkeypatch, name, value):
     """Harness switches and the package's variables change what an engine computes (the
-    listed activation off, DeepGEMM's small forwards on DeepGEMM): a call with one set
+    DP expected_m emulated, DeepGEMM's small forwards on DeepGEMM): a call with one set
     never reads the result of a call without it."""
     calls: list[dict] = []
     monkeypatch.setattr(engine_runner.subprocess, "run", _fake_engine(calls))

@@ -214,8 +214,7 @@ class _NotTriton:
         self.quant_config = qc
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_fp8_layers_refuse_experts_other_than_vllm_s_triton(batched):
+def test_ht_fp8_layers_refuse_experts_other_than_vllm_s_triton():
     with pytest.raises(FlashInferEPConfigError, match="--moe-backend triton"):
-        receive_quant.check_experts(_NotTriton(_qc("block")), FLAG, batched)
-    receive_quant.check_experts(_NotTriton(FUSED_MOE_UNQUANTIZED_CONFIG), FLAG, batched)
+        receive_quant.check_ht_experts(_NotTriton(_qc("block")), FLAG)
+    receive_quant.check_ht_experts(_NotTriton(FUSED_MOE_UNQUANTIZED_CONFIG), FLAG)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,32 +99,19 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
         assert not r["decided"], name
 
 
-SWITCHES = (
-    "FLASHINFER_EP_TEST_LISTED_ACTIVATION",
-    "FLASHINFER_EP_TEST_LISTED_QUANT",
-    "FLASHINFER_EP_TEST_LISTED_INPUT_QUANT",
-    "FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR",
-    "FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT",
-    "FLASHINFER_EP_TEST_DP_EXPECTED_M",
-)
+SWITCHES = ("FLASHINFER_EP_TEST_FAULT", "FLASHINFER_EP_TEST_DP_EXPECTED_M")
 
 
-def _after_install(name: str, value: str | None, attr: str) -> str:
-    """What the package's `attr` (module.field, or an expression after "=") holds after
-    the harness installs in a fresh process with switch `name` at `value` (None: unset)
-    and the others unset, or "error <message>"."""
+def _after_install(name: str, value: str | None, shown: str) -> str:
+    """What the expression `shown` gives after the harness installs in a fresh process
+    with switch `name` at `value` (None: unset) and the others unset, or "error <message>"."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "engine"), str(REPO)])
     env["VLLM_CONFIGURE_LOGGING"] = "0"
-    for switch in SWITCHES:
+    for switch in (*SWITCHES, *_removed()):
         env.pop(switch, None)
     if value is not None:
         env[name] = value
-    if attr.startswith("="):
-        shown = attr[1:]
-    else:
-        module, field = attr.split(".")
-        shown = f"__import__('vllm_flashinfer_ep.vllm.{module}', fromlist=['x']).{field}"
     script = (
         "import world1_harness\n"
         "try:\n"
@@ -141,38 +129,48 @@ def _after_install(name: str, value: str | None, attr: str) -> str:
     return line.removeprefix("RESULT ")
 
 
+def _removed() -> dict[str, str]:
+    import sys as _sys
+
+    _sys.path.insert(0, str(REPO / "tests" / "engine"))
+    try:
+        import world1_harness
+    finally:
+        _sys.path.remove(str(REPO / "tests" / "engine"))
+    return world1_harness.REMOVED_ENVS
+
+
+def test_the_harness_switches_are_exactly_the_listed_ones():
+    """engine_runner keys kept results by SWITCHES: the harness reads no other switch."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(REPO / "tests" / "engine"))
+    try:
+        import world1_harness
+    finally:
+        _sys.path.remove(str(REPO / "tests" / "engine"))
+    assert set(world1_harness.SWITCHES) == set(SWITCHES)
+    source = (REPO / "tests" / "engine" / "world1_harness.py").read_text()
+    read = set(re.findall(r"FLASHINFER_EP_TEST_[A-Z_0-9]+", source))
+    assert set(SWITCHES) <= read <= set(SWITCHES) | set(world1_harness.REMOVED_ENVS)
+
+
 @pytest.mark.parametrize(
-    "name, attr, default",
+    "name",
     [
-        ("FLASHINFER_EP_TEST_LISTED_ACTIVATION", "block_list.LISTED_ACTIVATION", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_QUANT", "listed_quant.ENABLED", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_INPUT_QUANT", "listed_quant.INPUT_ENABLED", "True"),
-        ("FLASHINFER_EP_TEST_FP8_DYNAMIC_TENSOR", "compact_experts.FP8_DYNAMIC_TENSOR", "True"),
-        ("FLASHINFER_EP_TEST_LISTED_TENSOR_QUANT", "listed_quant.TENSOR_ENABLED", "True"),
+        "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS",
+        "FLASHINFER_EP_TEST_LISTED_QUANT",
+        "FLASHINFER_EP_TEST_VLLM_TILES",
     ],
 )
-@pytest.mark.parametrize("value", [None, "0", "1", "yes"])
-def test_the_intermediate_switches_reach_the_package(name, attr, default, value):
-    """FLASHINFER_EP_TEST_LISTED_ACTIVATION / _LISTED_QUANT / _LISTED_INPUT_QUANT /
-    _FP8_DYNAMIC_TENSOR / _LISTED_TENSOR_QUANT: unset keeps the package's default, 0 and 1
-    turn the kernel off and on to measure it, anything else is refused by name."""
-    expected = {None: default, "0": "False", "1": "True", "yes": "error"}[value]
-    got = _after_install(name, value, attr)
-    assert got.split()[0] == expected, got
-    if expected == "error":
-        assert name in got
-
-
-def test_the_removed_bound_switch_is_refused_by_name():
-    """FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS (replaced by the package's variable): a
-    copied old command fails instead of measuring the default."""
-    name = "FLASHINFER_EP_TEST_DEEP_GEMM_RECEIVED_ROWS"
-    got = _after_install(name, "inf", "listed_quant.ENABLED")
-    assert got.startswith("error") and "VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS" in got, got
+def test_a_removed_switch_is_refused_by_name(name):
+    """A copied old command fails instead of measuring the default."""
+    got = _after_install(name, "1", "'installed'")
+    assert got.startswith("error") and name in got, got
 
 
 DG_APPLY = (
-    "=getattr(__import__('vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe', "
+    "getattr(__import__('vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe', "
     "fromlist=['x']).BatchedDeepGemmExperts.apply, '_flashinfer_ep_test_dp_expected_m', False)"
 )
 
@@ -182,7 +180,7 @@ DG_APPLY = (
     [(None, "False"), ("", "False"), ("0", "False"), ("1", "True"), ("yes", "error")],
 )
 def test_the_dp_expected_m_switch_reaches_vllm_s_deep_gemm_experts(value, expected):
-    """FLASHINFER_EP_TEST_DP_EXPECTED_M=1 puts the harness's apply on vLLM's DeepGEMM
+    """FLASHINFER_EP_TEST_DP_EXPECTED_M=1 puts the harness's methods on vLLM's DeepGEMM
     experts class; unset, empty or 0 leaves vLLM's; anything else is refused by name."""
     name = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
     got = _after_install(name, value, DG_APPLY)
@@ -193,37 +191,36 @@ def test_the_dp_expected_m_switch_reaches_vllm_s_deep_gemm_experts(value, expect
 
 @pytest.fixture
 def harness(monkeypatch):
-    """tests/engine/world1_harness.py imported here, vLLM's DeepGEMM apply put back after."""
+    """tests/engine/world1_harness.py imported here, vLLM's DeepGEMM methods put back after."""
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )
 
     monkeypatch.syspath_prepend(str(REPO / "tests" / "engine"))
-    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", BatchedDeepGemmExperts.apply)
+    for name in ("apply", "estimate_expected_m"):
+        monkeypatch.setattr(BatchedDeepGemmExperts, name, getattr(BatchedDeepGemmExperts, name))
     import world1_harness
 
     return world1_harness
 
 
 def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(harness, monkeypatch):
-    """With the switch's patch and no DP metadata (or no forward context), vLLM's apply gets
-    every argument as given and sees estimate_expected_m give vLLM's DP formula over
-    topk_ids' rows (rounded up to 16, within [16, rows]); with DP metadata, vLLM's own
-    estimate; applying it twice changes nothing; the package's instance patches still
-    apply on top."""
+    """With the switch's patch and no DP metadata (or no forward context), the package's
+    DeepGEMM experts hand vLLM's apply every argument as given and estimate_expected_m
+    gives vLLM's DP formula over topk_ids' rows (rounded up to 16, within [16, rows]); with
+    DP metadata, vLLM's own estimate; applying it twice changes nothing."""
     from types import SimpleNamespace
 
     import torch
     import vllm.forward_context as fc
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )
 
-    from tests.helpers import vllm_apply
-    from tests.unit.test_deep_gemm_experts import _block_qc, _moe_config
-    from vllm_flashinfer_ep.vllm import deep_gemm_per_batch
-    from vllm_flashinfer_ep.vllm.batched_tiles import APPLY_PARAMS
-    from vllm_flashinfer_ep.vllm.patches import _helper
+    from tests.helpers import moe_config, vllm_apply
+    from vllm_flashinfer_ep.backends import LOW_LATENCY
+    from vllm_flashinfer_ep.experts.deep_gemm import APPLY_PARAMS, DeepGemmExperts
 
     seen, given = [], []
 
@@ -239,41 +236,43 @@ def test_the_dp_expected_m_is_vllm_s_estimate_for_the_forward_s_tokens(harness, 
     patched = BatchedDeepGemmExperts.apply
     harness.patch_deep_gemm_expected_m()  # a second time: a no-op
     assert BatchedDeepGemmExperts.apply is patched
-    experts = BatchedDeepGemmExperts(
-        _moe_config(), _block_qc(), max_num_tokens=256, num_dispatchers=1
+    one = torch.ones(128, dtype=torch.float32)
+    qc = fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
+    config = moe_config(
+        experts=128, top_k=8, hidden=256, inter=256, max_num_tokens=256, backend=LOW_LATENCY
     )
-    # every forward on DeepGEMM (the received rows are the other side of the choice)
-    monkeypatch.setattr(deep_gemm_per_batch, "RECEIVED_ROWS_UP_TO", 0.0)
-    assert deep_gemm_per_batch.install(experts)  # vLLM's parameters, as the patch checks
-    try:
+    experts = DeepGemmExperts(config, qc, max_num_tokens=256, num_dispatchers=1)
 
-        def call(tokens: int, global_experts: int = 128, top_k: int = 8):
-            kw = {name: object() for name in APPLY_PARAMS[1:]}  # each must arrive as is
-            kw.update(
-                hidden_states=torch.empty(1, 256, 1),
-                topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64),
-                global_num_experts=global_experts,
-                a1q_scale=None,
-            )
-            assert experts.apply(**kw) == "vllm's result"
-            assert given[-1].keys() == kw.keys() and all(given[-1][k] is kw[k] for k in kw)
+    def call(tokens: int, global_experts: int = 128, top_k: int = 8):
+        kw = {name: object() for name in APPLY_PARAMS}  # each must arrive as is
+        kw.update(
+            hidden_states=torch.empty(1, 256, 1),
+            w1=torch.empty(1, 2, 1),
+            w2=torch.empty(1, 1, 1),
+            topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64),
+            global_num_experts=global_experts,
+            a1q_scale=None,
+        )
+        experts.apply(**kw)
+        assert given[-1].keys() == kw.keys() and all(given[-1][k] is kw[k] for k in kw)
 
-        monkeypatch.setattr(fc, "_forward_context", None)  # no forward context
-        call(1)
-        monkeypatch.setattr(fc, "_forward_context", SimpleNamespace(dp_metadata=None))
-        call(128)  # 128 x 8 / 128 = 8 -> 16
-        call(300)  # 18.75 -> 18 -> rounded up to 32
-        call(1024)  # 64
-        call(256, global_experts=8)  # 256 x 8 / 8 = 256: the rows
-        assert seen == [16, 16, 32, 64, 256]
-        assert "estimate_expected_m" not in vars(experts)  # vLLM's own again
-        across = torch.tensor([1024, 1024])  # DP metadata: vLLM's estimate from it
-        dp = SimpleNamespace(dp_metadata=SimpleNamespace(num_tokens_across_dp_cpu=across))
-        monkeypatch.setattr(fc, "_forward_context", dp)
-        call(1)
-        assert seen[-1] == 128
-    finally:
-        _helper.undo_instances()
+    monkeypatch.setattr(fc, "_forward_context", None)  # no forward context
+    call(1)
+    monkeypatch.setattr(fc, "_forward_context", SimpleNamespace(dp_metadata=None))
+    call(128)  # 128 x 8 / 128 = 8 -> 16
+    call(300)  # 18.75 -> 18 -> rounded up to 32
+    call(1024)  # 64
+    call(256, global_experts=8)  # 256 x 8 / 8 = 256: the rows
+    assert seen == [16, 16, 32, 64, 256]
+    across = torch.tensor([1024, 1024])  # DP metadata: vLLM's estimate from it
+    dp = SimpleNamespace(dp_metadata=SimpleNamespace(num_tokens_across_dp_cpu=across))
+    monkeypatch.setattr(fc, "_forward_context", dp)
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: dp)
+    monkeypatch.setattr("vllm_flashinfer_ep.experts.deep_gemm._warmed", {(None,)})
+    monkeypatch.setattr(DeepGemmExperts, "_warm", lambda self, call: None)
+    call(1)
+    assert seen[-1] == 128
 
 
 def test_a_deep_gemm_apply_of_another_shape_is_refused(harness, monkeypatch):

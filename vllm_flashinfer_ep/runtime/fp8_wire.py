@@ -38,11 +38,12 @@ from typing import Any
 import torch
 
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep import fp8_numerics as num
 from vllm_flashinfer_ep.errors import HandlePoolError
 from vllm_flashinfer_ep.runtime import flashinfer_internals as internals
 from vllm_flashinfer_ep.runtime import native_handle
 
-SCALE_GROUP = 128  # elements per FP32 scale (the recipe's, and 128x128 blocks' K group)
+SCALE_GROUP = num.GROUP  # elements per FP32 scale (the recipe's, and 128x128 blocks' K group)
 HIDDEN_MULTIPLE = 512  # the recipe's hidden-size rule (16-byte aligned FP8 payload)
 OFF = f" (set {envs.FP8_DISPATCH}=0 to dispatch BF16 and quantize after receive)"
 
@@ -70,26 +71,17 @@ def native_reason(handle: Any, recipe: str = "DS_FP8E3M4") -> str | None:
 
 def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, hidden] -> (E4M3 [tokens, hidden], FP32 scales [tokens, hidden / 128]),
-    scale = amax / 448 per 128 elements: vLLM's per_token_group_quant_fp8 convention,
-    for callers without vLLM (benchmark, transport tests). Zero groups get the smallest
-    normal scale, so every scale is finite and positive.
+    scale = amax / 448 per 128 elements, for callers without vLLM (benchmark, transport
+    tests); zero groups get the smallest normal scale, so every scale is finite.
 
-    Deliberately not the same function as vllm/receive_quant.group_quantize, which the
-    engine passes to `HtFp8Wire` instead (runtime/ imports no vLLM; the wire takes any
-    `Quantizer`). That one is the layer's own quantization, vLLM's per_token_group_quant_fp8,
-    so the experts get exactly what vLLM's quantization would give them, and it departs
-    from this one where vLLM's platform decides: it rounds each scale up to a power of two
-    when DeepGEMM's E8M0 scales are in use, takes the platform's FP8 type and range
-    (E4M3FNUZ, max 224, on ROCm), and floors amax at 1e-10 where this floors the scale at
-    the smallest normal FP32. For E4M3 without E8M0 both compute a group's scale as
-    amax / 448 when amax >= 1e-10 (vLLM's Triton fallback computes amax x (1 / 448),
-    which can differ in the last bit); groups below that (zero groups included: 0 is 0
-    in E4M3 under either scale) get different scales."""
+    Not vllm/receive_quant.group_quantize, which the engine hands `HtFp8Wire` (runtime/
+    imports no vLLM): that one is vLLM's own quantization and follows vLLM's platform
+    (scales rounded to powers of two under DeepGEMM's E8M0 setting, amax floored rather
+    than the scale). Without E8M0 both give amax / 448 for every group of amax >= 1e-10."""
     rows, hidden = x.shape
     groups = x.float().view(rows, hidden // SCALE_GROUP, SCALE_GROUP)
-    fmax = torch.finfo(torch.float8_e4m3fn).max
-    scales = (groups.abs().amax(-1) / fmax).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (groups / scales[..., None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+    scales = (groups.abs().amax(-1) / num.FP8_MAX).clamp_min(num.TENSOR_SCALE_FLOOR)
+    q = (groups / scales[..., None]).clamp(-num.FP8_MAX, num.FP8_MAX).to(num.FP8)
     return q.view(rows, hidden), scales
 
 

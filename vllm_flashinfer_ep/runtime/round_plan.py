@@ -87,7 +87,7 @@ class RoundPlan:
         self.size = size  # rows the handle routes, padding included
         self.fresh = fresh  # a handle for this round only, destroyed at its end
         # Rows every EP rank dispatches (a pooled round's size); None for a fresh handle.
-        # The received-rows experts bound their work by it (vllm/compact_experts.py).
+        # The received-rows experts bound their work by it (experts/received_rows.py).
         self.sent_per_rank = None if fresh else size
 
     def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None = None) -> Any:

@@ -21,7 +21,6 @@ from vllm_flashinfer_ep.log import get_logger
 from vllm_flashinfer_ep.model_shape import ModelShape
 from vllm_flashinfer_ep.runtime import buffer_sizes, env_checks
 from vllm_flashinfer_ep.vllm import config_rules
-from vllm_flashinfer_ep.vllm import deep_gemm_experts as dg
 from vllm_flashinfer_ep.vllm.config_rules import (
     dtype_reason,
     ep_world_size,
@@ -36,6 +35,7 @@ from vllm_flashinfer_ep.vllm.config_rules import (
     unused_backend_warning,
 )
 from vllm_flashinfer_ep.vllm.fp8_experts_choice import (
+    MOE_BACKEND,
     auto_fp8_experts,
     budget_backend,
     deep_gemm_step,
@@ -311,12 +311,12 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     )
     if reason is not None:
         raise FlashInferEPConfigError(reason)
-    if kernel.moe_backend == dg.MOE_BACKEND:
+    if kernel.moe_backend == MOE_BACKEND:
         logger.info(
             "%s: FP8 MoE layers use vLLM's DeepGEMM batched experts (--moe-backend %s) over "
             "the LL buffer, with MN-major activation scales; %s",
             flag,
-            dg.MOE_BACKEND,
+            MOE_BACKEND,
             small_forwards_note(),
         )
         return
@@ -341,7 +341,7 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         choice,
         why,
         envs.FP8_DISPATCH,
-        f" DeepGEMM: {small_forwards_note()}" if choice == dg.MOE_BACKEND else "",
+        f" DeepGEMM: {small_forwards_note()}" if choice == MOE_BACKEND else "",
     )
 
 

@@ -1,12 +1,13 @@
-"""Which vLLM experts run FP8 MoE layers under the flashinfer_ep backends.
+"""Which vLLM experts run FP8 MoE layers under the flashinfer_ep backends (config time).
 
 `--moe-backend` is one value for every MoE layer of the served models (the target and a
-speculative draft). The package hands vLLM's Triton experts the scale layouts they read
-(vllm/receive_quant.py); under low latency, 128x128 block-FP8 layers can take vLLM's
-batched DeepGEMM experts instead (vllm/deep_gemm_experts.py), the fastest measured path
-(docs/benchmarks.md). These functions say what a named backend is refused for, what
-`auto` becomes, and which backend a lowered step budget is rounded for; the engine pins
-the choice in vllm/config_validation.py and doctor prints it.
+speculative draft). Under HT, vLLM's Triton experts read the scale layouts the package
+hands them (vllm/receive_quant.py); under LL the received-rows experts run in place of
+vLLM's batched Triton experts, and 128x128 block-FP8 layers can take vLLM's batched
+DeepGEMM experts instead (experts/deep_gemm.py). These functions say what a named backend
+is refused for, what `auto` becomes, and which backend a lowered step budget is rounded
+for; the engine pins the choice in vllm/config_validation.py and doctor prints it. No
+vLLM or torch import: doctor and config validation read this.
 """
 
 from __future__ import annotations
@@ -15,14 +16,73 @@ import math
 from typing import Any
 
 from vllm_flashinfer_ep import backends, envs, model_shape
-from vllm_flashinfer_ep.vllm import deep_gemm_experts as dg
 from vllm_flashinfer_ep.vllm.config_rules import FP8_METHODS
+
+MOE_BACKEND = "deep_gemm"  # vLLM's --moe-backend name; BATCHED_DEEPGEMM for BatchedExperts
+# DeepGEMM stores whole 64- or 128-row output tiles through one 2-D map over [experts x
+# rows, N] (sm90_fp8_gemm_1d2d.cuh): rows per expert must be a multiple of the largest, or
+# a full expert's last tile writes into the next expert's rows.
+ROW_MULTIPLE = 128
+# vLLM's switch that takes DeepGEMM away (read by is_deep_gemm_supported). An explicit
+# --moe-backend passes over VLLM_MOE_USE_DEEP_GEMM (oracle/fp8.py), so that one is not.
+DEEP_GEMM_SWITCH = "VLLM_USE_DEEP_GEMM"
+
+
+def token_step(ep_world: int) -> int:
+    """The --max-num-batched-tokens multiple that keeps DeepGEMM's rows per expert whole tiles."""
+    return ROW_MULTIPLE // math.gcd(ROW_MULTIPLE, ep_world)
+
+
+def rows_reason(flag: str, tokens_per_rank: int, ep_world: int) -> str | None:
+    """Why DeepGEMM cannot run over this LL buffer (None: it can)."""
+    rows = tokens_per_rank * ep_world
+    if rows % ROW_MULTIPLE == 0:
+        return None
+    return (
+        f"{flag} with --moe-backend {MOE_BACKEND} needs the LL buffer's rows per expert "
+        f"(--max-num-batched-tokens {tokens_per_rank} x EP world {ep_world} = {rows}) to be a "
+        f"multiple of {ROW_MULTIPLE} (DeepGEMM writes whole row tiles). Pass "
+        f"--max-num-batched-tokens a multiple of {token_step(ep_world)}, or --moe-backend triton."
+    )
+
+
+def switches_reason(flag: str, environ: Any) -> str | None:
+    """Why vLLM would not run DeepGEMM here: its switch is at 0 (None: on). Read as vLLM
+    reads it (an integer); a value vLLM cannot read is vLLM's to refuse."""
+    value = environ.get(DEEP_GEMM_SWITCH)
+    try:
+        off = value is not None and int(value) == 0
+    except ValueError:
+        return None
+    if not off:
+        return None
+    return (
+        f"{flag}: --moe-backend {MOE_BACKEND} asks for DeepGEMM experts but "
+        f"{DEEP_GEMM_SWITCH}={value} turns DeepGEMM off. Unset {DEEP_GEMM_SWITCH}, or pass "
+        "--moe-backend triton."
+    )
+
+
+def platform_reason() -> str | None:
+    """Why `--moe-backend auto` does not take DeepGEMM on this host (None: a Hopper GPU
+    with vLLM's DeepGEMM)."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.utils.deep_gemm import is_deep_gemm_supported
+
+        if not (current_platform.is_cuda() and current_platform.is_device_capability(90)):
+            return "not a Hopper GPU"
+        if not is_deep_gemm_supported():
+            return "vLLM's DeepGEMM is not available here"
+    except Exception as exc:  # noqa: BLE001 - no device to ask: the Triton experts
+        return f"the GPU could not be queried ({type(exc).__name__})"
+    return None
 
 
 def deep_gemm_step(moe_backend: str | None, ep_world: int) -> int:
     """The step an LL step budget is lowered in: whole DeepGEMM row tiles per expert when
-    its experts are asked for (vllm/deep_gemm_experts.py), else any token count."""
-    return dg.token_step(ep_world) if moe_backend == dg.MOE_BACKEND else 1
+    its experts are asked for, else any token count."""
+    return token_step(ep_world) if moe_backend == MOE_BACKEND else 1
 
 
 # --moe-backend values vLLM 0.33.0 serves unquantized MoE layers with through these
@@ -36,8 +96,8 @@ UNQUANTIZED_MOE_BACKENDS = {
 
 def unquantized_experts_reason(flag: str, backend: str, moe_backend: str) -> str | None:
     """Why a BF16 model's MoE layers cannot run with the --moe-backend asked for (None:
-    they can): vLLM's Triton experts, batched under LL (the received-rows experts of
-    vllm/compact_experts.py patch those), are the ones these backends hand tokens to."""
+    they can): vLLM's Triton experts, batched under LL (the received-rows experts run in
+    their place), are the ones these backends hand tokens to."""
     if moe_backend in UNQUANTIZED_MOE_BACKENDS.get(backend, ("auto",)):
         return None
     return (
@@ -62,12 +122,12 @@ def fp8_experts_reason(
 
     Their experts are vLLM's Triton experts (`auto` becomes triton: the scale layouts the
     package hands them are theirs, vllm/receive_quant.py), or, under LL for 128x128
-    block-FP8 models, vLLM's batched DeepGEMM experts (vllm/deep_gemm_experts.py).
+    block-FP8 models, vLLM's batched DeepGEMM experts (experts/deep_gemm.py).
     `unquantized`: why some MoE layers of the served models stay unquantized
     (`unquantized_moe`, `draft_moe`)."""
     if moe_backend in ("auto", "triton"):
         return None
-    deep_gemm = dg.MOE_BACKEND
+    deep_gemm = MOE_BACKEND
     if moe_backend != deep_gemm:
         return (
             f"{flag} runs FP8 MoE layers with vLLM's Triton experts (or, under "
@@ -94,9 +154,9 @@ def fp8_experts_reason(
             f"{unquantized}: vLLM runs unquantized MoE layers with triton, never "
             f"{deep_gemm}. Pass --moe-backend auto or triton."
         )
-    reason = dg.switches_reason(flag, environ)
+    reason = switches_reason(flag, environ)
     if reason is None and tokens_per_rank is not None:
-        reason = dg.rows_reason(flag, tokens_per_rank, ep_world)
+        reason = rows_reason(flag, tokens_per_rank, ep_world)
     return reason
 
 
@@ -113,9 +173,9 @@ def auto_fp8_experts(
     """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
     block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (the fastest
     measured path from a few rows per expert up; smaller forwards go to the received rows,
-    vllm/deep_gemm_per_batch.py) and every MoE layer is block FP8 (`unquantized`: why
+    experts/deep_gemm.py) and every MoE layer is block FP8 (`unquantized`: why
     not); everything else, vLLM's Triton experts."""
-    deep_gemm = dg.MOE_BACKEND
+    deep_gemm = MOE_BACKEND
     if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
         return "triton", "the scale layouts the package hands vLLM's Triton experts"
     reason = (
@@ -130,7 +190,7 @@ def auto_fp8_experts(
             environ,
             unquantized,
         )
-        or dg.platform_reason()
+        or platform_reason()
     )
     if reason is not None:
         return "triton", f"DeepGEMM experts cannot run here: {reason}"
@@ -138,7 +198,7 @@ def auto_fp8_experts(
 
 
 def small_forwards_note(up_to: float | None = None) -> str:
-    """What the LL DeepGEMM layers run small forwards on (vllm/deep_gemm_per_batch.py) at
+    """What the LL DeepGEMM layers run small forwards on (experts/deep_gemm.py) at
     the bound `up_to` (None: the variable's), in the words of the config-time line, doctor
     and the worker's line once the layers are set up."""
     if up_to is None:

@@ -7,17 +7,18 @@
   (FP8 layers allocate their quantized activations); CUDA-graph capturable through the
   persistent handle pool.
 - FP8 layers get their activations quantized after receive, as their experts expect
-  (vllm/receive_quant.py; under LL by the received-rows experts themselves, for the rows
-  that arrived, where those are installed); 128x128 block-FP8 layers send them in FP8 instead
-  (runtime/fp8_wire.py): LL through NCCL-EP's quantizing dispatch, HT quantized here
-  with vLLM's group quantization and forwarded with their scales. Everything else
-  dispatches BF16.
+  (vllm/receive_quant.py), unless the experts quantize them themselves (vLLM's
+  `defer_input_quant`: the received-rows experts, for the rows that arrived); 128x128
+  block-FP8 layers send them in FP8 instead (runtime/fp8_wire.py): LL through NCCL-EP's
+  quantizing dispatch, HT quantized here with vLLM's group quantization and forwarded
+  with their scales. Everything else dispatches BF16.
 - High throughput: flat dispatch -> vLLM's Standard format with global expert ids;
   the received row count is read on the host (not capturable); the experts'
   per-(row, k) output is weighted and reduced per received row before combine.
-The transport logic lives in runtime/rounds.py (shared with benchmark and GPU tests);
-the LL check that the experts leave weighting to the combine runs once per kernel, in
-vLLM's `post_init_setup` hook.
+The transport logic lives in runtime/rounds.py (shared with benchmark and GPU tests).
+The prepare/finalize asks its experts questions (do they leave weighting to the combine,
+do they quantize their own input) and changes nothing of theirs; which experts an LL
+kernel runs is the patch table's `experts_selection` entry (experts/__init__.py).
 """
 
 from __future__ import annotations
@@ -37,14 +38,7 @@ from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
 from vllm_flashinfer_ep.runtime.fp8_wire import Quantizer
 from vllm_flashinfer_ep.runtime.round_plan import LOCAL
-from vllm_flashinfer_ep.vllm import (
-    batched_tiles,
-    compact_experts,
-    deep_gemm_experts,
-    deep_gemm_per_batch,
-    deep_gemm_warmup,
-    receive_quant,
-)
+from vllm_flashinfer_ep.vllm import receive_quant
 
 AgreementFn = Callable[[int], "int | str | None"]
 
@@ -76,6 +70,16 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     def _wire_quantizer(self) -> Quantizer | None:
         """What quantizes before an FP8 dispatch (None: NCCL-EP's kernel does)."""
         return None
+
+    @property
+    def fp8_dispatch(self) -> bool:
+        """Whether this layer's activations go over the wire in FP8."""
+        return self._fp8
+
+    def sent_per_rank(self) -> int | None:
+        """During a round: the tokens every rank dispatched (a pooled round's handle size,
+        padding included); None when the transport does not know."""
+        return self._round.sent_per_rank
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return torch.int64
@@ -118,53 +122,16 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     """Expert-major NCCL-EP low-latency dispatch/combine for BatchedExperts."""
 
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
-    # (experts, their received-rows apply) when those quantize a BF16-dispatched FP8 layer
-    # themselves (set by post_init_setup); None: this prepare quantizes.
-    _quantizing_experts: tuple | None = None
 
     def post_init_setup(self, fused_experts) -> None:
-        """Once per kernel (vLLM's setup hook): the combine applies the routing weights,
-        so the experts must leave weighting to the prepare/finalize; expert biases are
-        refused (neither experts path applies them). vLLM's batched Triton
-        experts compute only the received rows when unquantized (block, per-channel and
-        per-tensor FP8 too, once compact_experts.FP8_ENABLED is on;
-        vllm/compact_experts.py) and otherwise get
-        their tile per batch (vllm/batched_tiles.py): instance patches of vllm/patches,
-        applied to this experts object. vLLM's batched DeepGEMM experts (block FP8,
-        --moe-backend deep_gemm) get their masked GEMM tiles compiled at load
-        (vllm/deep_gemm_warmup.py), and per forward their scales MN-major or, for small
-        forwards, the received rows' Triton experts (vllm/deep_gemm_per_batch.py)."""
+        """Once per kernel (vLLM's setup hook): the combine applies the routing weights, so
+        the experts must leave weighting to it."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(
                 "flashinfer_ep_low_latency applies routing weights in its combine; the experts "
                 f"must leave weighting to it (got {type(impl).__name__})"
             )
-        flag = "--all2all-backend flashinfer_ep_low_latency"
-        compact_experts.refuse_biases(fused_experts)
-        receive_quant.check_experts(fused_experts, flag, True)
-        rnd = self._round
-        if deep_gemm_experts.is_deep_gemm(fused_experts):
-            reason = deep_gemm_experts.rows_reason(
-                flag, self.runtime.capacity, self.runtime.world_size
-            ) or deep_gemm_experts.device_reason(flag, fused_experts)
-            if reason is not None:
-                raise FlashInferEPConfigError(reason)
-            deep_gemm_warmup.install(fused_experts)
-            deep_gemm_per_batch.install(fused_experts, lambda: rnd.sent_per_rank)
-        batched_tiles.install(fused_experts)
-        installed = compact_experts.install(fused_experts, lambda: rnd.sent_per_rank)
-        self._quantizing_experts = None
-        # BF16 over the wire: the received-rows experts quantize the rows that arrived
-        # rather than this prepare the whole buffer (compact_experts.quantizes_input).
-        if installed and not self._fp8 and compact_experts.quantizes_input(fused_experts):
-            self._quantizing_experts = (fused_experts, fused_experts.apply)
-
-    def _experts_quantize(self) -> bool:
-        """Whether the experts' received-rows apply is still the one installed (an undone
-        instance patch puts vLLM's back, which needs the prepare's quantization)."""
-        pair = self._quantizing_experts
-        return pair is not None and pair[0].apply is pair[1]
 
     def max_num_tokens_per_rank(self) -> int | None:
         return self.runtime.capacity
@@ -177,10 +144,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
             x, scales = out.expert_x, out.expert_x_scale
         else:
             x, scales = receive_quant.quantize_expert_buffer(
-                out.expert_x,
-                out.expert_num_tokens,
-                quant_config,
-                defer or self._experts_quantize(),
+                out.expert_x, out.expert_num_tokens, quant_config, defer
             )
         return x, scales, meta, None, None
 
@@ -209,8 +173,8 @@ class FlashInferEPHighThroughputPrepareAndFinalize(_Base):
 
     def post_init_setup(self, fused_experts) -> None:
         """FP8 layers need vLLM's Triton experts (the scale layout quantized here)."""
-        receive_quant.check_experts(
-            fused_experts, "--all2all-backend flashinfer_ep_high_throughput", False
+        receive_quant.check_ht_experts(
+            fused_experts, "--all2all-backend flashinfer_ep_high_throughput"
         )
 
     def _prepare_result(self, out, quant_config, defer: bool) -> mk.PrepareResultType:

@@ -14,10 +14,10 @@ config describes: per tensor (static from the checkpoint, or dynamic), per token
   written). Per-token and per-group scales are per row, so those rows cannot reach a
   received row's scale. A dynamic per-tensor scale would: it is taken here over the
   received rows only (a masked max, fixed shapes, so CUDA graphs capture it), then applied
-  as a static scale. Without that, a decode step's scale would depend on what earlier
-  batches left in the buffer. This pass reads every row of every expert's slot whatever
-  the batch, so the LL prepare skips it where the received-rows experts quantize the rows
-  that arrived themselves (vllm/compact_experts.py `quantizes_input`).
+  as a static scale. This pass reads every row of every expert's slot whatever the batch:
+  it runs only for experts that ask for quantized inputs (vLLM's DeepGEMM, or vLLM's own
+  experts should the package's be undone); the received-rows experts quantize the rows
+  that arrived themselves (vLLM's `expects_unquantized_inputs`).
 
 Which FP8 layouts are accepted is `refusal()`, used when the MoE layers are built; the
 engine-config check (config_validation.py) refuses non-FP8 quantization methods earlier.
@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
+from vllm_flashinfer_ep import fp8_numerics as num
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 
-GROUP = 128  # the activation group size of 128x128 block checkpoints
+GROUP = num.GROUP  # the activation group size of 128x128 block checkpoints
 
 
 def carries_block(block: Any) -> bool:
@@ -133,9 +134,7 @@ def quantize_expert_buffer(
     experts, rows, hidden = x.shape
     scale = quant_config.a1_scale
     if scale is None and not quant_config.per_act_token_quant and quant_config.block_shape is None:
-        amax = received_amax(x, counts)  # a true division, as vLLM's dynamic kernel's
-        scale = amax / torch.full_like(amax, torch.finfo(fp8_dtype()).max)
-        scale = scale.clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+        scale = num.tensor_scale(received_amax(x, counts)).reshape(1)
     xq, xs = _vllm_quantize(x.view(experts * rows, hidden), scale, quant_config)
     from vllm.model_executor.layers.fused_moe.utils import normalize_batched_scales_shape
 
@@ -148,7 +147,7 @@ def received_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     Unreceived rows may hold anything, NaN included: they are masked, not multiplied. A
     received row holding NaN counts as zero (the other tokens keep a finite scale); an
     infinity stays one, as vLLM's dynamic per-tensor kernel keeps it (the received-rows
-    experts' scale, compact_experts_fp8._dynamic_tensor_scale, reads rows the same way)."""
+    experts' scale, experts/kernels/quantize.py, reads rows the same way)."""
     rows = x.shape[1]
     row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)  # [experts, rows]
     row_max = torch.nan_to_num(row_max, nan=0.0, posinf=float("inf"))
@@ -170,26 +169,17 @@ def _vllm_quantize(
     )
 
 
-def check_experts(fused_experts: Any, flag: str, batched: bool) -> None:
-    """FP8 layers run with vLLM's Triton experts (what `--moe-backend triton` selects): the
-    scale layouts above are theirs. LL also takes vLLM's batched DeepGEMM experts (their
-    wrapper re-lays the scales, vllm/deep_gemm_per_batch.py). Others (CUTLASS, FlashInfer)
+def check_ht_experts(fused_experts: Any, flag: str) -> None:
+    """HT hands FP8 layers' experts flat rows with the scale layouts above: vLLM's Triton
+    experts (what `--moe-backend triton` selects) read them. Others (CUTLASS, FlashInfer)
     expect other layouts or quantize themselves; refuse them at load rather than compute
     wrong."""
     qc = fused_experts.quant_config
     if qc is None or qc.quant_dtype is None:
         return
-    from vllm_flashinfer_ep.vllm.deep_gemm_experts import is_deep_gemm
-
-    if batched and is_deep_gemm(fused_experts):
-        return
-    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
-        BatchedTritonExperts,
-    )
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 
-    want = BatchedTritonExperts if batched else TritonExperts
-    if not isinstance(fused_experts, want):
+    if not isinstance(fused_experts, TritonExperts):
         raise FlashInferEPConfigError(
             f"{flag} runs FP8 MoE layers with vLLM's Triton experts; the selected experts are "
             f"{type(fused_experts).__name__}. Pass --moe-backend triton."

@@ -10,17 +10,10 @@ live in `platform.py` (matter before workers start: CLI parsing, engine config) 
 `register()` applies all of them in every vLLM process; `status()` says which are in
 place; `index()` renders the table as text.
 
-Two more kinds of rows bend vLLM or FlashInfer and are listed by `index()` beside them:
-
-- instance patches (`instance_patches()`): methods replaced on one vLLM object at a time
-  (the LL experts' `apply`), rows of the same mechanism (kind INSTANCE), defined beside
-  their replacements in vllm/batched_tiles.py, vllm/compact_experts.py,
-  vllm/deep_gemm_warmup.py and vllm/deep_gemm_per_batch.py (those modules
-  apply their row, so a row here would import them and they this package: a cycle) and
-  applied by the LL prepare/finalize's setup hook; `undo_all()` undoes them too.
-- FlashInfer internals (runtime/flashinfer_internals.py `INTERNALS`): the private
-  attributes and internal module the package reads, each with the public accessor that
-  would remove it.
+The FlashInfer internals the package reads (runtime/flashinfer_internals.py `INTERNALS`)
+are listed by `index()` beside them, each with the public accessor that would remove it.
+No patch replaces anything on one vLLM object: the LL experts are the wing's own classes,
+built in place of vLLM's by the `experts_selection` row.
 """
 
 from __future__ import annotations
@@ -32,13 +25,11 @@ from vllm_flashinfer_ep.vllm.patches import worker as W
 from vllm_flashinfer_ep.vllm.patches._helper import (
     FIELD,
     GLOBAL,
-    INSTANCE,
     PROPERTY,
     WRAP,
     Patch,
     PatchTargetError,
     undo,
-    undo_instances,
 )
 
 REGISTRY = "an all2all backend registry (vLLM PR #50556, OOT P/F registry) or the names in-tree (PR #47948)"
@@ -192,6 +183,24 @@ PATCHES: tuple[Patch, ...] = (
         in_place=True,
     ),
     Patch(
+        "experts_selection",
+        "worker",
+        "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernel.__init__",
+        WRAP,
+        W.make_kernel_init,
+        ("self", "prepare_finalize", "fused_experts"),
+        what="LL MoE kernels run the received-rows experts (experts/) in place of vLLM's "
+        "batched Triton and DeepGEMM experts",
+        why="vLLM's batched experts launch programs over every row of the expert-major "
+        "buffer whatever the batch; the empty ones set a decode step's time. vLLM's "
+        "oracles pick experts classes from fixed tables, one per quantization family",
+        how="wrap the kernel's constructor (every oracle builds its kernel through it): for "
+        "an LL prepare/finalize, the wing's class built with the arguments of vLLM's pick",
+        upstream="an out-of-tree experts registry, or experts picked per prepare/finalize "
+        "(PR #50556's registry extended to experts)",
+        removal="then",
+    ),
+    Patch(
         "batched_activation_format",
         "worker",
         "vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig.use_batched_activation_format",
@@ -271,26 +280,8 @@ def apply_all(stage: str | None = None) -> None:
     _helper.apply_all(p for p in PATCHES if stage is None or p.stage == stage)
 
 
-def instance_patches() -> tuple[Patch, ...]:
-    """The INSTANCE rows, in the order the LL setup hook applies them."""
-    from vllm_flashinfer_ep.vllm import (
-        batched_tiles,
-        compact_experts,
-        deep_gemm_per_batch,
-        deep_gemm_warmup,
-    )
-
-    return (
-        batched_tiles.PATCH,
-        compact_experts.PATCH,
-        deep_gemm_warmup.PATCH,
-        deep_gemm_per_batch.PATCH,
-    )
-
-
 def undo_all() -> None:
-    """Undo every instance patch on every object, then every patch of the table."""
-    undo_instances()
+    """Undo every patch of the table."""
     for patch in reversed(PATCHES):
         undo(patch)
 
@@ -301,21 +292,18 @@ def status() -> dict[str, bool]:
 
 
 def index() -> str:
-    """Every row as text: the vLLM patches, the instance patches, the FlashInfer internals."""
-    rows = [patch.entry() for patch in (*PATCHES, *instance_patches())]
+    """Every row as text: the vLLM patches, then the FlashInfer internals."""
+    rows = [patch.entry() for patch in PATCHES]
     return "\n".join([*rows, flashinfer_internals.index()])
 
 
 __all__ = [
     "PATCHES",
     "BY_NAME",
-    "INSTANCE",
     "Patch",
     "PatchTargetError",
     "apply_all",
-    "instance_patches",
     "undo_all",
-    "undo_instances",
     "status",
     "index",
 ]

@@ -9,17 +9,10 @@ the input of `apply`/`undo`. Kinds:
 - GLOBAL: a module-level value; `make(original_value) -> new value`.
 - FIELD: a dataclass field's type; `make(original_type) -> new type`; pydantic
   dataclasses are rebuilt.
-- INSTANCE: a method of one object of a vLLM class, replaced on that object only (vLLM
-  hands the package its objects one by one, e.g. the experts of each MoE kernel), by
-  `apply_instance(patch, obj, *args)`: `make(obj, original, *args) -> replacement`, where
-  `original` is what `obj.method` was (the class's bound method, or another instance
-  patch's replacement). Every object so patched is recorded (weakly) and can be undone
-  one by one (`undo_instance`) or all at once (`undo_instances`).
 
 `expect` is checked before anything is replaced: for WRAP and PROPERTY the leading
-parameter names of the function (getter), for INSTANCE all of them, exactly (on the
-target class by `check`, and on each object's class before its method is replaced), for
-GLOBAL and FIELD a predicate on the value. A vLLM release that moved or reshaped a target
+parameter names of the function (getter), for GLOBAL and FIELD a predicate on the value.
+Every patch replaces something on a module or a class, never on one object. A vLLM release that moved or reshaped a target
 gives one PatchTargetError naming the patch.
 """
 
@@ -28,12 +21,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import types
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-WRAP, PROPERTY, GLOBAL, FIELD, INSTANCE = "wrap", "property", "global", "field", "instance"
+WRAP, PROPERTY, GLOBAL, FIELD = "wrap", "property", "global", "field"
 
 
 class PatchTargetError(RuntimeError):
@@ -45,8 +37,8 @@ class Patch:
     name: str
     stage: str  # "platform" | "worker"
     target: str  # "module:Attr" or "module:Class.attr"
-    kind: str  # WRAP | PROPERTY | GLOBAL | FIELD | INSTANCE
-    make: Callable[..., Any]  # INSTANCE: make(obj, original, *args); others: make(original)
+    kind: str  # WRAP | PROPERTY | GLOBAL | FIELD
+    make: Callable[..., Any]  # make(original) -> replacement
     expect: tuple[str, ...] | Callable[[Any], bool]
     what: str
     why: str
@@ -112,9 +104,9 @@ def check(patch: Patch) -> tuple[Any, str, Any]:
         problem = "does not exist"
     elif patch.kind == PROPERTY and not isinstance(value, property):
         problem = f"is a {type(value).__name__}, not a property"
-    elif patch.kind in (WRAP, PROPERTY, INSTANCE):
+    elif patch.kind in (WRAP, PROPERTY):
         fn = value.fget if patch.kind == PROPERTY else value
-        problem = _parameter_problem(fn, patch.expect, exact=patch.kind == INSTANCE)
+        problem = _parameter_problem(fn, patch.expect)
     elif not patch.expect(value):
         problem = f"has an unexpected shape ({value!r:.120})"
     if problem is not None:
@@ -125,13 +117,11 @@ def check(patch: Patch) -> tuple[Any, str, Any]:
     return owner, attr, value
 
 
-def _parameter_problem(fn: Any, expect: tuple[str, ...], exact: bool) -> str | None:
-    """What is wrong with `fn`'s parameters (None: nothing): `expect` first, or exactly."""
+def _parameter_problem(fn: Any, expect: tuple[str, ...]) -> str | None:
+    """What is wrong with `fn`'s parameters (None: nothing): `expect` first."""
     if not callable(fn):
         return "is not callable"
     params = tuple(inspect.signature(fn).parameters)
-    if exact:
-        return None if params == expect else f"has parameters {params}, expected exactly {expect}"
     if params[: len(expect)] != expect:
         return f"has parameters {params}, expected {expect} first"
     return None
@@ -148,7 +138,6 @@ def is_applied(patch: Patch) -> bool:
 
 def apply(patch: Patch) -> None:
     """Check the target and replace it; idempotent."""
-    _not_instance(patch)
     if is_applied(patch):
         return
     owner, attr, original = check(patch)
@@ -176,7 +165,6 @@ def apply(patch: Patch) -> None:
 
 def undo(patch: Patch) -> None:
     """Put the original back; a no-op when the patch is not applied."""
-    _not_instance(patch)
     record = _applied.pop(patch.name, None)
     if record is None:
         return
@@ -217,158 +205,6 @@ def apply_all(patches: Iterable[Patch]) -> None:
         )
     for patch in patches:
         apply(patch)
-
-
-# ------------------------------------------------------------- instance patches
-@dataclass(frozen=True)
-class _InstanceRecord:
-    """Carried by an instance patch's replacement (as `_INSTANCE_RECORD`)."""
-
-    patch: str
-    attr: str
-    replaced: Any  # the object's own attribute it replaced; None: the class's method
-
-
-_INSTANCE_RECORD = "__flashinfer_ep_instance_patch__"
-# id(object) -> (a weak reference to it, the attributes instance patches replaced on it)
-_instances: dict[int, tuple[weakref.ref, set[str]]] = {}
-
-
-def _instance_target(patch: Patch) -> tuple[type, str]:
-    if patch.kind != INSTANCE:
-        raise ValueError(f"patch {patch.name!r} is a {patch.kind} patch, not an instance one")
-    return _owner(patch)
-
-
-def _not_instance(patch: Patch) -> None:
-    if patch.kind == INSTANCE:
-        raise ValueError(
-            f"patch {patch.name!r} replaces a method per object: use apply_instance / "
-            "undo_instance / undo_instances"
-        )
-
-
-def _chain(obj: Any, attr: str) -> list[_InstanceRecord]:
-    """The instance patches on `obj.attr`, the latest first."""
-    records = []
-    fn = getattr(obj, "__dict__", {}).get(attr)
-    while fn is not None:
-        record = getattr(fn, _INSTANCE_RECORD, None)
-        if record is None:
-            break
-        records.append(record)
-        fn = record.replaced
-    return records
-
-
-def instance_applied(patch: Patch, obj: Any) -> bool:
-    """Whether `patch` is among the instance patches on `obj`."""
-    attr = _instance_target(patch)[1]
-    return any(record.patch == patch.name for record in _chain(obj, attr))
-
-
-def apply_instance(patch: Patch, obj: Any, *args: Any) -> bool:
-    """Replace `obj`'s method with `patch.make(obj, original, *args)`.
-
-    Returns False, changing nothing, when `obj` is not an instance of the target class;
-    True when the method is replaced now or was already. Raises PatchTargetError,
-    changing nothing, when the target is gone or `obj`'s class has another method shape.
-    """
-    cls, attr = _instance_target(patch)
-    if not isinstance(cls, type):
-        raise PatchTargetError(f"patch {patch.name!r}: {patch.target} is not a method of a class")
-    if not isinstance(obj, cls):
-        return False
-    if instance_applied(patch, obj):
-        return True
-    kind = type(obj)
-    problem = _parameter_problem(getattr(kind, attr, None), patch.expect, exact=True)
-    if problem is not None:
-        raise PatchTargetError(
-            f"patch {patch.name!r}: {kind.__qualname__}.{attr} {problem}; this vLLM moved "
-            f"or changed it. The patch cannot apply ({patch.what})"
-        )
-    replaced = getattr(obj, "__dict__", {}).get(attr)
-    replacement = patch.make(obj, getattr(obj, attr), *args)
-    setattr(replacement, _INSTANCE_RECORD, _InstanceRecord(patch.name, attr, replaced))
-    setattr(obj, attr, replacement)
-    key = id(obj)
-    entry = _instances.get(key)
-    if entry is None or entry[0]() is not obj:
-        entry = _instances[key] = (weakref.ref(obj, lambda _, key=key: _forget(key)), set())
-    entry[1].add(attr)
-    return True
-
-
-def _forget(key: int) -> None:
-    entry = _instances.get(key)
-    if entry is not None and entry[0]() is None:
-        del _instances[key]
-
-
-def undo_instance(patch: Patch, obj: Any) -> bool:
-    """Put back what `patch` replaced on `obj`; False when it is not on `obj`. Raises
-    PatchTargetError, changing nothing, when another instance patch wraps it there."""
-    attr = _instance_target(patch)[1]
-    chain = _chain(obj, attr)
-    names = [record.patch for record in chain]
-    if patch.name not in names:
-        return False
-    if names[0] != patch.name:
-        raise PatchTargetError(
-            f"patch {patch.name!r}: {names[0]!r} wraps it on this {type(obj).__name__}; "
-            f"undo {names[0]!r} first"
-        )
-    _restore(obj, chain[0])
-    return True
-
-
-def _restore(obj: Any, record: _InstanceRecord) -> None:
-    if record.replaced is None:
-        delattr(obj, record.attr)  # the class's method again
-    else:
-        setattr(obj, record.attr, record.replaced)
-    if not any(_chain(obj, attr) for attr in _instances.get(id(obj), (None, ()))[1]):
-        _instances.pop(id(obj), None)
-
-
-def instances(patch: Patch | None = None) -> list[Any]:
-    """The live objects `patch` (any instance patch, when None) is applied to."""
-    found = []
-    for ref, attrs in list(_instances.values()):
-        obj = ref()
-        if obj is None:
-            continue
-        names = {record.patch for attr in attrs for record in _chain(obj, attr)}
-        if names and (patch is None or patch.name in names):
-            found.append(obj)
-    return found
-
-
-def undo_instances(patch: Patch | None = None) -> int:
-    """Undo `patch` on every object it is applied to, or with None every instance patch
-    on every object (the latest first); returns how many replacements were undone.
-    Raises PatchTargetError, changing nothing, where another patch wraps `patch`."""
-    objects = instances(patch)
-    if patch is not None:
-        attr = _instance_target(patch)[1]
-        for obj in objects:
-            top = _chain(obj, attr)[0].patch
-            if top != patch.name:
-                raise PatchTargetError(
-                    f"patch {patch.name!r}: {top!r} wraps it on this {type(obj).__name__}; "
-                    f"undo {top!r} first"
-                )
-        for obj in objects:
-            undo_instance(patch, obj)
-        return len(objects)
-    undone = 0
-    for obj in objects:
-        for attr in sorted(_instances.get(id(obj), (None, set()))[1]):
-            for record in _chain(obj, attr):
-                _restore(obj, record)
-                undone += 1
-    return undone
 
 
 # ------------------------------------------------------------------ internals

@@ -128,3 +128,26 @@ def make_graph_capture(original):
             yield context
 
     return graph_capture
+
+
+def make_kernel_init(original):
+    """An LL prepare/finalize's kernel runs the experts wing's class in place of the one
+    vLLM's oracle built (experts/__init__.py), with the layer's wire decision."""
+
+    def __init__(self, prepare_finalize, fused_experts, *args, **kwargs) -> None:
+        from vllm_flashinfer_ep.vllm.prepare_finalize import (
+            FlashInferEPLowLatencyPrepareAndFinalize,
+        )
+
+        if isinstance(prepare_finalize, FlashInferEPLowLatencyPrepareAndFinalize):
+            from vllm_flashinfer_ep import experts
+
+            fused_experts = experts.for_low_latency(
+                fused_experts,
+                fp8_wire=prepare_finalize.fp8_dispatch,
+                sent_per_rank=prepare_finalize.sent_per_rank,
+                options=experts.ExpertsOptions.from_env(),
+            )
+        original(self, prepare_finalize, fused_experts, *args, **kwargs)
+
+    return __init__

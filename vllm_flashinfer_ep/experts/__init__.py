@@ -1,0 +1,75 @@
+"""The experts wing: vLLM modular experts classes that compute only the received rows.
+
+`received_rows.ReceivedRowsExperts` (vLLM's batched Triton experts) and
+`deep_gemm.ReceivedRowsOrDeepGemmExperts` (vLLM's batched DeepGEMM experts, small forwards
+on the received rows) declare what they support as vLLM's experts do; `schemes.py` is
+the table of quantization schemes; `kernels/` holds the Triton kernels they launch.
+
+`for_low_latency` is what the patch table's `experts_selection` entry calls when vLLM
+builds an LL MoE kernel: the class vLLM's oracle picked, replaced by this wing's class
+for it, built with the same arguments. Nothing here imports vLLM at package import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ExpertsOptions:
+    """What a user (package variables) or a benchmark sets for the LL experts."""
+
+    # DeepGEMM layers: forwards of at most this many rows per expert run the received rows
+    # (0: DeepGEMM for every forward; inf: the received rows for every forward).
+    deep_gemm_received_rows: float = 4.0
+
+    @classmethod
+    def from_env(cls) -> ExpertsOptions:
+        from vllm_flashinfer_ep import envs
+
+        return cls(deep_gemm_received_rows=envs.deep_gemm_received_rows())
+
+
+def replacements() -> dict[type, type]:
+    """vLLM's batched experts classes, each with the class that runs in its place under LL."""
+    from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
+        BatchedDeepGemmExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+        BatchedTritonExperts,
+    )
+
+    from vllm_flashinfer_ep.experts.deep_gemm import ReceivedRowsOrDeepGemmExperts
+    from vllm_flashinfer_ep.experts.received_rows import ReceivedRowsExperts
+
+    return {
+        BatchedTritonExperts: ReceivedRowsExperts,
+        BatchedDeepGemmExperts: ReceivedRowsOrDeepGemmExperts,
+    }
+
+
+def for_low_latency(
+    experts: Any, *, fp8_wire: bool, sent_per_rank: Any, options: ExpertsOptions
+) -> Any:
+    """The experts an LL kernel runs in place of `experts` (vLLM's pick, built by its
+    oracle), built with the same arguments. `fp8_wire`: the layer's activations arrive as
+    FP8 from the wire (else an FP8 layer's arrive in BF16 and the received rows quantize
+    them). FP8 layers need one of the replaced classes; BF16 layers keep any other."""
+    from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+
+    qc = experts.quant_config
+    fp8 = qc is not None and qc.quant_dtype is not None
+    table = replacements()
+    if type(experts) in table.values():  # already this wing's (a kernel built again)
+        return experts
+    cls = table.get(type(experts))
+    if cls is None:
+        if fp8:
+            raise FlashInferEPConfigError(
+                "flashinfer_ep_low_latency runs FP8 MoE layers with vLLM's batched Triton or "
+                f"DeepGEMM experts; the selected experts are {type(experts).__name__}. Pass "
+                "--moe-backend triton."
+            )
+        return experts
+    return cls.in_place_of(experts, fp8_wire=fp8_wire, sent_per_rank=sent_per_rank, options=options)

@@ -1,0 +1,86 @@
+"""SiLU-and-mul over the received rows only.
+
+vLLM's masked activation runs a grid over every expert's whole buffer slot, which a decode
+step pays in every MoE layer whatever the batch; this launch has the blocks' fixed grid.
+It rounds as vLLM's SiLU-and-mul kernels do (the SiLU to the 16-bit type, then the
+product), so a received row gets what vLLM's activation writes there, up to where
+Triton's exp and CUDA's differ in the last bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_flashinfer_ep.experts.kernels.row_blocks import RowBlocks, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from vllm_flashinfer_ep.experts.kernels.row_blocks import block_tile
+
+TILE = 4096  # elements one program handles: BLOCK_M x BLOCK_N
+
+
+def buffers_reason(out: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why `silu_and_mul` does not take these buffers (None: it does)."""
+    if x.dtype != out.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return f"16-bit x and out of one dtype, got {x.dtype}, {out.dtype}"
+    if not (x.is_contiguous() and out.is_contiguous()):
+        return "x and out must be contiguous"
+    rows, width = x.shape
+    if width % 2 or tuple(out.shape) != (rows, width // 2):
+        return f"x [rows, 2d] and out [rows, d], got {tuple(x.shape)} and {tuple(out.shape)}"
+    return None
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: RowBlocks) -> None:
+    """out[row] = silu(x[row, :d]) * x[row, d:] for the received rows in `blocks`; other
+    rows of `out` are left as they were (the GEMM after reads received rows only)."""
+    if triton is None:
+        raise RuntimeError("silu_and_mul needs Triton")
+    reason = buffers_reason(out, x)
+    if reason is not None:
+        raise ValueError(f"silu_and_mul: {reason}")
+    rows, d = out.shape
+    num_blocks = blocks.expert_ids.numel()
+    if num_blocks == 0 or d == 0:
+        return
+    block_m = blocks.block_m
+    block_n = max(16, min(triton.next_power_of_2(d), TILE // block_m))
+    grid = (num_blocks, triton.cdiv(d, block_n))
+    _silu_and_mul_kernel[grid](
+        x, out, blocks.sorted_ids, blocks.blocks_rows, rows, d, BLOCK_M=block_m, BLOCK_N=block_n
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def silu_mul_rows(x_ptr, ids, cols, mask, d):
+        """SiLU(gate) x up of x [rows, 2d] on these rows and columns, rounded as vLLM's
+        activation rounds it, returned in FP32 holding those 16-bit values."""
+        gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
+        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)
+        ty = x_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(ty)
+        return (act.to(tl.float32) * up).to(ty).to(tl.float32)
+
+    @triton.jit
+    def _silu_and_mul_kernel(
+        x_ptr,
+        out_ptr,
+        sorted_ids_ptr,
+        blocks_rows_ptr,
+        rows,
+        d,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        if tl.program_id(0) * BLOCK_M >= tl.load(blocks_rows_ptr):
+            return
+        ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
+        y = silu_mul_rows(x_ptr, ids, cols, mask, d)
+        tl.store(
+            out_ptr + ids[:, None] * d + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
+        )

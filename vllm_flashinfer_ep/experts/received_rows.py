@@ -1,0 +1,290 @@
+"""vLLM's batched Triton experts, computing only the rows that arrived.
+
+An LL dispatch hands the experts an expert-major buffer [local experts, rows per expert,
+hidden], rows per expert = the LL capacity times the EP world. vLLM 0.33.0's
+`BatchedTritonExperts` launches programs over every row of that buffer and lets those past
+an expert's received count return; at a real model's shape the empty programs, not the
+weights, set a decode step's time. These experts run vLLM's fused-MoE kernel (the one it
+runs without EP) over the blocks of received rows instead (kernels/row_blocks.py), a list
+whose length follows the rows the forward can carry and whose shapes are fixed, so CUDA
+graphs replay it for any routing. Its tile is vLLM's lookup at the forward's token count.
+
+Every per-layer decision is made here once: the scheme row (schemes.py), whether the
+layer's BF16 arrivals are quantized here (`quantizes_input`, vLLM's
+`expects_unquantized_inputs`), whether the activation fuses with the quantization. Per
+forward only the bound on received rows and, for a dynamic per-tensor intermediate,
+vLLM's eager / captured split are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton.language as tl
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
+    BatchedTritonExperts,
+    _is_capturing_or_compiling,
+)
+from vllm.model_executor.layers.fused_moe.fused_moe import (
+    invoke_fused_moe_triton_kernel,
+    try_get_optimal_moe_config,
+)
+from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+
+from vllm_flashinfer_ep import fp8_numerics as num
+from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+from vllm_flashinfer_ep.experts import schemes
+from vllm_flashinfer_ep.experts.kernels import activation as act_kernel
+from vllm_flashinfer_ep.experts.kernels import quantize
+from vllm_flashinfer_ep.experts.kernels.row_blocks import RowBlocks, max_blocks, row_blocks
+from vllm_flashinfer_ep.experts.schemes import Arrivals, Quantizer
+
+SentPerRank = Callable[[], "int | None"]
+
+
+def senders_tokens(local: int, senders: int, capacity: int, sent_per_rank: int | None) -> int:
+    """The most tokens any sender dispatches in this forward: what the transport says every
+    rank sent (a pooled round's handle size, padding included) when it knows; else this
+    rank's own count at one sender; else the largest count of vLLM's DP metadata, at most
+    the LL capacity per rank; without the metadata, that capacity."""
+    if sent_per_rank is not None:
+        return sent_per_rank
+    if senders == 1:
+        return local
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if is_forward_context_available():
+        dp = get_forward_context().dp_metadata
+        if dp is not None:
+            return min(int(dp.num_tokens_across_dp_cpu.max()), capacity)
+    return capacity
+
+
+def plain_silu_and_mul(activation: Any, config: Any) -> bool:
+    """SiLU(gate) x up with vLLM's defaults (no clamp, alpha 1, beta 0): what the fused
+    activation kernels compute; anything else keeps vLLM's activation."""
+    return (
+        getattr(activation, "value", activation) == "silu"
+        and config is not None
+        and config.clamp_limit is None
+        and config.alpha == 1.0
+        and config.beta == 0.0
+    )
+
+
+class ReceivedRowsExperts(BatchedTritonExperts):
+    """`BatchedTritonExperts` over the received rows. `quantizes_input`: an FP8 layer's
+    activations arrive in BF16 and are quantized here, for the received rows only (the LL
+    prepare then sends BF16: a layer without FP8 on the wire). `sent_per_rank()`: during a
+    round, the tokens every rank dispatched (see `senders_tokens`)."""
+
+    def __init__(
+        self,
+        moe_config: Any,
+        quant_config: Any,
+        max_num_tokens: int,
+        num_dispatchers: int,
+        *,
+        quantizes_input: bool = False,
+        sent_per_rank: SentPerRank | None = None,
+    ) -> None:
+        super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
+        scheme = schemes.scheme_of(quant_config)
+        if scheme is None:
+            raise FlashInferEPConfigError(
+                f"the received-rows experts take the quantization schemes of vLLM's batched "
+                f"Triton experts; this layer's is {schemes.quant_keys(quant_config)}"
+            )
+        if quant_config.w1_bias is not None or quant_config.w2_bias is not None:
+            raise FlashInferEPConfigError(
+                "the received-rows experts do not apply MoE expert biases (nor do vLLM's "
+                "batched experts): serve this model with another --all2all-backend or "
+                "without --enable-expert-parallel"
+            )
+        if moe_config.in_dtype not in (torch.bfloat16, torch.float16):
+            raise FlashInferEPConfigError(
+                f"the received-rows experts take 16-bit activations, got {moe_config.in_dtype}"
+                " (pass --dtype bfloat16)"
+            )
+        static = [s for s in (quant_config.a1_scale, quant_config.a2_scale) if s is not None]
+        if any(s.numel() != 1 for s in static):
+            raise FlashInferEPConfigError(
+                "the received-rows experts take one static activation scale per layer; "
+                f"this layer has {[tuple(s.shape) for s in static]}"
+            )
+        self.scheme = scheme
+        self._quantizes_input = quantizes_input and scheme.fp8
+        self._sent_per_rank = sent_per_rank
+        self._fused_activation = plain_silu_and_mul(moe_config.activation, self.activation_config)
+        self._ue8m0 = scheme.input is Quantizer.GROUP and _e8m0_scales()
+
+    @classmethod
+    def in_place_of(
+        cls, experts: Any, *, fp8_wire: bool, sent_per_rank: SentPerRank, options: Any
+    ) -> ReceivedRowsExperts:
+        """Built with the arguments vLLM built `experts` (its BatchedTritonExperts) with;
+        an FP8 layer not on the FP8 wire quantizes its received rows here."""
+        qc = experts.quant_config
+        return cls(
+            experts.moe_config,
+            qc,
+            experts.max_num_tokens,
+            experts.num_dispatchers,
+            quantizes_input=qc.quant_dtype is not None and not fp8_wire,
+            sent_per_rank=sent_per_rank,
+        )
+
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        return self._quantizes_input
+
+    @staticmethod
+    def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
+        return schemes.supports(weight_key, activation_key) and (
+            BatchedTritonExperts._supports_quant_scheme(weight_key, activation_key)
+        )
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Any,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: mk.ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        assert expert_tokens_meta is not None
+        experts, rows, k = hidden_states.shape
+        total, n, top_k = experts * rows, w1.shape[1], topk_ids.shape[1]
+        sent = self._sent_per_rank() if self._sent_per_rank is not None else None
+        tokens = senders_tokens(
+            topk_ids.shape[0], self.num_dispatchers, self.max_num_tokens or rows, sent
+        )
+        received = min(tokens * self.num_dispatchers, total)
+        # vLLM's lookup for this kernel at the forward's size ("fp8_w8a8" tables for FP8)
+        config = try_get_optimal_moe_config(
+            w1.size(),
+            w2.size(),
+            top_k,
+            self.quant_config.config_name(hidden_states.dtype),
+            max(1, received),
+            block_shape=self.block_shape,
+        )
+        block_m = config["BLOCK_SIZE_M"]
+        counts = expert_tokens_meta.expert_num_tokens
+        blocks = row_blocks(
+            counts, rows, block_m, max_blocks(received * top_k, experts, rows, block_m)
+        )
+        act_n = self.adjust_N_for_activation(n, activation)
+        cache1 = _resize_cache(workspace13, (total, n))
+        cache2 = _resize_cache(workspace2, (total, act_n))
+        x, out = hidden_states.view(total, k), output.view(total, k)
+        if not self.scheme.fp8:
+            ctype = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+            _gemm(x, w1, cache1, blocks, config, ctype)
+            self._activation(activation, cache2, cache1, counts, blocks, experts)
+            _gemm(cache2, w2, out, blocks, config, ctype)
+            return
+        a1, a1_scale = self._gemm1_input(x, a1q_scale, blocks, rows, experts)
+        _gemm(a1, w1, cache1, blocks, config, tl.bfloat16, self._fp8(a1_scale, self.w1_scale))
+        how = self.scheme.intermediate
+        if self._fused_activation:  # activation and quantization in one launch
+            a2, a2_scale = self._quantize(how, cache1, blocks, rows, True, a2_scale)
+        else:
+            self._activation(activation, cache2, cache1, counts, blocks, experts)
+            a2, a2_scale = self._quantize(how, cache2, blocks, rows, False, a2_scale)
+        _gemm(a2, w2, out, blocks, config, tl.bfloat16, self._fp8(a2_scale, self.w2_scale))
+
+    def _gemm1_input(
+        self, x: torch.Tensor, scales: Any, blocks: RowBlocks, rows: int, experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """E4M3 rows and [rows, groups] FP32 scales for GEMM1: quantized here from BF16, or
+        as they arrived (the FP8 wire's scales, or vLLM's batched prepare's)."""
+        if x.dtype != num.FP8:
+            static = self.quant_config.a1_scale
+            return self._quantize(self.scheme.input, x, blocks, rows, False, static)
+        if self.scheme.arrivals is Arrivals.EXPERT_SCALES:  # one per expert, or one
+            per_expert = (
+                scales.reshape(-1).float().expand(experts) if scales.numel() == 1 else scales
+            )
+            return x, per_expert.reshape(experts, 1).expand(experts, rows).reshape(-1, 1)
+        return x, scales.reshape(x.shape[0], self.scheme.scale_groups(x.shape[1]))
+
+    def _quantize(
+        self,
+        how: Quantizer,
+        x: torch.Tensor,
+        blocks: RowBlocks,
+        rows: int,
+        act: bool,
+        static: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The received rows of x (GEMM1's output, activated first, when `act`) as E4M3
+        with [rows, groups] FP32 scales, as the scheme row says."""
+        if how is Quantizer.GROUP:
+            return quantize.quantize_rows(x, blocks, num.GROUP, self._ue8m0, act)
+        if how is Quantizer.TOKEN:
+            return quantize.quantize_rows(x, blocks, None, False, act)
+        if how is Quantizer.TENSOR_STATIC and static is not None:
+            return quantize.tensor_quant(x, blocks, rows, False, act, static)
+        per_expert = how is not Quantizer.TENSOR_ONE and not _is_capturing_or_compiling()
+        return quantize.tensor_quant(x, blocks, rows, per_expert, act)
+
+    def _activation(self, activation, out, x, counts, blocks, experts) -> None:
+        """SiLU-and-mul over the received rows, or vLLM's masked activation for others."""
+        if self._fused_activation and act_kernel.buffers_reason(out, x) is None:
+            act_kernel.silu_and_mul(out, x, blocks)
+        else:
+            shape = (experts, x.shape[0] // experts, -1)
+            self.activation(activation, out.view(shape), x.view(shape), valid_token_counts=counts)
+
+    def _fp8(self, a_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple:
+        block = list(self.scheme.block_shape) if self.scheme.block_shape else None
+        return a_scale, w_scale, self.scheme.per_channel, block
+
+
+def _gemm(a, w, c, blocks: RowBlocks, config: dict, compute_type, fp8: tuple | None = None):
+    """c[row] = a[row] @ w[expert].T for the received rows: vLLM's fused-MoE kernel with the
+    blocks as its sorted ids (top_k 1, no routing weights). `fp8`: (A scales [rows,
+    groups], B scales, per_channel, block_shape) for E4M3 a and w."""
+    a_scale, w_scale, per_channel, block_shape = fp8 if fp8 is not None else (None,) * 4
+    invoke_fused_moe_triton_kernel(
+        a,
+        w,
+        c.view(c.shape[0], 1, c.shape[-1]),
+        a_scale,
+        w_scale,
+        None,
+        blocks.sorted_ids,
+        blocks.expert_ids,
+        blocks.blocks_rows,
+        mul_routed_weight=False,
+        top_k=1,
+        config=config,
+        compute_type=compute_type,
+        use_fp8_w8a8=fp8 is not None,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=bool(per_channel),
+        block_shape=block_shape,
+    )
+
+
+def _e8m0_scales() -> bool:
+    """Whether vLLM's group quantization rounds block scales to powers of two here."""
+    from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+
+    return bool(is_deep_gemm_e8m0_used())
