@@ -6,7 +6,7 @@ rebuild the list from whatever counts the replay finds. The listed activation mu
 what vLLM's masked activation writes on every received row, captured and replayed with new
 counts too. Prints the captured replay times (per layer; a decode step builds one list and
 runs one activation per MoE layer).
-Command (docs/device_vllm.md): python3 -m pytest tests/kernels/test_block_list_gpu.py -rs -s -q
+Command (docs/contributing/gpu_runs.md): python3 -m pytest tests/kernels/test_block_list_gpu.py -rs -s -q
 """
 
 from __future__ import annotations

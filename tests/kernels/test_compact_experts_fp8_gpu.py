@@ -27,7 +27,7 @@ activation, and the listed activation and quantization in one kernel (vllm/liste
 which writes vLLM's bytes up to the last bit of exp: tests/kernels/test_listed_quant_gpu.py);
 dynamic per-tensor layers take listed_quant's two launches (activation inside) every way
 while `TENSOR_ENABLED` is on.
-Needs the real vLLM runtime on the GPU (docs/device_vllm.md).
+Needs the real vLLM runtime on the GPU (docs/contributing/gpu_runs.md).
 """
 
 from __future__ import annotations

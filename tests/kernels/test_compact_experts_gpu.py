@@ -5,7 +5,7 @@ Same expert-major buffer, counts and weights through vLLM 0.33.0's
 package's wrapper; the received rows must agree. Counts include the buffer's edges (an
 expert filled to the last row, experts with none), and the wrapper is captured in a CUDA
 graph and replayed with other counts (the block list is rebuilt on the device).
-Needs the real vLLM runtime on the GPU (docs/device_vllm.md).
+Needs the real vLLM runtime on the GPU (docs/contributing/gpu_runs.md).
 """
 
 from __future__ import annotations

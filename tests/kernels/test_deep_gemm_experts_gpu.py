@@ -16,7 +16,7 @@ per-forward choice (vllm/deep_gemm_per_batch.py) is checked on both of its sides
 way: the received rows on DeepGEMM's weights, and DeepGEMM behind the wrapper that re-lays
 the wire's row-major scales.
 Printed values (pytest -s) say how far below the bounds the H200 lands. Needs the real
-vLLM runtime with DeepGEMM (docs/device_vllm.md).
+vLLM runtime with DeepGEMM (docs/contributing/gpu_runs.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ must write the bytes vLLM's ops write (up to where Triton's exp and CUDA's expf 
 the last bit), for the edge counts and inside a captured graph replayed with new counts.
 Prints the captured time per layer against the path it replaces (the listed activation,
 then the gather, vLLM's quantization and the scatters of compact_experts_fp8).
-Command (docs/device_vllm.md): python3 -m pytest tests/kernels/test_listed_quant_gpu.py -rs -s -q
+Command (docs/contributing/gpu_runs.md): python3 -m pytest tests/kernels/test_listed_quant_gpu.py -rs -s -q
 """
 
 from __future__ import annotations

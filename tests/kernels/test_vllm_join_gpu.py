@@ -6,7 +6,7 @@ vLLM's own non-EP batched path on the same weights and routing and a torch refer
 HT: `FlashInferEPHighThroughputPrepareAndFinalize` + vLLM's `TritonExperts`, eager.
 
 Needs the real vLLM 0.33.0 runtime (its compiled ops, torch 2.14) and a GPU with NCCL-EP;
-on the device machine that is ../shared/gpu/stage-engine.sh (docs/device_vllm.md).
+on the device machine that is ../shared/gpu/stage-engine.sh (docs/contributing/gpu_runs.md).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ ENABLED = True  # the test harness turns it off to measure vLLM's batched kernel
 # layers and static per-tensor ones. Dynamic per-tensor intermediates (online
 # fp8_per_tensor) followed once per-tensor scales became true FP32 divisions (their captured
 # replay had differed from vLLM's before), after the engine's accuracy test and benchmark
-# (docs/benchmarks.md, docs/device_vllm.md).
+# (docs/benchmarks.md, docs/contributing/gpu_runs.md).
 FP8_ENABLED = True
 FP8_DYNAMIC_TENSOR = True
 _logged = False
