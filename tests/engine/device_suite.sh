@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine work in one command, for the GPU test machine after the
-# staging calls of docs/device_vllm.md (it sources the staged runtime itself).
+# staging calls of docs/contributing/gpu_runs.md (it sources the staged runtime itself).
 #
 #   bash tests/engine/device_suite.sh [step ...]
 #   steps: doctor tests (= engine-tests kernel-tests; engine-tests = engine-tests-a + -b) received-rows padding fp8-kernels fp8-engine (= fp8-engine-ll fp8-engine-ht)
