@@ -1,9 +1,6 @@
-"""vllm-flashinfer-ep: FlashInfer NCCL-EP all2all backends for vLLM.
-
-`register()` is the `vllm.general_plugins` entry point. vLLM calls it in every
-process (CLI parser, API server, engine core, workers); kernel-test subprocesses
-spawned with torch.multiprocessing must call it themselves.
-"""
+"""vllm-flashinfer-ep: FlashInfer NCCL-EP all2all backends for vLLM. `register()` is the
+`vllm.general_plugins` entry point, which vLLM calls in every process; subprocesses
+spawned by torch.multiprocessing must call it themselves."""
 
 from __future__ import annotations
 

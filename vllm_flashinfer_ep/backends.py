@@ -22,12 +22,10 @@ class Algorithm(str, Enum):
 
     @property
     def supports_fault_tolerance(self) -> bool:
-        """NCCL-EP fault tolerance exists for the low-latency algorithm only."""
         return self is Algorithm.LOW_LATENCY
 
     @classmethod
     def of(cls, backend: str | None) -> Algorithm | None:
-        """The algorithm behind a backend name; None for other backends."""
         for algorithm in cls:
             if backend == algorithm.backend:
                 return algorithm

@@ -1,9 +1,5 @@
-"""Errors raised by the package.
-
-`FlashInferEPConfigError` deliberately does not derive from ValueError: vLLM's config
-classes are pydantic dataclasses, and pydantic folds a ValueError raised in
-`__post_init__` into a generic ValidationError. Users get our one-line message instead.
-"""
+"""Errors raised by the package. `FlashInferEPConfigError` is no ValueError: pydantic
+folds a ValueError from `__post_init__` into a generic ValidationError."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ class FlashInferEPConfigError(Exception):
 
 
 class FlashInferEPEnvironmentError(FlashInferEPConfigError):
-    """The host (GPU, CUDA, NCCL, nvcc, nccl.ep) cannot run NCCL-EP; the message names the fix."""
+    """The host cannot run NCCL-EP; the message names the fix."""
 
 
 class HandlePoolError(RuntimeError):

@@ -1,9 +1,5 @@
-"""Loggers that print where vLLM's do.
-
-vLLM configures only the `vllm` logger (INFO, its own handler, propagate=False), so a
-logger outside that namespace stays silent at INFO inside `vllm serve`. Ours live under
-`vllm.flashinfer_ep.*`; nothing here imports vLLM (the runtime stays engine-agnostic).
-"""
+"""Loggers under `vllm.flashinfer_ep.*`: vLLM configures only the `vllm` logger (its own
+handler, propagate=False), so others stay silent in `vllm serve`. No vLLM import."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The one reader of a model's MoE shape: Hugging Face config -> what the backends size for.
-
-Config validation (`vllm/config_validation.py`, from vLLM's `ModelConfig`) and
-`vllm-flashinfer-ep doctor` (from a config.json dict) both read the model through
-`read_shape`, so they see the same hidden size, expert count (logical + EPLB redundant
-experts: the physical experts vLLM's MoE layers hand the manager), top_k, checkpoint
-dtype and quantization. Nothing here imports vLLM.
-"""
+"""The one reader of a model's MoE shape from its Hugging Face config, for config
+validation (vLLM's `ModelConfig`) and `doctor` (a config.json) alike. No vLLM import."""
 
 from __future__ import annotations
 
@@ -15,14 +9,13 @@ from typing import Any
 
 from vllm_flashinfer_ep.runtime.limits import config_top_k, round_up_ll_hidden_size
 
-# Names under which Hugging Face configs carry the number of routed experts.
+# Hugging Face config names (transformers >= 4.56 writes `dtype`).
 EXPERT_COUNT_CONFIG_KEYS: tuple[str, ...] = (
     "num_experts",
     "n_routed_experts",
     "num_local_experts",
     "moe_num_experts",
 )
-# Names under which they carry the checkpoint's dtype (transformers >= 4.56 writes `dtype`).
 DTYPE_CONFIG_KEYS: tuple[str, ...] = ("dtype", "torch_dtype")
 
 
@@ -36,9 +29,7 @@ class ModelShape:
     quant_method: str | None = None  # quantization_config.quant_method
     weight_block_size: list[int] | None = None
     max_position_embeddings: int | None = None
-    # quantization_config's ignore list (`ignored_layers`, else `modules_to_not_convert`,
-    # as vLLM's FP8 config reads it): modules the checkpoint leaves unquantized.
-    unquantized_modules: tuple[str, ...] = ()
+    unquantized_modules: tuple[str, ...] = ()  # quantization_config's ignore list
 
     @property
     def physical_experts(self) -> int | None:
@@ -48,8 +39,7 @@ class ModelShape:
         return self.routed_experts + self.redundant_experts
 
     def ll_fleet_shape(self) -> tuple[int, int, int] | None:
-        """(LL hidden size rounded up to an NCCL-EP size, physical experts, top_k), or
-        None when the config lacks one of them or is wider than any LL size."""
+        """(LL hidden size rounded up, physical experts, top_k), or None."""
         if self.hidden_size is None or self.top_k is None or self.physical_experts is None:
             return None
         try:
@@ -78,17 +68,14 @@ def _positive_int(value: Any) -> int | None:
 
 
 def dtype_name(value: Any) -> str | None:
-    """'bfloat16' for torch.bfloat16 or "bfloat16"; None when unset."""
     if value is None:
         return None
     return str(value).removeprefix("torch.")
 
 
 def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """config.json with --hf-overrides applied as vLLM applies a dict of them
-    (ModelConfig._apply_dict_overrides): a nested model config (text_config, ...: a
-    top-level `*_config` other than quantization_config) is updated recursively, dicts
-    inside it too; any other top-level key, dict-valued or not, is replaced."""
+    """config.json with --hf-overrides applied as vLLM's ModelConfig._apply_dict_overrides
+    does: nested `*_config`s (not quantization_config) merged, other keys replaced."""
     merged = dict(config)
     for key, value in overrides.items():
         nested = key.endswith("_config") and key != "quantization_config"
@@ -110,9 +97,7 @@ def _merged(target: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int = 0) -> ModelShape:
-    """The MoE shape of a Hugging Face config: a config.json dict or a transformers
-    config object. `text_config`: the language model's part (vLLM's `hf_text_config`);
-    by default the config's `text_config` (dict) or `get_text_config()` (object)."""
+    """The MoE shape of a config.json dict or a transformers config (and its text part)."""
     root = _getter(config)
     text = _getter(_text_config(config) if text_config is None else text_config)
     experts = next(
@@ -145,24 +130,14 @@ def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int =
     )
 
 
-# vLLM 0.33.0's --dtype choices and their torch dtypes (vllm/config/model.py
-# _STR_DTYPE_TO_TORCH_DTYPE), by name.
+# vLLM 0.33.0's --dtype choices and their dtypes (vllm/config/model.py _STR_DTYPE_TO_TORCH_DTYPE).
 DTYPE_CHOICES: tuple[str, ...] = ("auto", "half", "float16", "bfloat16", "float", "float32")
-_DTYPE_NAMES = {
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float": "float32",
-    "float32": "float32",
-}
+_DTYPE_NAMES = {"half": "float16", "float": "float32"}  # the other choices are their names
 
 
 def served_dtype(asked: str, checkpoint: str | None) -> str | None:
-    """The dtype vLLM serves with on a Hopper-or-newer GPU, by name: --dtype itself, or for
-    `auto` the checkpoint's, float32 downcast to bfloat16 (vllm/config/model.py
-    `_get_and_verify_dtype` / `_resolve_auto_dtype` with CUDA's supported dtypes
-    [bfloat16, float16, float32] on sm_80+). None: auto with a config that names no dtype
-    (vLLM then reads the weights' dtype)."""
+    """The dtype vLLM serves with on sm_80+, by name: --dtype, or for `auto` the checkpoint's
+    with float32 as bfloat16 (vllm/config/model.py `_resolve_auto_dtype`); None: unknown."""
     asked = asked.lower()
     if asked != "auto":
         return _DTYPE_NAMES.get(asked, asked)
@@ -180,8 +155,6 @@ def redundant_experts(enable_eplb: bool, eplb_config: Any) -> int:
 
 
 def from_vllm_config(vllm_config: Any) -> ModelShape:
-    """The shape of the model of a vLLM engine config (its hf_config / hf_text_config and
-    the parallel config's EPLB redundant experts)."""
     model, par = vllm_config.model_config, vllm_config.parallel_config
     return read_shape(
         model.hf_config,

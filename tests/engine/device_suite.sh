@@ -8,7 +8,7 @@
 #          fp8-engine-select (the FP8 engine tests FP8_K selects, a pytest -k expression),
 #          engine-select (the world-1 engine tests ENGINE_K selects)
 #          spec-decode-2 spec-decode-4 (one call each; spec-decode = both, over 600 s)
-#          probe sweep profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
+#          profile bench (= bench-tiny bench-30b) kbench htbench memory direct fp8wire fp8bench fp8bench-ht
 #          received-rows (the received-rows experts' kernels and classes against vLLM's, and the LL join)
 #          fp8-experts (DeepGEMM experts GPU tests + fp8_experts_probe.py)
 #          vllm-combinations (vLLM's own modular-kernel combination test over the experts classes)
@@ -188,10 +188,6 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "floor|vs no EP|passed|failed|Error" "$out/pytest-$step.txt" | tail -20 ;;
-    probe|sweep)  # the LL experts kernels at the 30B shape, side by side with no-EP's
-      flag=(); [ "$step" = sweep ] && flag=(--sweep)
-      python3 tests/engine/batched_tile_probe.py "${flag[@]}" > "$out/$step.txt" 2>&1 || rc=1
-      grep "^|\|E=\|MISMATCH\|Error" "$out/$step.txt" ;;
     profile)
       for batch in 1 128; do  # issue 28's breakdown: LL and no EP, batch 1 and 128
         FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs/profile-b$batch" \
@@ -237,7 +233,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht probe sweep profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -51,10 +51,10 @@ NOT_FLASHINFER: dict[tuple[str, str, str], str] = {
         "_compute_kwargs",
     ): "vLLM: the backend_names patch clears the CLI's cache (a row of the patch table)",
     (
-        "vllm_flashinfer_ep.vllm.compact_experts",
-        "apply",
-        "_flashinfer_ep_compact",
-    ): "the package's own marker on its wrapper (tests/kernels/test_vllm_join_gpu.py reads it)",
+        "vllm_flashinfer_ep.experts.received_rows",
+        "BatchedTritonExperts",
+        "_supports_quant_scheme",
+    ): "vLLM's experts contract: the parent class's answer (the device's FP8 support)",
 }
 PUBLIC_MODULES = {"flashinfer", "flashinfer.moe_ep", "nccl", "nccl.ep"}
 MODULE_PATH = re.compile(r"^(flashinfer|nccl)(\.[A-Za-z_]\w*)*$")

@@ -1,9 +1,6 @@
-"""A trivial expert op over the valid rows only (`--expert-compute`), graph-capturable.
-
-Expert e scales its first counts[e] rows in place by scale[e]; rows past the count
-(padding of the batched layout) are never touched, so the cost follows the real
-token count rather than the padded capacity.
-"""
+"""A trivial expert op over the valid rows only (`--expert-compute`), graph-capturable:
+expert e scales its first counts[e] rows in place, so the cost follows the real token
+count rather than the padded capacity."""
 
 from __future__ import annotations
 

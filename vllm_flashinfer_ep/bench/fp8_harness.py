@@ -1,5 +1,5 @@
-"""GPU side of bench-fp8 (bench/fp8_run.py): one runtime (LL or HT) with its FP8 wire, the
-two prepares of a block-FP8 layer, checked against each other, then timed."""
+"""GPU side of bench-fp8 (bench/fp8_run.py): the two prepares of a block-FP8 layer on one
+runtime, checked against each other, then timed."""
 
 from __future__ import annotations
 
@@ -33,9 +33,7 @@ class Fp8Harness(TimedModes):
         self.ht = args.backend == "ht"
         self.modes = modes(args.backend)
         capacity = max(args.tokens)
-        if (
-            self.ht
-        ):  # as the HT manager: eager buckets up to the capacity, FP8 by vLLM's quantization
+        if self.ht:  # as the HT manager: eager buckets, FP8 by vLLM's quantization
             spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
             sizes = pool_sizes.pool_sizes(Algorithm.HIGH_THROUGHPUT, capacity)
             self.rt = build_runtime(self.fleets, spec, args.top_k, self.device, sizes)
@@ -48,18 +46,10 @@ class Fp8Harness(TimedModes):
         one = torch.ones(args.num_experts, dtype=torch.float32, device=self.device)
         self.quant_config = fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
         rows = self.rt.capacity * self.world_size
-        # LL: the experts' output stand-in, the same in both modes (combine is BF16 in both);
-        # HT combines the round's own staging (zeros: what the experts write there is not timed).
+        # LL: the experts' output stand-in (BF16 combine in both modes); HT combines its staging.
+        shape = (self.rt.num_local_experts, rows, args.hidden)
         self.expert_out = (
-            None
-            if self.ht
-            else torch.zeros(
-                self.rt.num_local_experts,
-                rows,
-                args.hidden,
-                dtype=torch.bfloat16,
-                device=self.device,
-            )
+            None if self.ht else torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         )
 
     def _combine(self, out: torch.Tensor) -> None:
@@ -101,8 +91,7 @@ class Fp8Harness(TimedModes):
             self._combine(out)
 
     def _check(self, num_tokens: int, layers) -> None:
-        """Per expert (HT: over all received rows), the sum of the dequantized received
-        rows agrees (order-free)."""
+        """Per expert (HT: all received rows), the dequantized rows' sums agree (order-free)."""
         a: list = []
         b: list = []
         self._bf16_quant_step(layers[:2], a)
@@ -133,17 +122,10 @@ class Fp8Harness(TimedModes):
             steps["fp8_wire"] = capture_graph(lambda: self._fp8_step(layers)).replay
         return steps
 
-    def run(self) -> list[Row]:
-        rows = []
-        progress = _Progress(
-            len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress
-        )
-        for num_tokens in self.args.tokens:
-            layers = self._layers(num_tokens, seed=num_tokens, loud=True)
-            self._check(num_tokens, layers)
-            rows.append(self._measure(Row(num_tokens), self.modes, self._steps(layers), progress))
-        progress.close()
-        return rows
+    def _run_size(self, num_tokens: int, progress: _Progress) -> Row:
+        layers = self._layers(num_tokens, seed=num_tokens, loud=True)
+        self._check(num_tokens, layers)
+        return self._measure(Row(num_tokens), self.modes, self._steps(layers), progress)
 
     def close(self) -> None:
         self.rt.destroy()

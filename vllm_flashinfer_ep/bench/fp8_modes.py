@@ -1,5 +1,4 @@
-"""The modes bench-fp8 times, named once for its command (bench/fp8_run.py) and its GPU
-side (bench/fp8_harness.py), which the command imports only when it runs."""
+"""The modes bench-fp8 times, for its command and its GPU side (imported only to run)."""
 
 from __future__ import annotations
 

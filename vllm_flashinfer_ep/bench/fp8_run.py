@@ -27,7 +27,7 @@ from typing import Any
 
 from vllm_flashinfer_ep.bench.fp8_modes import modes
 from vllm_flashinfer_ep.bench.results import Row
-from vllm_flashinfer_ep.bench.run import run_harness
+from vllm_flashinfer_ep.bench.run import run_harness, standalone
 from vllm_flashinfer_ep.runtime.fp8_wire import bytes_per_row, hidden_reason
 from vllm_flashinfer_ep.runtime.limits import SUPPORTED_HIDDEN_SIZES
 
@@ -146,13 +146,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli() -> int:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {MODULE}",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return main(parser.parse_args())
+    return standalone(MODULE, __doc__, add_arguments, main, raw=True)
 
 
 if __name__ == "__main__":

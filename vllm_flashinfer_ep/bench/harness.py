@@ -41,7 +41,6 @@ def torchrun_fleets() -> tuple[FleetCache, torch.device]:
 
 @contextmanager
 def _env(name: str, value: str) -> Iterator[None]:
-    """`name=value` in this process's environment for the block."""
     saved = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -54,14 +53,11 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 
 class TimedModes:
-    """What the LL and HT benchmark harnesses share: their rank, GPU and fleet cache, and
-    the timing (warm-up, then every mode once per step in rotated order, medians into
-    the row)."""
+    """What the harnesses share: rank, GPU, fleets, and the timing (modes in rotated order)."""
 
     def __init__(
         self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None
     ) -> None:
-        """`fleets` and `device` default to torchrun's rank on its GPU (tests pass their own)."""
         self.args = args
         if fleets is None:
             fleets, device = torchrun_fleets()
@@ -105,27 +101,32 @@ class TimedModes:
             row.host_ms[m] = summarize(host[m])[0]
         return row
 
-    def _layers(self, num_tokens: int, seed: int, loud: bool = False):
-        """`args.layers` layers of (x, ids, weights, output) for one step; `loud`: rows of
+    def _layers(self, num_tokens: int, seed: int, loud: bool = False, outputs: bool = True):
+        """`args.layers` layers of (x, ids, weights[, output]) for one step; `loud`: rows of
         very different magnitude (1-21x), where per-row FP8 scales differ."""
         gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
         layers = []
         for _ in range(self.args.layers):
-            scale = (
-                1 + 20 * torch.rand(num_tokens, 1, device=self.device, generator=gen)
-                if loud
-                else None
-            )
+            scale = None
+            if loud:
+                scale = 1 + 20 * torch.rand(num_tokens, 1, device=self.device, generator=gen)
             x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen)
             x = (x if scale is None else x * scale).to(torch.bfloat16)
             ids, w = random_routing(
                 num_tokens, self.args.num_experts, self.args.top_k, self.device, gen
             )
-            layers.append((x, ids, w, torch.empty_like(x)))
+            layers.append((x, ids, w, torch.empty_like(x)) if outputs else (x, ids, w))
         return layers
 
+    def run(self) -> list:
+        progress = _Progress(
+            len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress
+        )
+        rows = [self._run_size(num_tokens, progress) for num_tokens in self.args.tokens]
+        progress.close()
+        return rows
+
     def host_profile(self, steps, modes: tuple[str, ...], repeats: int = 20, top: int = 14) -> str:
-        """cProfile of `repeats` steps of each mode: where the host time of a step goes."""
         import cProfile
         import io
         import pstats
@@ -151,11 +152,10 @@ class Harness(TimedModes):
         self, args: Any, fleets: FleetCache | None = None, device: torch.device | None = None
     ) -> None:
         super().__init__(args, fleets, device)
+        self.modes = MODES
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.LOW_LATENCY, args.num_experts, capacity, args.hidden)
-        # Same fleet for every mode: only the handle strategy differs. Memory is read
-        # before the fleet, after the first pooled handle (NCCL-EP allocates its LL
-        # buffers lazily there) and after all of them.
+        # Memory before the fleet, after the first pooled handle (lazy LL buffers), after all.
         before = memory_snapshot(self.device)
         self.fresh_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         self.pool_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
@@ -187,7 +187,6 @@ class Harness(TimedModes):
         self._raw_ids = torch.zeros(capacity, args.top_k, dtype=torch.int64, device=self.device)
         self._raw_w = torch.zeros(capacity, args.top_k, dtype=torch.float32, device=self.device)
 
-    # ------------------------------------------------------------- steps
     def _expert(self, expert_x: torch.Tensor, counts: torch.Tensor, layer: int) -> torch.Tensor:
         if not self.args.expert_compute:
             return expert_x
@@ -239,8 +238,7 @@ class Harness(TimedModes):
             )
 
     def _raw_fresh_step(self, layers) -> None:
-        """FlashInfer's own per-forward path (MoEEpSplitLayer without a graph state):
-        a handle created per layer with the layer's routing, dispatch, combine, destroy."""
+        """FlashInfer's own per-forward path: a handle per layer, dispatch, combine, destroy."""
         fi = moe_ep()
         for i, (x, ids, w, out) in enumerate(layers):
             knobs = [fi.HandleAlgoKnobTopKWeights(weights=w)]
@@ -259,23 +257,10 @@ class Harness(TimedModes):
             finally:
                 handle.destroy()
 
-    # -------------------------------------------------------------- run
-    def run(self) -> list[Row]:
-        rows = []
-        progress = _Progress(
-            len(self.args.tokens) * len(MODES), self.rank == 0 and not self.args.no_progress
-        )
-        for num_tokens in self.args.tokens:
-            rows.append(self._run_size(num_tokens, progress))
-        progress.close()
-        return rows
-
     def _steps(self, num_tokens: int):
-        """Each mode's layer data (the same values per mode) and its step callable."""
         fresh, pooled, pooled_fi = self.fresh_rt.round, self.pool_rt.round, self.fi_rt.round
-        # The same input tensors in every mode, each mode with its own outputs: FlashInfer
-        # memoizes its tensor descriptors by address (a bounded cache), so separate inputs
-        # per mode would make the modes evict each other's entries, unlike a served step.
+        # The same inputs in every mode: FlashInfer memoizes descriptors by address in a
+        # bounded cache, which separate inputs would make the modes evict, unlike a served step.
         inputs = self._layers(num_tokens, seed=num_tokens)
         sets = {m: [(x, ids, w, torch.empty_like(x)) for x, ids, w, _ in inputs] for m in MODES}
         steps = {

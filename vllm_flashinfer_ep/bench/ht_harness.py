@@ -10,7 +10,7 @@ import torch
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.bench.harness import TimedModes, _Progress
 from vllm_flashinfer_ep.bench.ht_results import HtRow, modes
-from vllm_flashinfer_ep.bench.reference import random_routing, reference_moe
+from vllm_flashinfer_ep.bench.reference import reference_moe
 from vllm_flashinfer_ep.runtime.ep_runtime import build_runtime
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.runtime.limits import (
@@ -31,9 +31,7 @@ class HtHarness(TimedModes):
         super().__init__(args, fleets, device)
         capacity = max(args.tokens)
         spec = FleetSpec(Algorithm.HIGH_THROUGHPUT, args.num_experts, capacity, args.hidden)
-        # No pool sizes: every round creates and destroys a fresh handle, the HT manager's
-        # path where no pooled size fits (pool off, or DP counts more than HT_MAX_PAD
-        # apart); `ht_pooled` below is the pooled path it serves by default.
+        # No pool sizes: fresh handles, the HT manager's path where no pooled size fits.
         self.ht_rt = build_runtime(self.fleets, spec, args.top_k, self.device, [])
         self.fleet = self.ht_rt.fleet  # raw_ht_fresh creates its handles on the same fleet
         rows = self.ht_rt.capacity * self.world_size
@@ -53,7 +51,6 @@ class HtHarness(TimedModes):
             print(f"bench-ht: ll_pooled skipped: {self.ll_skipped}", file=sys.stderr)
         self.pooled_rt = None
         if getattr(args, "ht_pooled", False):
-            # One HT handle per token count on the same fleet, re-targeted per layer.
             self.pooled_rt = build_runtime(
                 self.fleets, spec, args.top_k, self.device, list(args.tokens)
             )
@@ -71,31 +68,15 @@ class HtHarness(TimedModes):
             return f"top_k {self.args.top_k} is above the LL limit of {MAX_TOPK_LL}"
         return None
 
-    # ------------------------------------------------------------- steps
-    def _layers(self, num_tokens: int, seed: int) -> list[Layer]:
-        gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
-        layers = []
-        for _ in range(self.args.layers):
-            x = torch.randn(num_tokens, self.args.hidden, device=self.device, generator=gen).to(
-                torch.bfloat16
-            )
-            ids, w = random_routing(
-                num_tokens, self.args.num_experts, self.args.top_k, self.device, gen
-            )
-            layers.append((x, ids, w))
-        return layers
-
     def _expert(
         self, mode: str, x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        """Identity experts, weighted and reduced per received row: out = x * sum_k w[k]
-        (weights are 0 on slots whose expert lives on another rank). `mode` names the
-        caller so a test can break one mode alone."""
+        """Identity experts, weighted and reduced per received row: out = x * sum_k w[k].
+        `mode` names the caller so a test can break one mode alone."""
         return torch.mul(x, weights.sum(dim=1, keepdim=True), out=out)
 
     def _ht_step(self, layers: list[Layer], outs: list[torch.Tensor], pooled: bool = False) -> None:
-        """The package's HT path, as FlashInferEPHighThroughputPrepareAndFinalize drives it
-        (`pooled`: on the pooled HT runtime)."""
+        """The package's HT path, as the HT prepare/finalize drives it."""
         rnd = self.pooled_rt.round if pooled and self.pooled_rt is not None else self.ht_rt.round
         for (x, ids, w), out in zip(layers, outs, strict=True):
             d = rnd.dispatch(x, ids, w)
@@ -105,10 +86,7 @@ class HtHarness(TimedModes):
             rnd.combine(out)
 
     def _raw_ht_fresh_step(self, layers: list[Layer], outs: list[torch.Tensor]) -> None:
-        """FlashInfer's own per-forward path (MoEEpSplitLayer without a graph state): a
-        handle created per layer with the layer's routing, dispatch, compute, combine,
-        complete, destroy. The received-count knob is what an HT consumer needs to know
-        how many rows arrived."""
+        """FlashInfer's own per-forward path: a handle per layer, destroyed after its combine."""
         fi = moe_ep()
         hidden = self.args.hidden
         for (x, ids, w), out in zip(layers, outs, strict=True):
@@ -129,36 +107,21 @@ class HtHarness(TimedModes):
                     weights = torch.where(local, d.recv_topk_weights[:received], 0.0)
                     recv_x = d.expert_tensors.reshape(-1, hidden)[:received]
                     self._expert("raw_ht_fresh", recv_x, weights, self._raw_combine_in[:received])
-                # The whole staging buffer, as the package's round passes its own: NCCL-EP
-                # reads the first `received` rows.
                 handle.combine(fi.CombineInputParams(x=[self._raw_combine_in], out=out))
             finally:
                 handle.complete()
                 handle.destroy()
 
     def _ll_step(self, layers: list[Layer], outs: list[torch.Tensor]) -> None:
-        """The package's LL eager round on its pool; the combine applies the weights, so
-        the identity experts are the received buffer itself."""
+        """The package's LL eager round on its pool (identity experts: the received rows)."""
         assert self.ll_rt is not None
         rnd = self.ll_rt.round
         for (x, ids, w), out in zip(layers, outs, strict=True):
             d = rnd.dispatch(x, ids, w)
             rnd.combine(d.expert_x, out)
 
-    # -------------------------------------------------------------- run
-    def run(self) -> list[HtRow]:
-        rows = []
-        progress = _Progress(
-            len(self.args.tokens) * len(self.modes), self.rank == 0 and not self.args.no_progress
-        )
-        for num_tokens in self.args.tokens:
-            rows.append(self._run_size(num_tokens, progress))
-        progress.close()
-        return rows
-
     def _steps(self, num_tokens: int):
-        """The layers' inputs (shared), each mode's outputs, and each mode's step."""
-        layers = self._layers(num_tokens, seed=num_tokens)
+        layers: list[Layer] = self._layers(num_tokens, seed=num_tokens, outputs=False)
         outs = {m: [torch.empty_like(x) for x, _, _ in layers] for m in self.modes}
         step_fns = {
             "ht": self._ht_step,
@@ -175,8 +138,7 @@ class HtHarness(TimedModes):
         return self._measure(HtRow(num_tokens), self.modes, steps, progress)
 
     def _check_equal(self, num_tokens: int, layers: list[Layer], outs, steps) -> None:
-        """Every mode must give every token back as itself (identity experts, weights
-        summing to 1: the torch reference at any EP world size)."""
+        """Every mode must give every token back as itself, at any EP world size."""
         for m in self.modes:
             for out in outs[m]:
                 out.zero_()

@@ -10,21 +10,10 @@ from vllm_flashinfer_ep.bench.results import Row
 
 HT_MODES = ("ht", "raw_ht_fresh")
 LL_MODE = "ll_pooled"
-# Opt-in (--ht-pooled): the package's HT round on a pooled HT handle per token count,
-# re-targeted with `update`: the pooled path a served HT engine runs (unpadded here).
-HT_POOLED_MODE = "ht_pooled"
-# The issue's target for the package's HT step against FlashInfer's own per-forward path.
-HT_TARGET = 1.05
+HT_POOLED_MODE = "ht_pooled"  # opt-in (--ht-pooled): the pooled path a served HT engine runs
+HT_TARGET = 1.05  # the target for ht / raw_ht_fresh
 
-# (numerator, denominator) of each ratio column, in table order:
-#   ht/raw_ht_fresh  the package's HT round vs FlashInfer alone (target <= HT_TARGET)
-#   ll_pooled/ht     the LL eager pooled round vs the HT round at the same token count
-#   ht_pooled/raw_ht_fresh  (with --ht-pooled) a pooled HT handle vs FlashInfer's per-forward path
-RATIOS: tuple[tuple[str, str], ...] = (
-    ("ht", "raw_ht_fresh"),
-    (LL_MODE, "ht"),
-    (HT_POOLED_MODE, "raw_ht_fresh"),
-)
+RATIOS = (("ht", "raw_ht_fresh"), (LL_MODE, "ht"), (HT_POOLED_MODE, "raw_ht_fresh"))
 
 
 def modes(with_ll: bool, with_ht_pooled: bool = False) -> tuple[str, ...]:
@@ -37,8 +26,6 @@ def modes(with_ll: bool, with_ht_pooled: bool = False) -> tuple[str, ...]:
 
 @dataclass
 class HtRow(Row):
-    """One token count of the HT benchmark (results.Row with the HT ratio columns)."""
-
     @property
     def ratios(self) -> dict[str, float]:
         """The ratio columns whose modes ran, keyed `<numerator>_over_<denominator>`."""

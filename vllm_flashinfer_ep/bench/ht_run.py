@@ -31,7 +31,7 @@ import os
 import sys
 
 from vllm_flashinfer_ep.bench.ht_results import format_table, write_json
-from vllm_flashinfer_ep.bench.run import run_harness
+from vllm_flashinfer_ep.bench.run import run_harness, standalone
 
 COMMAND = "bench-ht"
 MODULE = "vllm_flashinfer_ep.bench.ht_run"
@@ -117,9 +117,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cli() -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
-    add_arguments(parser)
-    return main(parser.parse_args())
+    return standalone(MODULE, __doc__, add_arguments, main)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 
-from vllm_flashinfer_ep.bench.run import refuse_without_gpu
+from vllm_flashinfer_ep.bench.run import refuse_without_gpu, standalone
 
-# The pool a served engine warms; also what the config-time and doctor estimates count.
+# The pool a served engine warms, as the config-time and doctor estimates count it.
 from vllm_flashinfer_ep.runtime.buffer_sizes import (  # noqa: F401
     served_pool_sizes,
     vllm_default_capture_sizes,
@@ -40,14 +40,14 @@ class MemoryRow:
     hidden: int
     capacity: int
     handles: int
-    fleet_mb: float  # device-wide growth up to the first handle (NCCL-EP's fleet buffers)
-    handles_mb: float  # device-wide growth from the first handle to the last
+    fleet_mb: float  # the columns are the module docstring's, in its order
+    handles_mb: float
     per_handle_mb: float  # handles_mb / (handles - 1)
-    rounds_mb: float  # device-wide growth in the first round at load and the later rounds
-    total_mb: float  # device-wide, before the fleet to after the rounds
-    torch_total_mb: float  # the same in torch's allocator (allocated bytes)
-    log_mb: float  # what the engine's load log reports (EPRuntime.memory_bytes)
-    estimate_mb: float  # buffer_sizes.ll_memory_bytes: doctor's and the config check's figure
+    rounds_mb: float
+    total_mb: float
+    torch_total_mb: float
+    log_mb: float  # EPRuntime.memory_bytes
+    estimate_mb: float  # buffer_sizes.ll_memory_bytes
 
 
 def measure(
@@ -106,38 +106,15 @@ def format_table(rows: list[MemoryRow], args: argparse.Namespace) -> str:
         f"LL fleet + handle pool memory, device-wide (MB): {args.num_experts} experts, top_k "
         f"{args.top_k}, EP world 1; pool = vLLM's default capture sizes <= capacity + eager buckets"
     )
-    cols = [
-        "hidden",
-        "capacity",
-        "handles",
-        "fleet + 1st handle",
-        "further handles",
-        "per handle",
-        "rounds",
-        "total",
-        "torch total",
-        "log says",
-        "log / total",
-        "estimate",
-        "estimate / total",
-    ]
+    cols = ["hidden", "capacity", "handles", "fleet + 1st handle", "further handles"]
+    cols += ["per handle", "rounds", "total", "torch total", "log says", "log / total"]
+    cols += ["estimate", "estimate / total"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in rows:
-        vals = [
-            r.hidden,
-            r.capacity,
-            r.handles,
-            r.fleet_mb,
-            r.handles_mb,
-            r.per_handle_mb,
-            r.rounds_mb,
-            r.total_mb,
-            r.torch_total_mb,
-            r.log_mb,
-            f"{r.log_mb / r.total_mb:.3f}" if r.total_mb else "-",
-            r.estimate_mb,
-            f"{r.estimate_mb / r.total_mb:.3f}" if r.total_mb else "-",
-        ]
+        vals = [r.hidden, r.capacity, r.handles, r.fleet_mb, r.handles_mb, r.per_handle_mb]
+        vals += [r.rounds_mb, r.total_mb, r.torch_total_mb, r.log_mb]
+        vals += [f"{r.log_mb / r.total_mb:.3f}" if r.total_mb else "-", r.estimate_mb]
+        vals += [f"{r.estimate_mb / r.total_mb:.3f}" if r.total_mb else "-"]
         lines.append(
             "| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in vals) + " |"
         )
@@ -194,19 +171,9 @@ def main(args: argparse.Namespace) -> int:
             rows.append(_row_in_own_process(hidden, capacity, args))
     print(format_table(rows, args))
     if args.json_path:
+        kept = {k: v for k, v in vars(args).items() if k not in ("json_path", "func", "one_row")}
         with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(
-                {
-                    "args": {
-                        k: v
-                        for k, v in vars(args).items()
-                        if k not in ("json_path", "func", "one_row")
-                    },
-                    "rows": [asdict(r) for r in rows],
-                },
-                fh,
-                indent=2,
-            )
+            json.dump({"args": kept, "rows": [asdict(r) for r in rows]}, fh, indent=2)
     return 0
 
 
@@ -214,21 +181,9 @@ def _row_in_own_process(hidden: int, capacity: int, args: argparse.Namespace) ->
     """One row measured by a child process, as an engine worker builds its first fleet."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "row.json")
-        command = [
-            sys.executable,
-            "-m",
-            "vllm_flashinfer_ep.bench.memory",
-            "--hidden",
-            str(hidden),
-            "--capacity",
-            str(capacity),
-            "--experts",
-            str(args.num_experts),
-            "--top-k",
-            str(args.top_k),
-            "--one-row",
-            path,
-        ]
+        command = [sys.executable, "-m", "vllm_flashinfer_ep.bench.memory", "--hidden", str(hidden)]
+        command += ["--capacity", str(capacity), "--experts", str(args.num_experts)]
+        command += ["--top-k", str(args.top_k), "--one-row", path]
         done = subprocess.run(command, check=False)
         if done.returncode != 0 or not os.path.exists(path):
             raise SystemExit(
@@ -253,13 +208,7 @@ def _measure_one(args: argparse.Namespace) -> int:
 
 
 def cli() -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vllm_flashinfer_ep.bench.memory",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return main(parser.parse_args())
+    return standalone("vllm_flashinfer_ep.bench.memory", __doc__, add_arguments, main, raw=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
-"""Torch reference MoE and routing used by the benchmark (and the tests).
-
-Experts are per-expert scalars: expert e maps a row x to x * scale[e]. That keeps the
-reference exact enough in BF16 while still proving every row reached the right
-expert and came back to the right token with the right weight.
-"""
+"""Torch reference MoE and routing for the benchmark and the tests: expert e maps a row x
+to x * scale[e], exact enough in BF16 to prove every row reached the right expert and came
+back to the right token with the right weight."""
 
 from __future__ import annotations
 

@@ -9,13 +9,7 @@ from typing import Any
 
 MODES = ("fresh", "pooled", "graph", "raw_fresh", "raw_eager", "raw", "raw_bind", "pooled_fi")
 
-# (numerator, denominator, format) of each ratio column, in table order:
-#   pooled/raw_eager  the package's eager pool vs FlashInfer alone with a persistent handle
-#   pooled_fi/raw_eager  the same pool through FlashInfer's handle methods (no direct calls)
-#   fresh/raw_fresh   the package's per-forward path vs FlashInfer's own
-#   raw_fresh/graph   speed-up of graph mode over FlashInfer's per-forward design
-#   graph/raw_bind, graph/raw  the package's graph vs FlashInfer alone, captured
-#   fresh/graph       speed-up of graph mode over the package's per-forward path
+# (numerator, denominator, format) of each ratio column, in table order.
 RATIOS: tuple[tuple[str, str, str], ...] = (
     ("pooled", "raw_eager", "{:.3f}"),
     ("pooled_fi", "raw_eager", "{:.3f}"),
@@ -29,15 +23,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
 
 @dataclass
 class PoolMemory:
-    """GPU memory of the fleet buffers and the pooled handles (bytes).
-
-    Totals: used after the fleet and every pooled handle exist minus used before the
-    fleet was created, device-wide (`torch.cuda.mem_get_info`) and in torch's allocator.
-    Average per handle: (after all handles - after the first) / (handles - 1), which
-    leaves out the first handle (it triggers NCCL-EP's lazy fleet buffers).
-    Median per handle: the median of the growth around each creation but the first
-    (the larger of the two measures), as `HandlePool.per_handle_bytes`.
-    """
+    """GPU memory of the fleet buffers and pooled handles (bytes); per-handle figures leave
+    out the first handle, which triggers NCCL-EP's lazy fleet buffers."""
 
     handles: int = 0
     total_device_bytes: int = 0
@@ -91,8 +78,7 @@ class Row:
     median_ms: dict[str, float] = field(default_factory=dict)
     min_ms: dict[str, float] = field(default_factory=dict)
     max_ms: dict[str, float] = field(default_factory=dict)
-    # Median host time to issue one step (before the GPU is waited on): eager modes are
-    # host-bound, so this is where their time goes.
+    # Median host time to issue one step: where the host-bound eager modes' time goes.
     host_ms: dict[str, float] = field(default_factory=dict)
 
     def ratio(self, numerator: str, denominator: str) -> float:

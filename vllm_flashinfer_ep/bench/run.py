@@ -89,8 +89,7 @@ def gpu_refusal(command: str = "bench", module: str = "vllm_flashinfer_ep.bench.
 
 
 def refuse_without_gpu(command: str, module: str) -> bool:
-    """Every benchmark's first step: without a GPU, print the one-line refusal (stderr)
-    and return True (the caller exits 2) before anything imports the GPU stack."""
+    """Without a GPU, print the refusal before anything imports the GPU stack; True then."""
     refusal = gpu_refusal(command, module)
     if refusal:
         print(refusal, file=sys.stderr)
@@ -104,8 +103,7 @@ def run_harness(
     command: str = "bench",
     module: str = "vllm_flashinfer_ep.bench.run",
 ) -> int:
-    """The harness benchmarks' driver: refuse without a GPU (exit 2), build the harness,
-    run it, always close it, and let rank 0 report the rows."""
+    """Refuse without a GPU (2), else build, run and close the harness; rank 0 reports."""
     if refuse_without_gpu(command, module):
         return 2
     harness = make_harness()
@@ -138,12 +136,20 @@ def main(args: argparse.Namespace) -> int:
     return run_harness(make_harness, report)
 
 
-def cli() -> int:
+def standalone(
+    module: str, doc: str | None, add: Callable, run: Callable, raw: bool = False
+) -> int:
+    """A benchmark as `python -m <module>` (`raw`: its help keeps the docstring's layout)."""
+    formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_flashinfer_ep.bench.run", description=__doc__
+        prog=f"python -m {module}", description=doc, formatter_class=formatter
     )
-    add_arguments(parser)
-    return main(parser.parse_args())
+    add(parser)
+    return run(parser.parse_args())
+
+
+def cli() -> int:
+    return standalone("vllm_flashinfer_ep.bench.run", __doc__, add_arguments, main)
 
 
 if __name__ == "__main__":

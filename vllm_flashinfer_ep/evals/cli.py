@@ -86,7 +86,6 @@ def run_gsm8k_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vllm_flashinfer_ep.evals gsm8k ...`."""
     parser = argparse.ArgumentParser(prog="python -m vllm_flashinfer_ep.evals")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])])

@@ -1,9 +1,6 @@
-"""Loading and validating gsm8k eval configs (vLLM's tests/evals/gsm8k schema).
-
-The same YAML files must stay usable by vLLM's own harness, so only its keys are
-accepted; anything else is rejected with the list of known keys, because a typo
-(say `num_question`) would otherwise silently fall back to a default.
-"""
+"""Loading and validating gsm8k eval configs (vLLM's tests/evals/gsm8k schema). Only its
+keys are accepted, so the files stay usable by vLLM's harness and a typo is no silent
+default."""
 
 from __future__ import annotations
 
@@ -120,17 +117,12 @@ def option_value(args: tuple[str, ...] | list[str], *names: str) -> str | None:
 
 def _check_type(path: Path, key: str, value: Any, types: tuple[type, ...]) -> None:
     # bool is an int subclass; a `true` where a number belongs is a mistake.
-    if isinstance(value, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(value, types)
-    if not ok:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         wanted = " or ".join(t.__name__ for t in types)
         raise ConfigError(f"{path}: '{key}' must be {wanted}, got {type(value).__name__} {value!r}")
 
 
 def parse_config(data: Any, path: Path) -> Gsm8kConfig:
-    """Validate a loaded YAML mapping and turn it into a Gsm8kConfig."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     unknown = sorted(set(data) - set(KNOWN_KEYS))
@@ -229,7 +221,6 @@ def _env_str(value: str | int | float | bool) -> str:
 
 
 def load_config(path: str | Path) -> Gsm8kConfig:
-    """Read and validate one config YAML."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -241,10 +232,8 @@ def load_config(path: str | Path) -> Gsm8kConfig:
 
 
 def load_config_list(path: str | Path) -> list[Path]:
-    """YAML paths named in a `.txt` list (one per line, `#` comments), as vLLM reads it.
-
-    Entries resolve relative to the list file, like vLLM's conftest does.
-    """
+    """YAML paths named in a `.txt` list (one per line, `#` comments), relative to it, as
+    vLLM's conftest reads it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config list not found")

@@ -1,11 +1,5 @@
-"""gsm8k: serve a config, run lm-eval against it, compare with the threshold, tear down.
-
-lm-eval is driven the documented way for an OpenAI-compatible server: its CLI with
-`--model local-completions --model_args model=...,base_url=.../v1/completions,...`, run
-as a subprocess; its results JSON (`--output_path`) is read back. Offline (`--data-dir`),
-a renamed copy of lm-eval's stock gsm8k task reads local JSONL files (the format of
-vLLM's own harness) and both processes run with the Hugging Face offline flags.
-"""
+"""gsm8k: serve a config, run lm-eval (`local-completions`) against it, judge, tear down.
+Offline (`--data-dir`), a renamed copy of lm-eval's gsm8k task reads local JSONL files."""
 
 from __future__ import annotations
 
@@ -97,7 +91,6 @@ class RunOptions:
     progress: TextIO = sys.stderr
 
 
-# ------------------------------------------------------------------- serving
 def default_vllm_executable() -> tuple[str, ...]:
     """`vllm` from PATH, else the one beside this interpreter (an un-activated venv)."""
     if shutil.which("vllm"):
@@ -109,18 +102,8 @@ def default_vllm_executable() -> tuple[str, ...]:
 def serve_command(
     config: Gsm8kConfig, port: int, vllm_executable: tuple[str, ...] = ("vllm",)
 ) -> list[str]:
-    """`vllm serve <model> <server_args> <harness flags> --host 127.0.0.1 --port P`."""
-    return [
-        *vllm_executable,
-        "serve",
-        config.model_name,
-        *config.server_args,
-        *HARNESS_FLAGS,
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-    ]
+    head = [*vllm_executable, "serve", config.model_name, *config.server_args, *HARNESS_FLAGS]
+    return head + ["--host", LOOPBACK, "--port", str(port)]
 
 
 def serve_env(config: Gsm8kConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -156,7 +139,6 @@ def unmet_requirement(config: Gsm8kConfig, check_gpus: bool = True) -> str | Non
     return None
 
 
-# -------------------------------------------------------------------- lm-eval
 def validate_data_dir(data_dir: Path) -> dict[str, Path]:
     """Absolute split paths after checking each file's first record."""
     files: dict[str, Path] = {}
@@ -223,27 +205,10 @@ def lm_eval_command(
     include_path: Path | None = None,
     temperature: float = 0.0,
 ) -> list[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "lm_eval",
-        "--model",
-        model,
-        "--model_args",
-        model_args,
-        "--tasks",
-        task,
-        "--num_fewshot",
-        str(num_fewshot),
-        "--limit",
-        str(limit),
-        "--gen_kwargs",
-        f"temperature={temperature}",
-        "--seed",
-        str(seed),
-        "--output_path",
-        str(output_dir),
-    ]
+    command = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args]
+    command += ["--tasks", task, "--num_fewshot", str(num_fewshot), "--limit", str(limit)]
+    command += ["--gen_kwargs", f"temperature={temperature}", "--seed", str(seed)]
+    command += ["--output_path", str(output_dir)]
     return command + (["--include_path", str(include_path)] if include_path else [])
 
 
@@ -276,7 +241,6 @@ def judge(scores: dict[str, float], config: Gsm8kConfig) -> tuple[Status, str]:
     return Status.PASSED, ", ".join(f"{n} {scores[n]:.4f}" for n in FILTERS) + f" >= {bound:.4f}"
 
 
-# ---------------------------------------------------------------------- a run
 def run_eval(config: Gsm8kConfig, options: RunOptions) -> EvalResult:
     """Serve, score, judge, tear down; the record is written on every path out."""
     limit = options.limit if options.limit is not None else config.num_questions

@@ -1,10 +1,5 @@
-"""Lifecycle of one server process: start, wait for /health, always tear down.
-
-`vllm serve` spawns an API server, engine cores and GPU workers; leaving any of them
-behind holds GPUs and ports for the next run. The server therefore runs in its own
-session (process group), and teardown signals the whole group: SIGTERM, then SIGKILL
-after a grace period, whatever way the caller leaves (error, Ctrl-C, normal end).
-"""
+"""Lifecycle of one server process: start, wait for /health, always tear down. `vllm serve`
+spawns engine cores and workers, so teardown signals its whole process group."""
 
 from __future__ import annotations
 
@@ -57,7 +52,6 @@ class ServerStartError(RuntimeError):
 
 
 def http_ok(url: str, timeout_s: float = 5.0) -> bool:
-    """True iff GET url answers 200 within timeout_s."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (loopback)
             return resp.status == 200
@@ -80,10 +74,8 @@ class ServerProcess:
     ) -> None:
         self.argv = list(argv)
         self.env = dict(env) if env is not None else None
-        self.health_url = health_url
-        self.log_path = log_path
-        self.grace_s = grace_s
-        self.name = name
+        self.health_url, self.log_path = health_url, log_path
+        self.grace_s, self.name = grace_s, name
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -115,10 +107,7 @@ class ServerProcess:
         progress_every_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> float:
-        """Poll the health URL until 200; return the seconds it took.
-
-        Raises ServerStartError if the process exits first or the timeout passes.
-        """
+        """Poll the health URL until 200; return the seconds it took."""
         if self.proc is None:
             raise RuntimeError(f"{self.name} not started")
         start = clock()
@@ -154,11 +143,8 @@ class ServerProcess:
         return f"; see {self.log_path}" if self.log_path is not None else ""
 
     def stop(self) -> int | None:
-        """SIGTERM the process group, SIGKILL it after grace_s; return the exit code.
-
-        Safe to call more than once and on a process that already exited (its
-        children may still be alive, so the group is signalled regardless).
-        """
+        """SIGTERM the process group, SIGKILL it after grace_s; return the exit code. Safe
+        to repeat; the group is signalled even when the leader exited (children may live)."""
         proc = self.proc
         if proc is None:
             return None
@@ -183,10 +169,8 @@ class ServerProcess:
 
     @staticmethod
     def _signal_group(pgid: int, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
 
     def __enter__(self) -> ServerProcess:
         self.start()

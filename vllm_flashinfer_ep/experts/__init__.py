@@ -12,8 +12,13 @@ for it, built with the same arguments. Nothing here imports vLLM at package impo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_flashinfer_ep.log import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,4 +77,24 @@ def for_low_latency(
                 "--moe-backend triton."
             )
         return experts
-    return cls.in_place_of(experts, fp8_wire=fp8_wire, sent_per_rank=sent_per_rank, options=options)
+    built = cls.in_place_of(
+        experts, fp8_wire=fp8_wire, sent_per_rank=sent_per_rank, options=options
+    )
+    detail = "the rows that arrived only, not every expert's whole buffer"
+    if hasattr(built, "received_rows_up_to"):
+        from vllm_flashinfer_ep.vllm.fp8_experts_choice import small_forwards_note
+
+        detail = small_forwards_note(built.received_rows_up_to)
+    _log_replacement(type(experts).__name__, cls.__name__, detail)
+    return built
+
+
+@functools.cache
+def _log_replacement(theirs: str, ours: str, detail: str) -> None:
+    """Once per process and case: which experts LL layers run, and why."""
+    logger.info(
+        "flashinfer_ep_low_latency: MoE layers run %s in place of vLLM's %s (%s)",
+        ours,
+        theirs,
+        detail.rstrip("."),
+    )

@@ -95,8 +95,9 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         scheme = schemes.scheme_of(quant_config)
         if scheme is None:
             raise FlashInferEPConfigError(
-                f"the received-rows experts take the quantization schemes of vLLM's batched "
-                f"Triton experts; this layer's is {schemes.quant_keys(quant_config)}"
+                "flashinfer_ep_low_latency's experts take the FP8 schemes of vLLM's batched "
+                f"Triton experts; this layer has no row ({schemes.describe(quant_config)}). "
+                "Serve it with --all2all-backend flashinfer_ep_high_throughput."
             )
         if quant_config.w1_bias is not None or quant_config.w2_bias is not None:
             raise FlashInferEPConfigError(

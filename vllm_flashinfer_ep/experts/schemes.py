@@ -146,6 +146,15 @@ def quant_keys(quant_config: Any) -> tuple[QuantKey | None, QuantKey | None] | N
     return weights, kFp8StaticTensorSym if static else kFp8DynamicTensorSym
 
 
+def describe(quant_config: Any) -> str:
+    """A layer's quantization in a user's words, for refusals."""
+    return (
+        f"activations {quant_config.quant_dtype}, block {quant_config.block_shape}, "
+        f"per-token {quant_config.per_act_token_quant}, per-channel weights "
+        f"{quant_config.per_out_ch_quant}, static input scale {quant_config.a1_scale is not None}"
+    )
+
+
 def scheme_of(quant_config: Any) -> Scheme | None:
     """The row that runs this layer (None: no row does)."""
     keys = quant_keys(quant_config)

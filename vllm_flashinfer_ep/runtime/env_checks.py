@@ -1,9 +1,5 @@
-"""Host checks for NCCL-EP: what must hold before the first dispatch, and how to fix it.
-
-Each check returns a `Check` with a one-line fix. The worker runs them before model
-load (`require_runtime_environment`); `vllm-flashinfer-ep doctor` prints them all.
-Nothing here imports vLLM.
-"""
+"""Host checks for NCCL-EP, each a `Check` with a one-line fix: the worker runs them before
+model load (`require_runtime_environment`), `doctor` prints them. No vLLM import."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
-    # ok, but the engine would change something or cannot check it here (`fix` says what)
-    warn: bool = False
+    warn: bool = False  # ok, but the engine would change something or cannot check it
 
     def line(self) -> str:
         mark = "FAIL" if not self.ok else ("warn" if self.warn else "ok  ")
@@ -40,7 +35,6 @@ class Check:
         return f"[{mark}] {self.name}: {self.detail}{tail}"
 
 
-# ------------------------------------------------------------------ torch / GPU
 def check_cuda_driver() -> Check:
     """The NVIDIA driver library; every GPU check below depends on it."""
     try:
@@ -99,7 +93,6 @@ def check_gpus() -> Check:
     )
 
 
-# ------------------------------------------------------------------- nccl.ep
 def check_nccl_ep_installed() -> Check:
     if importlib.util.find_spec("nccl") is None or importlib.util.find_spec("nccl.ep") is None:
         return Check(
@@ -132,7 +125,6 @@ def check_nccl_ep_loads() -> Check:
     return Check("libnccl_ep", True, f"version {version}")
 
 
-# --------------------------------------------------------------------- NCCL
 def parse_nccl_version_code(code: int) -> tuple[int, int, int]:
     """NCCL's ncclGetVersion code: major*10000 + minor*100 + patch (>= 2.9)."""
     if code >= 10000:
@@ -141,11 +133,7 @@ def parse_nccl_version_code(code: int) -> tuple[int, int, int]:
 
 
 def loaded_nccl_version() -> tuple[tuple[int, int, int], str] | None:
-    """Version and path of the libnccl.so.2 this process uses (loading it if needed).
-
-    dlopen by soname returns the copy already loaded (e.g. torch's), which is the
-    one NCCL-EP will bind to: the first libnccl.so.2 in a process wins.
-    """
+    """Version and path of the libnccl.so.2 this process uses: the first loaded wins."""
     try:
         lib = ctypes.CDLL("libnccl.so.2")
     except OSError:
@@ -205,7 +193,6 @@ def check_nccl_version(found: tuple[tuple[int, int, int], str] | None = None) ->
     return Check("libnccl", version >= MIN_NCCL_VERSION, f"{format_version(version)} ({path})", fix)
 
 
-# --------------------------------------------------------------------- nvcc
 def nvcc_candidates() -> list[tuple[str, str]]:
     """nvcc paths in NCCL-EP's JIT search order, then the pip `nvidia-cuda-nvcc` one."""
     out: list[tuple[str, str]] = []
@@ -262,12 +249,7 @@ def check_nvcc(candidates: list[tuple[str, str]] | None = None) -> Check:
 
 
 def ensure_nvcc_for_jit(log) -> None:
-    """Point NCCL-EP's JIT at the pip-installed CUDA 13 nvcc when nothing else is set.
-
-    vLLM 0.33.0 pulls in `nvidia-cuda-nvcc`, whose nvcc NCCL-EP does not search. Only
-    sets NCCL_EP_JIT_NVCC when no NCCL-EP/CUDA variable or PATH entry names an nvcc,
-    and says so in the log.
-    """
+    """Point NCCL-EP's JIT at the `nvidia-cuda-nvcc` wheel's nvcc, which it does not search."""
     candidates = nvcc_candidates()
     if candidates and candidates[0][0] != "nvidia-cuda-nvcc wheel":
         return
@@ -279,8 +261,7 @@ def ensure_nvcc_for_jit(log) -> None:
 
 
 def runtime_checks() -> list[Check]:
-    """Everything a worker needs before the first NCCL-EP call; the driver first, since
-    the GPU checks after it fail without it."""
+    """Everything a worker needs before the first NCCL-EP call, the driver first."""
     return [
         check_cuda_driver(),
         check_torch_cuda(),
@@ -297,9 +278,7 @@ def image_checks() -> list[Check]:
 
 
 def link_runtime_paths(prefix: Path) -> list[str]:
-    """Stable paths for an image's ENV: PREFIX/lib/libnccl.so.2 -> the nvidia-nccl-cu13
-    library, PREFIX/bin/nvcc -> a wrapper of the nvidia-cuda-nvcc compiler (a symlink does
-    not work: nvcc finds its toolchain from its real directory). Returns what it made."""
+    """Stable paths for an image's ENV (nvcc wrapped: a symlinked one misses its toolchain)."""
     nccl, nvcc = _pip_nccl_library(), pip_nvcc_path()
     if nccl is None or nvcc is None:
         missing = [
@@ -319,7 +298,6 @@ def link_runtime_paths(prefix: Path) -> list[str]:
 
 
 def require_runtime_environment(checks: list[Check] | None = None) -> None:
-    """Raise one FlashInferEPEnvironmentError listing every failed check and its fix."""
     checks = runtime_checks() if checks is None else checks
     failed = [c for c in checks if not c.ok]
     if failed:

@@ -1,8 +1,5 @@
-"""The transport state one MoE shape needs: its fleet, its handle pool, its round.
-
-A manager hands one EPRuntime to every MoE layer of the same shape (vLLM calls
-`get_handle` once per layer), so layers share fleet, handles and buffers.
-"""
+"""The transport state one MoE shape needs: its fleet, its handle pool, its round; every
+MoE layer of the shape shares one EPRuntime."""
 
 from __future__ import annotations
 
@@ -32,21 +29,15 @@ class EPRuntime:
     world_size: int
     round: Round = field(init=False)  # one per runtime: layers share its staging
     fp8_wire: Fp8Wire | HtFp8Wire | None = field(init=False, default=None)  # see enable_fp8_wire
-    # GPU memory the runtime took at load, device-wide (`finish_load`): the fleet when
-    # this runtime created it, the pool, FP8 wire buffers, and FlashInfer's BF16 receive
-    # buffer when the first round ran at load; 0 before `finish_load`.
-    memory_bytes: int = field(init=False, default=0)
+    memory_bytes: int = field(init=False, default=0)  # GPU memory taken at load (finish_load)
     loaded: bool = field(init=False, default=False)  # finish_load ran
-    # Use before the build (build_runtime's memory_snapshot), what `memory_bytes` counts from.
-    before_build: tuple[int, int] = field(init=False, default=(0, 0))
+    before_build: tuple[int, int] = field(init=False, default=(0, 0))  # memory_snapshot
 
     def __post_init__(self) -> None:
         self.round = make_round(self)
 
     def fp8_wire_reason(self) -> str | None:
-        """Why this runtime cannot send FP8 on the wire (None: it can), checked at model
-        load against a warmed handle, so a FlashInfer or nccl.ep without what
-        runtime/fp8_wire.py needs keeps BF16 instead of failing in the first forward."""
+        """Why this runtime cannot send FP8 on the wire (None: it can), checked at load."""
         reason = fp8_wire.hidden_reason(self.spec.hidden_size)
         if reason is not None:
             return reason
@@ -57,9 +48,7 @@ class EPRuntime:
         return fp8_wire.native_reason(handle, "FWD" if ht else "DS_FP8E3M4")
 
     def enable_fp8_wire(self, quantize: Quantizer | None = None) -> Fp8Wire | HtFp8Wire:
-        """FP8 on the wire for this runtime's layers (runtime/fp8_wire.py): its receive
-        buffers, allocated once, at model load (before vLLM sizes the KV cache).
-        `quantize`: HT only, the layers' group quantization (default: fp8_wire's)."""
+        """FP8 on the wire, its buffers allocated at load (before vLLM sizes the KV cache)."""
         if self.fp8_wire is None:
             rows = self.capacity * self.world_size
             hidden = self.spec.hidden_size
@@ -86,10 +75,7 @@ class EPRuntime:
         return self.fp8_wire
 
     def finish_load(self, first_round: bool) -> None:
-        """End of this runtime's load, after its first layer's prepare/finalize: with
-        `first_round` (that layer dispatches BF16), run the first round now, then log the
-        GPU memory the runtime took, measured device-wide. Runs once; every EP rank makes
-        the same call at the same point (the FP8 decision is agreed by every rank)."""
+        """After the first layer's prepare/finalize, on every rank: first round, memory log."""
         if self.loaded:
             return
         self.loaded = True
@@ -113,10 +99,7 @@ class EPRuntime:
         )
 
     def warm_round(self) -> None:
-        """One BF16 dispatch + combine on the smallest pooled handle: FlashInfer allocates
-        its receive buffer at a runtime's first dispatch, so after this the runtime holds
-        what its BF16 layers need. Zero rows routed to this rank's own experts (the pad
-        routing) with weight 0; collective, like the pool's warm-up."""
+        """A BF16 round of zero rows, so FlashInfer's receive buffer is allocated at load."""
         pool = self.pool
         size = min(pool.sizes)
         x = torch.zeros(size, self.spec.hidden_size, dtype=torch.bfloat16, device=pool.device)
@@ -147,8 +130,6 @@ def build_runtime(
     device: torch.device | int | str,
     pool_sizes: list[int],
 ) -> EPRuntime:
-    """Create (or reuse) the fleet, build the pool and warm it with `pool_sizes`. The
-    engine's managers call `finish_load` after the runtime's first layer."""
     if spec.num_experts % fleets.world_size != 0:
         raise ValueError(
             f"{spec.num_experts} experts cannot be split evenly over {fleets.world_size} EP ranks"

@@ -1,24 +1,10 @@
 """Everything the package reads of FlashInfer's internals: one table, one check.
 
-Why: FlashInfer's public `flashinfer.moe_ep` API has no way to pass NCCL-EP a dispatch
-quantization recipe (the FP8 wire, runtime/fp8_wire.py), and its handle methods cost
-more host time than the nccl.ep calls they make (the direct eager rounds,
-runtime/native_handle.py; docs/benchmarks.md). Both issue calls on the nccl.ep handle
-underneath FlashInfer's `NcclEpHandle`, which means reading private attributes of that
-handle. Whether handles can be re-targeted is read from an internal module. Each such
-read is one row of `INTERNALS`: what it reads, why, the FlashInfer release it was read
-from, the public accessor in `flashinfer.moe_ep` that would remove it, and where it is
-read. `patches.index()` lists the rows beside the vLLM patches.
-
-How: reads made once per handle (or once, at config time) go through the accessors
-below. Reads made on every eager round stay plain attribute reads at their call sites
-(`read_in`): an accessor or a getattr by name would add a call per read to a round
-that is host-bound, so those rows say so (`in_place`). `check(handle)` verifies that a
-handle has every attribute the rows name, once per handle before its first direct call
-(native_handle.native_reason). tests/unit/test_flashinfer_internals.py scans the package
-and fails for a private read that no row lists, or a row nothing reads.
-
-Removal: row by row, when FlashInfer offers the public accessor its `upstream` names.
+FlashInfer's public API cannot pass NCCL-EP a quantization recipe (the FP8 wire), and its
+handle methods cost more host time than the nccl.ep calls (the direct eager rounds), so
+both read private attributes of `NcclEpHandle`, each a row of `INTERNALS`. Per-round reads
+stay plain attribute reads (`read_in`); tests/unit/test_flashinfer_internals.py fails on
+an unlisted read or an unread row.
 """
 
 from __future__ import annotations
@@ -33,7 +19,6 @@ HANDLE_MODULE = "flashinfer.moe_ep.backends.split.comm.nccl_ep.handle"
 
 ATTRIBUTE, MODULE = "attribute", "module"
 
-# Why the per-round reads stay where they are (rows with `read_in`).
 PER_ROUND = (
     "on every round that makes the call: an accessor or a getattr by name would add a call "
     "per read to rounds that are host-bound when eager; check() has verified the attribute "
@@ -67,7 +52,6 @@ class Internal:
         return "read " + "; and ".join(places)
 
     def entry(self) -> str:
-        """The index entry of this read, as text (the shape of a patch's entry)."""
         target = f"{self.owner}.{self.name}" if self.kind == ATTRIBUTE else self.name
         return (
             f"flashinfer:{self.name} [{self.read_from}] {self.kind} {target}\n"
@@ -83,12 +67,15 @@ _DIRECT = (
     "nccl.ep calls on it"
 )
 
-# The handle rows keep the order native_handle's check has always reported them in.
+
+def _attr(name: str, **fields: Any) -> Internal:
+    return Internal(name, ATTRIBUTE, HANDLE_OWNER, **fields)
+
+
+# The order native_handle's check reports them in.
 INTERNALS: tuple[Internal, ...] = (
-    Internal(
+    _attr(
         "_handle",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the nccl.ep Handle under FlashInfer's (update, dispatch, complete, combine)",
         why=_DIRECT,
         upstream="a public NcclEpHandle.native_handle, or FlashInfer's dispatch taking a "
@@ -96,10 +83,8 @@ INTERNALS: tuple[Internal, ...] = (
         read_in=(_NATIVE, _FP8),
         in_place=PER_ROUND,
     ),
-    Internal(
+    _attr(
         "_ep",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the nccl.ep module FlashInfer drives (descriptor types, the recipe enum)",
         why="the direct calls build their descriptors with the module the handle was made "
         "with; the FP8 wire checks it has the recipe",
@@ -109,40 +94,32 @@ INTERNALS: tuple[Internal, ...] = (
         read_in=(_NATIVE, _FP8),
         in_place=PER_ROUND,
     ),
-    Internal(
+    _attr(
         "_wrap",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="FlashInfer's address-keyed nccl.ep tensor-descriptor memo (a method)",
         why="the LL FP8 dispatch wraps its input as FlashInfer's own dispatch does",
         upstream="FlashInfer's dispatch taking a quantization recipe",
         read_in=(_FP8,),
         in_place=PER_ROUND,
     ),
-    Internal(
+    _attr(
         "_op_stream",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the stream FlashInfer issues on (a method: the capturing stream under capture)",
         why="the FP8 dispatch is issued, and captured, where FlashInfer's own would be",
         upstream="a public NcclEpHandle.op_stream(), or the recipe in FlashInfer's dispatch",
         read_in=(_FP8,),
         in_place=PER_ROUND,
     ),
-    Internal(
+    _attr(
         "_stream",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the handle's own stream (FlashInfer's op stream outside capture)",
         why="the direct eager calls issue on the pool's stream, so only on a handle whose "
         "own stream it is",
         upstream="a public NcclEpHandle.stream (NcclEpFleet.stream is public)",
         accessor="handle_stream",
     ),
-    Internal(
+    _attr(
         "_recv_count_t",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the per-local-expert received counts NCCL-EP writes at dispatch",
         why="the LL FP8 dispatch points NCCL-EP at the counters FlashInfer's dispatch uses, "
         "which the experts read",
@@ -150,10 +127,8 @@ INTERNALS: tuple[Internal, ...] = (
         read_in=(_FP8,),
         in_place=PER_ROUND,
     ),
-    Internal(
+    _attr(
         "_num_tokens_in",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the token count the handle's routing holds (update rebinds it)",
         why="the FP8 dispatches refuse activations of another row count before NCCL-EP, "
         "which does not check",
@@ -161,29 +136,23 @@ INTERNALS: tuple[Internal, ...] = (
         read_in=(_FP8,),
         in_place=PER_ROUND,
     ),
-    Internal(
+    _attr(
         "_is_ht",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="the algorithm the handle runs (HT or LL)",
         why="the direct calls are written for LL, the FP8 forward recipe for HT",
         upstream="a public NcclEpHandle.algorithm (the fleet's params are public; a handle "
         "does not expose its fleet)",
         accessor="is_ht",
     ),
-    Internal(
+    _attr(
         "_is_rank_major",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="whether an LL handle uses the rank-major layout",
         why="the direct calls are written for the expert-major layout",
         upstream="a public NcclEpHandle.layout",
         accessor="is_rank_major",
     ),
-    Internal(
+    _attr(
         "_staged",
-        ATTRIBUTE,
-        HANDLE_OWNER,
         what="whether the handle splits send and complete (HandleAlgoKnobSplitOperation)",
         why="the direct calls complete every dispatch themselves",
         upstream="a public NcclEpHandle.staged",
@@ -208,13 +177,11 @@ HANDLE_ATTRIBUTES: tuple[str, ...] = tuple(
 
 
 def missing(handle: Any) -> list[str]:
-    """The handle attributes of the table that `handle` lacks."""
     return [name for name in HANDLE_ATTRIBUTES if not hasattr(handle, name)]
 
 
 def check(handle: Any) -> str | None:
-    """Why the package cannot read what it needs of `handle` (None: it can): the table's
-    handle attributes, each present."""
+    """Why the package cannot read what it needs of `handle` (None: it can)."""
     lacking = missing(handle)
     if lacking:
         return (
@@ -228,38 +195,31 @@ def index() -> str:
     return "\n".join(row.entry() for row in INTERNALS)
 
 
-# ---------------------------------------------------------------- accessors
-# Each reads its row of INTERNALS (the row says what, why and what would remove it).
-# Called once per handle (or handle class) or at config time, never per round.
+# Each reads its row of INTERNALS, once per handle or at config time, never per round.
 
 
 def nccl_ep_of(handle: Any) -> Any:
-    """Row `_ep`: the nccl.ep module `handle` drives."""
     return handle._ep
 
 
 def handle_stream(handle: Any) -> int:
-    """Row `_stream`: the handle's own stream."""
     return handle._stream
 
 
 def is_ht(handle: Any) -> bool:
-    """Row `_is_ht`: whether `handle` runs HT."""
     return handle._is_ht
 
 
 def is_rank_major(handle: Any) -> bool:
-    """Row `_is_rank_major`: whether `handle` uses LL's rank-major layout."""
     return handle._is_rank_major
 
 
 def is_staged(handle: Any) -> bool:
-    """Row `_staged`: whether `handle` splits send and complete."""
     return handle._staged
 
 
 def handle_class() -> type | None:
-    """Row HANDLE_MODULE: FlashInfer's NcclEpHandle class (None: not importable)."""
+    """None: not importable."""
     try:
         module = importlib.import_module(HANDLE_MODULE)
     except Exception:  # noqa: BLE001 - any import failure means "no such class"

@@ -1,9 +1,6 @@
-"""Fleet bootstrap and the per-shape fleet cache.
-
-A FlashInfer `Fleet` owns the NCCL-EP group (communicator, RDMA buffers) for one MoE
-shape. vLLM models usually have one MoE shape; draft/MTP layers may add another, so
-fleets are cached by shape and shared by every layer of that shape.
-"""
+"""Fleet bootstrap and the per-shape fleet cache: a FlashInfer `Fleet` owns the NCCL-EP
+group and buffers for one MoE shape, shared by every layer of that shape (draft/MTP
+layers may add another)."""
 
 from __future__ import annotations
 
@@ -62,20 +59,14 @@ class FleetSpec:
 
     @property
     def effective_max_tokens_per_rank(self) -> int:
-        """HT fleets are clamped by NCCL-EP to MAX_SUPPORTED_TOKENS_PER_RANK."""
         if self.algorithm == Algorithm.HIGH_THROUGHPUT:
             return min(self.max_tokens_per_rank, HT_MAX_TOKENS_PER_RANK)
         return self.max_tokens_per_rank
 
 
 def bootstrap_config(rank: int, world_size: int, process_group: Any) -> Any:
-    """BootstrapConfig for one EP rank.
-
-    The device is the one vLLM already bound (`torch.cuda.current_device()`), never
-    derived from LOCAL_RANK/CUDA_VISIBLE_DEVICES, which vLLM may have remapped.
-    Stream 0 (the legacy default stream) is the handles' stream outside capture; the
-    pool orders it against torch's current stream explicitly.
-    """
+    """BootstrapConfig for one EP rank, on the device vLLM bound (never LOCAL_RANK, which
+    vLLM may have remapped); stream 0 is the handles' stream outside capture."""
     fi = moe_ep()
     return fi.BootstrapConfig(
         world_size=world_size,
@@ -89,13 +80,11 @@ def bootstrap_config(rank: int, world_size: int, process_group: Any) -> Any:
 
 def _fleet_knobs(spec: FleetSpec) -> list[Any]:
     fi = moe_ep()
-    # Route NCCL-EP's buffers through torch's caching allocator so vLLM's memory
-    # profiling sees them.
+    # Through torch's caching allocator, so vLLM's memory profiling sees the buffers.
     knobs: list[Any] = [fi.FleetAlgoKnobAllocator(torch_caching=True)]
     rdma_bytes = envs.rdma_buffer_bytes()
     if rdma_bytes > 0:
-        # A fixed size makes NCCL-EP allocate once at group creation and never
-        # re-allocate when handles are created later.
+        # Allocated once at group creation, never re-allocated for later handles.
         knobs.append(fi.FleetAlgoKnobRdmaBufferSize(bytes_=rdma_bytes))
     if spec.fault_tolerance:
         knobs.append(fi.FleetAlgoKnobFaultTolerance(enabled=True, timeout_ms=envs.ft_timeout_ms()))
@@ -106,8 +95,7 @@ def create_fleet(spec: FleetSpec, bootstrap: Any) -> Any:
     """Create one fleet (collective over the EP group)."""
     fi = moe_ep()
     algorithm = fi.EpAlgorithm[spec.algorithm.name]  # same member names
-    # EXPERT_MAJOR is the LL layout vLLM's batched experts consume; HT ignores the
-    # layout field and always uses NCCL-EP's flat layout.
+    # LL's layout for vLLM's batched experts; HT ignores it (flat layout).
     layout = fi.EpLayout.EXPERT_MAJOR
     params = fi.FleetParams(
         num_experts=spec.num_experts,
@@ -135,9 +123,7 @@ class FleetCache:
     """One fleet per FleetSpec, created on first use and destroyed together."""
 
     def __init__(self, rank: int, world_size: int, process_group: Any) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self._process_group = process_group
+        self.rank, self.world_size, self._process_group = rank, world_size, process_group
         self._fleets: dict[FleetSpec, Any] = {}
 
     def get(self, spec: FleetSpec) -> Any:

@@ -10,8 +10,8 @@ its kernel with the DS_FP8E3M4 recipe (nccl_ep.h: BF16 tokens in; E4M3 tokens
 hidden a multiple of 512). A dispatched row then moves hidden + hidden / 32 bytes instead
 of 2 * hidden, and the quantization pass after receive disappears. The scales are
 amax / 448 per 128-element group, vLLM's own convention (per_token_group_quant_fp8;
-docs/benchmarks.md, "Block-FP8 decode step"), so the experts see what vLLM's
-quantization would give.
+docs/benchmarks.md, "The LL transport: `vllm-flashinfer-ep bench`", FP8 on the LL wire),
+so the experts see what vLLM's quantization would give.
 
 How: FlashInfer 0.7.2.post1's NcclEpHandle builds its dispatch config without a recipe,
 so this module issues the dispatch on the nccl.ep handle underneath it, through the

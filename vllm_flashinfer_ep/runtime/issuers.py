@@ -1,17 +1,9 @@
-"""Who issues a round's transport calls: exactly one issuer per round.
+"""Who issues a round's transport calls, one issuer per round (round_plan.py picks it):
 
-- `FlashInferIssuer`: FlashInfer's handle methods: captured, padded, joined and fresh
-  rounds, HT, and pooled eager LL rounds when the direct calls are off or have no receive
-  buffer recorded yet.
-- `NativeEager` (runtime/native_handle.py): direct nccl.ep calls for pooled eager LL
-  rounds of exactly their size on the handles' stream, which are host-bound.
-- `WireIssuer`: FP8 on the wire (runtime/fp8_wire.py) dispatches; the BF16 update and
-  combine go through the issuer it wraps.
-- `JoinedIssuer`: any of these, joined with torch's current stream around each call
-  (runtime/streams.py).
-
-Every issuer has `update(handle, ids)`, `dispatch(handle, x, scales)` and
-`combine(handle, expert_out, out, weights)`; runtime/round_plan.py picks one per round.
+- `FlashInferIssuer`: FlashInfer's handle methods (captured, padded, fresh rounds, HT).
+- `NativeEager` (native_handle.py): direct nccl.ep calls for pooled eager LL rounds.
+- `WireIssuer`: FP8 dispatch through a wire (fp8_wire.py), the rest through its base.
+- `JoinedIssuer`: any of these, joined with torch's current stream around each call.
 """
 
 from __future__ import annotations
@@ -30,21 +22,15 @@ class Issuer(Protocol):
     def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None) -> Any: ...
 
     def combine(
-        self,
-        handle: Any,
-        expert_out: torch.Tensor,
-        out: torch.Tensor | None,
-        weights: torch.Tensor,
+        self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor | None, weights: torch.Tensor
     ) -> torch.Tensor: ...
 
 
 class FlashInferIssuer:
-    """FlashInfer's handle methods. `record`: told each BF16 dispatch's output (the direct
-    calls write into the receive buffer FlashInfer's dispatch returned)."""
+    """FlashInfer's handle methods. `record`: told each dispatch's output (NativeEager)."""
 
     def __init__(self, fi: Any, record: Callable[[Any], None] | None = None) -> None:
-        self._fi = fi
-        self._record = record
+        self._fi, self._record = fi, record
 
     def update(self, handle: Any, ids: torch.Tensor) -> None:
         handle.update(self._fi.HandleParams(topk_ids=ids))
@@ -58,7 +44,6 @@ class FlashInferIssuer:
     def combine(
         self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor | None, weights: Any
     ) -> torch.Tensor:
-        # The handle applies the weights it bound at creation: `weights` is those rows.
         return handle.combine(self._fi.CombineInputParams(x=[expert_out], out=out)).x
 
 
@@ -66,10 +51,8 @@ class WireIssuer:
     """FP8 dispatch through `wire`; update and combine (BF16) through `base`."""
 
     def __init__(self, wire: Any, base: Issuer) -> None:
-        self.wire = wire
-        self.base = base
-        self.update = base.update
-        self.combine = base.combine
+        self.wire, self.base = wire, base
+        self.update, self.combine = base.update, base.combine
 
     def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         return self.wire.dispatch(handle, x, scales)
@@ -79,8 +62,7 @@ class JoinedIssuer:
     """`inner`'s calls, each joined with torch's current stream on both sides."""
 
     def __init__(self, inner: Issuer, streams: HandleStreams) -> None:
-        self.inner = inner
-        self._streams = streams
+        self.inner, self._streams = inner, streams
 
     def update(self, handle: Any, ids: torch.Tensor) -> None:
         self._streams.ordered(True, self.inner.update, handle, ids)

@@ -1,38 +1,19 @@
-"""Limits of FlashInfer's NCCL-EP transport that the package enforces up front.
-
-Every number here has its source next to it, so a reader can re-check it against the
-installed FlashInfer / nccl-extensions. Production code (hidden-size round-up, config
-validation) and the test matrices read the same constants.
-"""
+"""Limits of FlashInfer's NCCL-EP transport that the package enforces up front, each with
+its source so it can be re-checked against the installed FlashInfer / nccl-extensions."""
 
 from __future__ import annotations
 
-# NCCL-EP low-latency kernels are specialized for these hidden sizes only.
-# Source: flashinfer/moe_ep/core/validation/common.py `_NCCL_EP_LL_HIDDEN_SIZES`
-# (checked by `validate_ll_hidden_size` in NcclEpFleet.__init__). Unlike DeepEP-LL,
-# 3072 is NOT in the list.
+# flashinfer/moe_ep/core/validation/common.py `_NCCL_EP_LL_HIDDEN_SIZES` (no 3072).
 SUPPORTED_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
 
-# Largest top_k per algorithm. nccl-extensions 0.1.0 `nccl/ep/include/nccl_ep/common.hpp`
-# defines MAX_NUM_TOPK 32 and FlashInfer checks nothing (its runbook says LL <= 8).
-# Measured on one H200 at world size 1 (tests/kernels/test_transport_gpu.py::
-# test_top_k_limit, 128 experts, hidden 2048): LL and HT round trips exact for top_k
-# 8, 9, 10, 16; HT exact for 32; LL with 32 is refused by ncclEpInitHandle ("LL top-k
-# geometry is unsupported: top-k=32, num_experts=128, comm_sms=132, ...
-# forwarding_warps=31"). So LL is capped at the largest measured value, HT at the
-# header's cap. Multi-rank behaviour above 9 is unmeasured.
+# Largest top_k: HT at nccl_ep common.hpp's MAX_NUM_TOPK; LL at the largest value that
+# tests/kernels/test_transport_gpu.py::test_top_k_limit passes (docs/backends.md).
 MAX_TOPK_LL: int = 16
 MAX_TOPK_HT: int = 32
 
 
-# Names under which Hugging Face configs carry the number of routed experts per token.
-TOPK_CONFIG_KEYS: tuple[str, ...] = (
-    "num_experts_per_tok",
-    "moe_topk",
-    "num_experts_per_token",
-    "top_k",
-    "moe_k",
-)
+# Hugging Face config names of the routed experts per token.
+TOPK_CONFIG_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 
 
 def config_top_k(get) -> int | None:
@@ -50,17 +31,14 @@ def max_top_k(algorithm_is_low_latency: bool) -> int:
     return MAX_TOPK_LL if algorithm_is_low_latency else MAX_TOPK_HT
 
 
-# libnccl_ep.so imports ncclCommQueryProperties / ncclGetPeerDevicePointer /
-# ncclWinGetUserPtr, first exported by NCCL 2.30.7 (integration notes, section 1).
+# libnccl_ep.so imports symbols first exported by NCCL 2.30.7 (ncclWinGetUserPtr, ...).
 MIN_NCCL_VERSION: tuple[int, int, int] = (2, 30, 7)
 
-# NCCL-EP needs a CUDA-13 build of torch and a Hopper-or-newer GPU
-# (flashinfer/moe_ep/core/validation/common.py `validate_arch_for_backend`).
+# flashinfer/moe_ep/core/validation/common.py `validate_arch_for_backend`.
 MIN_CUDA_MAJOR: int = 13
 MIN_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 
-# HT fleets are clamped to this many tokens per rank
-# (nccl/ep/include/nccl_ep/common.hpp MAX_SUPPORTED_TOKENS_PER_RANK).
+# nccl_ep common.hpp MAX_SUPPORTED_TOKENS_PER_RANK: HT fleets are clamped to it.
 HT_MAX_TOKENS_PER_RANK: int = 8192
 
 
@@ -70,10 +48,7 @@ def unsupported_hidden_size_reason(hidden_size: int) -> str:
 
 
 def round_up_ll_hidden_size(hidden_size: int) -> int:
-    """Smallest supported LL hidden size >= ``hidden_size``.
-
-    Raises ValueError when the model is wider than the widest LL kernel.
-    """
+    """Smallest supported LL hidden size >= `hidden_size`; ValueError above the widest."""
     for size in SUPPORTED_HIDDEN_SIZES:
         if size >= hidden_size:
             return size

@@ -6,9 +6,7 @@ import torch
 
 
 def memory_snapshot(device: torch.device) -> tuple[int, int]:
-    """(torch-allocated bytes, device-wide used bytes). NCCL-EP allocates through torch's
-    caching allocator (FleetAlgoKnobAllocator) and natively; count both. (0, 0) without
-    a GPU."""
+    """(torch-allocated, device-wide used) bytes: NCCL-EP allocates both ways."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 0, 0
     torch.cuda.synchronize(device)

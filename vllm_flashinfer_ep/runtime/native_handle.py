@@ -1,31 +1,10 @@
 """Eager LL rounds issued on the nccl.ep handle underneath FlashInfer's.
 
-Why: an eager decode step is host-bound, and most of its host time is Python around
-three native calls per layer. FlashInfer 0.7.2.post1's persistent-handle round spends
-more host time than the same nccl.ep calls issued directly (docs/benchmarks.md, "Eager
-rounds as direct nccl.ep calls"): argument checks the pool has already made, a CUDA
-capture query per call, parameter and result dataclasses, and two tensor descriptors
-built on every combine (its input and its output are not memoized: FlashInfer's memo
-holds the tensors alive, so it takes only small ones and never a caller's churning
-output).
-
-How: `DescriptorMemo` keeps nccl.ep descriptors built from a raw device pointer, dtype
-and shape, which hold no tensor alive (nccl.ep.Tensor accepts a raw pointer; the caller
-keeps the memory alive for the call). A descriptor describes exactly its key's memory, so
-any later tensor at that address with that dtype and shape reuses it, whatever allocator
-churn happened in between, and the memo never pins memory. `NativeEager` issues update,
-dispatch and combine with those descriptors for pooled LL rounds on the handle's own
-stream outside capture (runtime/round_plan.py chooses it; runtime/issuers.py lists the
-issuers); captured rounds, padded ones, fresh handles, joins and HT stay FlashInfer's.
-It writes into the receive buffer and counters FlashInfer's own dispatch returned
-(recorded from the pooled eager rounds that go through FlashInfer's methods, the first of
-them before any direct round), so captured and eager rounds share them.
-
-What it reads of FlashInfer's NcclEpHandle (flashinfer/moe_ep/backends/split/comm/
-nccl_ep/handle.py) is listed in runtime/flashinfer_internals.py and checked once per
-handle (`native_reason`); a handle without it runs through FlashInfer's methods, logged
-once. `VLLM_FLASHINFER_EP_NATIVE_EAGER=0` turns the direct calls off. Remove when
-FlashInfer's handle methods cost about what the native calls cost.
+An eager decode step is host-bound, and FlashInfer's handle methods spend more host time
+than the nccl.ep calls they make (docs/benchmarks.md). `NativeEager` issues pooled,
+unpadded LL rounds outside capture with descriptors that pin no memory (`DescriptorMemo`),
+into FlashInfer's own receive buffer. Off with `VLLM_FLASHINFER_EP_NATIVE_EAGER=0`; remove
+when FlashInfer's methods cost about as much.
 """
 
 from __future__ import annotations
@@ -42,8 +21,7 @@ logger = get_logger(__name__)
 
 
 def native_reason(handle: Any, ht: bool = False) -> str | None:
-    """Why this package cannot issue nccl.ep calls under `handle` (None: it can); `ht`:
-    for an HT handle (the HT FP8 dispatch), else for an LL expert-major one."""
+    """Why this package cannot issue nccl.ep calls under `handle` (None: it can)."""
     missing = internals.check(handle)
     if missing is not None:
         return missing
@@ -57,22 +35,17 @@ def native_reason(handle: Any, ht: bool = False) -> str | None:
 
 
 class DescriptorMemo:
-    """nccl.ep tensor descriptors keyed by (address, dtype, shape), holding no tensor.
-
-    Bounded: at `max_entries` it starts over (nothing is pinned, so a clear costs only
-    the rebuilds). Tensors must be contiguous (a descriptor carries no strides).
-    """
+    """nccl.ep descriptors keyed by (address, dtype, shape), holding no tensor; bounded."""
 
     def __init__(self, max_entries: int = 4096) -> None:
-        self.max_entries = max_entries
+        self.max_entries, self.built = max_entries, 0
         self._memo: dict[tuple, Any] = {}
-        self.built = 0
 
     def __len__(self) -> int:
         return len(self._memo)
 
     def tensor(self, ep: Any, t: torch.Tensor) -> Any:
-        if not t.is_contiguous():  # the key has no strides, nor has the descriptor
+        if not t.is_contiguous():
             raise ValueError(
                 f"nccl.ep descriptors carry no strides: a tensor of shape {tuple(t.shape)} "
                 f"and strides {t.stride()} must be made contiguous first"
@@ -84,8 +57,7 @@ class DescriptorMemo:
         return desc
 
     def bundle(self, kind: Any, ep: Any, **tensors: torch.Tensor) -> Any:
-        """`kind(field=descriptor, ...)` (an nccl.ep input/output bundle), memoized by its
-        tensors' keys."""
+        """`kind(field=descriptor, ...)` (an nccl.ep bundle), memoized by its tensors' keys."""
         key = (kind, *((name, t.data_ptr(), t.dtype, t.shape) for name, t in tensors.items()))
         found = self._memo.get(key)
         if found is None:
@@ -101,8 +73,7 @@ class DescriptorMemo:
 
 
 class _Configs(NamedTuple):
-    """What every direct round passes alike, built once per nccl.ep module and receive
-    buffer."""
+    """What every direct round passes alike, built once per nccl.ep module and buffer."""
 
     ep: Any
     dispatch: Any  # DispatchConfig: not staged
@@ -113,16 +84,11 @@ class _Configs(NamedTuple):
 
 
 class NativeEager:
-    """The direct nccl.ep calls of one pool's eager LL rounds.
-
-    The rounds read the handle's `_ep` and `_handle` in place (rows of
-    flashinfer_internals.INTERNALS: a per-round accessor would cost host time); `usable`
-    checks them once per handle."""
+    """The direct nccl.ep calls of one pool's eager LL rounds (`usable`: once per handle)."""
 
     def __init__(self, stream: int) -> None:
         self.stream = stream  # the handles' own stream, which these calls must use
         self.memo = DescriptorMemo()
-        # FlashInfer's BF16 receive buffer and per-expert counts, from its last dispatch.
         self.recv: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         self._usable: dict[int, bool] = {}  # id(handle) -> whether direct calls may run
@@ -135,9 +101,7 @@ class NativeEager:
         self._logged = False
 
     def record(self, out: Any) -> None:
-        """Take FlashInfer's receive buffer and counts from a pooled eager BF16 dispatch
-        through FlashInfer's methods (FlashInfer replaces its buffer when a dispatch's
-        shape or dtype differs, and the direct rounds follow it)."""
+        """Follow FlashInfer's receive buffer and counts (it replaces them on a new shape)."""
         self.recv, self.counts = out.expert_tensors, out.expert_counts
 
     def usable(self, handle: Any) -> bool:
@@ -158,18 +122,14 @@ class NativeEager:
         return ok
 
     def update(self, handle: Any, topk_ids: torch.Tensor) -> None:
-        """Re-target `handle` to this layer's routing (ncclEpUpdateHandle; LL takes no
-        layout_info)."""
+        """Re-target `handle` to this layer's routing (LL takes no layout_info)."""
         ids = self.memo.tensor(handle._ep, topk_ids)
         handle._handle.update(ids, layout_info=None, stream=self.stream)
-        # As FlashInfer's update keeps the ids it bound: NCCL-EP may read them until the
-        # round's combine.
+        # NCCL-EP may read the ids until the round's combine.
         self._keep_dispatch = (ids, topk_ids)
 
     def dispatch(self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None) -> tuple:
-        """Dispatch `x` (BF16; `scales` must be None) on `handle`'s routing into
-        FlashInfer's receive buffer; returns (received rows, None, per-expert counts) like
-        fp8_wire's (tokens, scales, counts)."""
+        """Dispatch BF16 `x` into FlashInfer's receive buffer: (rows, None, counts)."""
         if scales is not None:
             raise HandlePoolError("the direct BF16 dispatch takes no scales (FP8: the wire)")
         ep, native, stream = handle._ep, handle._handle, self.stream
@@ -206,14 +166,8 @@ class NativeEager:
         return configs
 
     def combine(
-        self,
-        handle: Any,
-        expert_out: torch.Tensor,
-        out: torch.Tensor | None,
-        weights: torch.Tensor,
+        self, handle: Any, expert_out: torch.Tensor, out: torch.Tensor | None, weights: torch.Tensor
     ) -> torch.Tensor:
-        """Combine `expert_out` into `out` (allocated when None), weighted by `weights`
-        (the rows the handle bound)."""
         if out is None:
             out = expert_out.new_empty(weights.shape[0], expert_out.shape[-1])
         ep, memo = handle._ep, self.memo

@@ -1,21 +1,8 @@
 """One round in flight, planned once: handle, size, padding, stream, wire and issuer.
 
-Collective discipline: handle creation, update, dispatch and combine are collective over
-the EP group, so every rank must pick the same handle. The pooled size comes from the
-token count all ranks agreed on for the forward (`agreed_tokens`: the largest rank's
-count, from vLLM's DP metadata; a rank with fewer tokens pads more). Without an agreement
-every rank creates a fresh handle for the round (counted, logged once), so ranks never
-pair different handles. A count above the capacity is refused before any collective.
-
-Padding: a round whose count is not pooled runs on the next pooled size. Padded rows
-carry zero activations, weight 0 and routing to this rank's own experts, and their
-combined rows are dropped, so no output changes (zero rows cannot raise a per-tensor FP8
-scale, and experts without biases map them to zero).
-
-Issuer: pooled eager LL rounds of exactly their size on the handles' stream go as direct
-nccl.ep calls (host-bound; runtime/native_handle.py); everything else through
-FlashInfer's methods, joined with torch's stream where needed; FP8 layers dispatch
-through their wire (runtime/issuers.py).
+Handle work is collective, so every EP rank picks the same handle: the pooled size of the
+count all ranks agreed on (`agreed_tokens`), else a fresh handle. A round that is not
+pooled runs padded (zero rows, weight 0, routed to this rank) on the next pooled size.
 """
 
 from __future__ import annotations
@@ -34,17 +21,14 @@ from vllm_flashinfer_ep.runtime.native_handle import NativeEager
 
 logger = get_logger(__name__)
 
-# `agreed_tokens` for callers that drive every rank with the same token count (benchmarks,
-# kernel tests, a single rank): the agreed count is this rank's own.
+# `agreed_tokens` where every rank runs this rank's count (benchmarks, tests, one rank).
 LOCAL = "local"
 
 LARGEST_RANK = "the largest EP rank (every rank refuses this forward)"
 
 
 def over_capacity(num_tokens: int, capacity: int, whose: str) -> DispatchCapacityError:
-    """The error of a round above the fleet capacity. Raised before any collective; when
-    `whose` is the largest rank's count (read alike by every rank), every rank raises it
-    and none is left waiting in NCCL-EP."""
+    """The error of a round above the fleet capacity, raised before any collective."""
     return DispatchCapacityError(
         f"{num_tokens} tokens on {whose} exceed the flashinfer_ep fleet capacity of "
         f"{capacity} tokens per rank; raise --max-num-batched-tokens (the fleet is sized "
@@ -55,17 +39,7 @@ def over_capacity(num_tokens: int, capacity: int, whose: str) -> DispatchCapacit
 class RoundPlan:
     """The round in flight: one per layer's dispatch, ended by its combine."""
 
-    __slots__ = (
-        "pool",
-        "handle",
-        "issuer",
-        "ids",
-        "weights",
-        "rows",
-        "size",
-        "fresh",
-        "sent_per_rank",
-    )
+    __slots__ = tuple("pool handle issuer ids weights rows size fresh sent_per_rank".split())
 
     def __init__(
         self,
@@ -78,20 +52,16 @@ class RoundPlan:
         size: int,
         fresh: bool,
     ) -> None:
-        self.pool = pool
-        self.handle = handle
-        self.issuer = issuer
+        self.pool, self.handle, self.issuer = pool, handle, issuer
         self.ids = ids  # what `update` binds (None: a fresh handle bound them at creation)
-        self.weights = weights  # the weights the handle bound: the pool's rows [:size]
+        self.weights = weights  # the pool's rows [:size], bound to the handle
         self.rows = rows  # this rank's rows
         self.size = size  # rows the handle routes, padding included
         self.fresh = fresh  # a handle for this round only, destroyed at its end
-        # Rows every EP rank dispatches (a pooled round's size); None for a fresh handle.
-        # The received-rows experts bound their work by it (experts/received_rows.py).
+        # Rows every EP rank dispatches (experts/received_rows.py bounds its work by it).
         self.sent_per_rank = None if fresh else size
 
     def dispatch(self, x: torch.Tensor, scales: torch.Tensor | None = None) -> Any:
-        """Bind the routing (`update`) and dispatch `x` (and FP8 `scales`, HT)."""
         if self.ids is not None:
             self.issuer.update(self.handle, self.ids)
         if self.size != self.rows:
@@ -101,8 +71,7 @@ class RoundPlan:
         return self.issuer.dispatch(self.handle, x, scales)
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Combine into `out` (in place when given; the padded rows' output dropped) and
-        end the round."""
+        """Combine into `out` (in place when given; padded rows dropped); ends the round."""
         try:
             if not expert_out.is_contiguous():  # NCCL-EP reads it by pointer, without strides
                 expert_out = expert_out.contiguous()
@@ -116,18 +85,15 @@ class RoundPlan:
             out.copy_(staging[: self.rows])
             return out
         finally:
-            if self.fresh:
-                self.end()
+            self.end()
 
     def end(self) -> None:
-        """End the round; a fresh handle is destroyed (NCCL-EP orders the release after its
-        queued work, as FlashInfer's own eager forward does)."""
+        """End the round; a fresh handle is destroyed (NCCL-EP orders it after its work)."""
         if self.fresh:
             self.fresh = False
             self.handle.destroy()
 
     def _padded(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """This round's rows followed by zero rows up to its size, in the pool's staging."""
         padded = self.pool.staging(name, rows.shape[1], rows.dtype)[: self.size]
         padded[: self.rows].copy_(rows)
         padded[self.rows :].zero_()
@@ -139,17 +105,14 @@ class Planner:
 
     def __init__(self, pool: HandlePool) -> None:
         self.pool = pool
-        # Eager LL rounds on the nccl.ep handle underneath FlashInfer's; None: through
-        # FlashInfer's handle methods (HT, or VLLM_FLASHINFER_EP_NATIVE_EAGER=0).
+        # Direct nccl.ep calls for eager LL rounds; None: FlashInfer's methods only.
         self.native = (
             NativeEager(pool.streams.raw)
             if not pool.is_ht and envs.native_eager_enabled()
             else None
         )
         self.flashinfer = FlashInferIssuer(pool.fi)
-        # The common eager round through FlashInfer's methods also tells the direct calls
-        # where FlashInfer's receive buffer and counts are (NativeEager.record): only that
-        # round, so the first direct round follows a pooled eager one, as it always did.
+        # Records FlashInfer's receive buffer for the direct calls (NativeEager.record).
         self._recording = (
             FlashInferIssuer(pool.fi, self.native.record)
             if self.native is not None
@@ -157,12 +120,8 @@ class Planner:
         )
         self._issuers: dict[tuple, Issuer] = {}
         self._fresh_logged = False
-        # The handles' stream, read on every round (eager rounds are host-bound).
-        self._cuda, self._device_index, self._raw = (
-            pool.streams.cuda,
-            pool.streams.device_index,
-            pool.streams.raw,
-        )
+        streams = pool.streams
+        self._cuda, self._device_index, self._raw = streams.cuda, streams.device_index, streams.raw
 
     def plan(
         self,
@@ -172,18 +131,12 @@ class Planner:
         agreed_tokens: int | None | str = LOCAL,
         wire: Any = None,
     ) -> RoundPlan:
-        """The plan of one round: binds this layer's weights (and ids where the handle
-        cannot bind the caller's) into the pool's static buffers.
-
-        `agreed_tokens`: the token count every EP rank agreed on for this forward (the
-        largest rank's), LOCAL when every rank runs this rank's count, None when no
-        agreement is available (every rank then creates a fresh handle). Under CUDA-graph
-        capture the count is uniform and must be pooled exactly."""
+        """The plan of one round, this layer's routing bound into the pool's buffers.
+        `agreed_tokens`: the largest EP rank's count, LOCAL, or None (fresh handles)."""
         pool = self.pool
         num_tokens, top_k = topk_ids.shape
         handle = pool.handles.get(num_tokens)
-        # The common eager round first, in few Python calls (host-bound): a pooled handle
-        # of exactly this size, ids it can bind, on the handles' own stream.
+        # The common eager round first, in few Python calls (host-bound).
         if (
             handle is not None
             and top_k == pool.top_k
@@ -212,8 +165,7 @@ class Planner:
         return self._plan_general(topk_ids, topk_weights, agreed_tokens, wire)
 
     def _binds(self, topk_ids: torch.Tensor) -> bool:
-        """Whether `update` may bind these ids as they are (contiguous int64 on the
-        handles' device), saving their copy into the pool's static buffer."""
+        """Whether `update` may bind these ids as they are, saving their copy."""
         return (
             self.pool.bind_ids
             and topk_ids.dtype == torch.int64
@@ -222,8 +174,7 @@ class Planner:
         )
 
     def issuer(self, direct: bool, join: bool, wire: Any) -> Issuer:
-        """The issuer of a round: direct nccl.ep calls or FlashInfer's methods, joined with
-        torch's stream or not, through an FP8 wire or not (made once per combination)."""
+        """The issuer of a round (made once per combination of its three choices)."""
         key = (direct, join, id(wire))
         found = self._issuers.get(key)
         if found is None:
@@ -266,9 +217,7 @@ class Planner:
         issuer = self.issuer(False, join, wire)
         if handle is None:
             return self._plan_fresh(topk_ids, topk_weights, agreed, issuer, join)
-        # Weights are bound to the handle at creation: always copy them. Ids can be
-        # bound per call, which saves one copy kernel per layer; other ids, and padded
-        # rounds, use the static buffer.
+        # Weights are bound at creation: always copied. Ids are bound per call where they can be.
         pool.weights_view(num_tokens).copy_(topk_weights)
         if size == num_tokens and self._binds(topk_ids):
             ids = topk_ids

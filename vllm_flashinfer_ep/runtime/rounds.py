@@ -1,16 +1,6 @@
-"""One MoE layer's transport round (dispatch, then combine), engine-agnostic.
-
-The path of one layer: `Round.dispatch` checks the activations, asks the planner for the
-round's plan (runtime/round_plan.py: handle, size, padding, stream, wire, issuer), which
-issues update and dispatch (runtime/issuers.py); the algorithm's view of what arrived
-goes back to the caller; `combine` issues the combine on the same plan and ends it.
-A runtime holds one Round, shared by every layer of its shape; the vLLM
-prepare/finalize classes are thin adapters over it, and the benchmark and the GPU tests
-drive the same code without vLLM.
-
-A round reads its runtime through `RoundRuntime`, the part of ep_runtime.EPRuntime it
-uses, so this module does not import ep_runtime (which imports this one to make its round).
-"""
+"""One MoE layer's transport round (dispatch, then combine), engine-agnostic: a runtime's
+one Round, shared by its layers; it reads the runtime through `RoundRuntime`, so this
+module does not import ep_runtime (which imports it)."""
 
 from __future__ import annotations
 
@@ -44,9 +34,7 @@ class RoundRuntime(Protocol):
 class LowLatencyDispatch:
     expert_x: torch.Tensor  # [local experts, capacity * ep_world, hidden], fleet-owned
     expert_num_tokens: torch.Tensor  # [local experts] int32
-    # FP8 dispatch (runtime/fp8_wire.py): expert_x is E4M3 and these are its FP32 scales,
-    # [local experts, capacity * ep_world, hidden / 128]; None for BF16.
-    expert_x_scale: torch.Tensor | None = None
+    expert_x_scale: torch.Tensor | None = None  # FP8 dispatch: FP32 scales per 128; else None
 
 
 @dataclass
@@ -55,9 +43,7 @@ class HighThroughputDispatch:
     topk_ids: torch.Tensor  # [received, top_k] int64 global ids (other-rank slots remapped)
     topk_weights: torch.Tensor  # [received, top_k] fp32, 0 for other-rank slots
     remote_slot: torch.Tensor  # [received, top_k] bool, True where the expert is on another rank
-    # FP8 dispatch (runtime/fp8_wire.py HtFp8Wire): x is E4M3 and these are its FP32
-    # scales, [received, hidden / 128]; None for BF16.
-    x_scale: torch.Tensor | None = None
+    x_scale: torch.Tensor | None = None  # FP8 dispatch: [received, hidden / 128] FP32; else None
 
 
 def check_activations(a1: torch.Tensor, runtime: RoundRuntime) -> None:
@@ -84,25 +70,20 @@ def router_weights(
 
 
 class Round:
-    """One transport round over a runtime, layer after layer: checks, then a plan
-    (runtime/round_plan.py) that binds the routing and dispatches; the combine into the
-    caller's output ends it. At most one round is in flight per runtime."""
+    """One transport round over a runtime, layer after layer; at most one in flight."""
 
     def __init__(self, runtime: RoundRuntime) -> None:
-        self.runtime = runtime
-        self.planner = Planner(runtime.pool)
+        self.runtime, self.planner = runtime, Planner(runtime.pool)
         self._hidden = runtime.spec.hidden_size
         self._inflight: RoundPlan | None = None
 
     @property
     def in_flight(self) -> RoundPlan | None:
-        """The plan of the round between its dispatch and its combine, else None."""
         return self._inflight
 
     @property
     def sent_per_rank(self) -> int | None:
-        """Rows every EP rank dispatched in the round in flight, when known (a pooled
-        round's size, padding included); None between rounds and on a fresh handle."""
+        """Rows every EP rank dispatched in the round in flight (None: unknown)."""
         plan = self._inflight
         return plan.sent_per_rank if plan is not None else None
 
@@ -116,10 +97,8 @@ class Round:
         apply_router_weight_on_input: bool = False,
         fp8: bool = False,
     ) -> Any:
-        """Plan this layer's round, bind its routing and dispatch; the algorithm's view of
-        what arrived (`_received`). `agreed_tokens`: see round_plan.Planner.plan. `fp8`:
-        FP8 on the wire (the runtime's `fp8_wire` must be enabled; HT quantizes a1 here,
-        after the router weights, with the wire's quantizer)."""
+        """Plan this layer's round, bind its routing and dispatch; returns what arrived.
+        `fp8`: on the runtime's `fp8_wire` (HT quantizes a1 here, after the router weights)."""
         # Host-bound in eager mode: the checks run in full only when one fails.
         if a1.dtype != torch.bfloat16 or a1.dim() != 2 or a1.shape[1] != self._hidden:
             check_activations(a1, self.runtime)
@@ -155,7 +134,6 @@ class Round:
         raise NotImplementedError
 
     def _combine(self, expert_out: torch.Tensor, output: torch.Tensor | None) -> torch.Tensor:
-        """Combine into `output` (in place when given); ends the round."""
         plan, self._inflight = self._inflight, None
         if plan is None:
             raise HandlePoolError("combine called without a dispatch in flight")
@@ -178,11 +156,7 @@ class LowLatencyRound(Round):
 
 
 class HighThroughputRound(Round):
-    """Flat dispatch into received rows; combine of per-row reduced outputs.
-
-    Owns the per-received-row staging (global routing, combine input), allocated once;
-    the runtime holds one round, so every layer of a shape shares it.
-    """
+    """Flat dispatch into received rows; combine of per-row reduced outputs (its staging)."""
 
     def __init__(self, runtime: RoundRuntime) -> None:
         super().__init__(runtime)
@@ -217,12 +191,8 @@ class HighThroughputRound(Round):
     def globalize(
         self, recv_ids: torch.Tensor, recv_weights: torch.Tensor, received: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """NCCL-EP HT routing (local expert ids, -1 = expert on another rank) -> global ids.
-
-        Other-rank slots point at the first expert of the next rank, which vLLM's
-        expert_map maps to -1 (skipped), and get weight 0. Written into the round's
-        staging: nothing is allocated between dispatch and combine.
-        """
+        """NCCL-EP HT routing (local ids, -1 = another rank's) -> global ids, in staging; other
+        ranks' slots get weight 0 and the next rank's first expert (vLLM's expert_map: -1)."""
         rt = self.runtime
         ids, weights, remote = self.ids[:received], self.weights[:received], self.remote[:received]
         torch.lt(recv_ids, 0, out=remote)
@@ -234,7 +204,6 @@ class HighThroughputRound(Round):
 
 
 def make_round(runtime: RoundRuntime) -> Round:
-    """The round of a runtime's algorithm."""
     if runtime.spec.algorithm == Algorithm.HIGH_THROUGHPUT:
         return HighThroughputRound(runtime)
     return LowLatencyRound(runtime)

@@ -1,11 +1,6 @@
-"""The stream a pool's handle work runs on, and its ordering against torch's.
-
-Why: outside capture FlashInfer issues handle work on the handle's own stream (stream 0,
-see fleet.py), not on torch's current one; vLLM's capture warm-ups run on a side stream,
-so there handle work must be joined with torch's current stream on both sides. Under
-capture FlashInfer uses the capturing stream itself. Decided once per round: eager rounds
-are host-bound, and the streams do not change between a layer's dispatch and its combine.
-"""
+"""The stream a pool's handle work runs on, and its ordering against torch's: outside
+capture FlashInfer issues on the handle's stream (0), so vLLM's capture warm-ups, on a
+side stream, need the handle work joined with theirs; under capture it uses theirs."""
 
 from __future__ import annotations
 
@@ -37,9 +32,8 @@ class HandleStreams:
         self.raw = self.stream.cuda_stream if self.stream is not None else 0
 
     def state(self) -> tuple[bool, bool]:
-        """(capturing, join): whether torch's current stream is being captured, and
-        whether handle work must be joined with it. On the legacy default stream nothing
-        can be captured (CUDA refuses it), so the common eager case asks no capture query."""
+        """(capturing, join) for torch's current stream. On the legacy default stream
+        nothing can be captured, so the common eager case asks no capture query."""
         if not self.cuda:
             return is_capturing(), False
         current = current_raw_stream(self.device_index)
@@ -49,7 +43,6 @@ class HandleStreams:
         return capturing, not capturing and current != self.raw
 
     def ordered(self, join: bool, op: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a handle op, joined with torch's current stream on both sides when `join`."""
         if not join:
             return op(*args, **kwargs)
         assert self.stream is not None

@@ -1,11 +1,5 @@
-"""The one seam between the package and `flashinfer.moe_ep`'s public API.
-
-Everything the runtime needs from FlashInfer's public API is looked up here, by name,
-from one module object; what it reads of FlashInfer's internals is listed in
-runtime/flashinfer_internals.py. Unit tests install a fake module
-(tests/fakes/fake_moe_ep.py) through `use_transport_module`; production always uses the
-real `flashinfer.moe_ep`.
-"""
+"""The one seam between the package and `flashinfer.moe_ep`'s public API (its internals:
+flashinfer_internals.py); unit tests install a fake through `use_transport_module`."""
 
 from __future__ import annotations
 
@@ -31,13 +25,7 @@ def use_transport_module(module: ModuleType | None) -> None:
 
 
 def handle_supports_update() -> bool:
-    """Whether the installed FlashInfer's NCCL-EP handle has `update()`.
-
-    `update` (FlashInfer >= 0.7.2) is what lets one handle be created at warmup and
-    re-targeted inside captured forwards; without it every forward needs a fresh handle,
-    which cannot be captured.
-    """
+    """Whether FlashInfer's handle has `update()` (>= 0.7.2: re-targeted under capture)."""
     if _override is not None:
         return hasattr(getattr(_override, "Handle", object), "update")
-    # FlashInfer's handle class is internal (runtime/flashinfer_internals.py).
     return callable(getattr(flashinfer_internals.handle_class(), "update", None))

@@ -1,12 +1,7 @@
 """The config-time rules of the flashinfer_ep backends, as plain functions.
 
-Each takes the model's shape (model_shape.py, the one reader of Hugging Face configs)
-and the parallel or scheduler settings, and returns the refusal or warning message, or a
-verdict tuple, or None: no vLLM config is read or changed here. The engine applies them
-in vllm/config_validation.py; `vllm-flashinfer-ep doctor` applies the same functions to
-a config.json and the `vllm serve` arguments, so it gives the engine's verdicts. Every
-message names the flag to change. One host reading sits here too, because both read it
-the same way: `device_memory_bytes` (the GPU's memory, as vLLM's platform reports it).
+Each returns a refusal or warning message, a verdict tuple, or None, and reads no vLLM
+config, so the engine (vllm/config_validation.py) and `doctor` give the same verdicts.
 """
 
 from __future__ import annotations
@@ -25,9 +20,6 @@ GIB = float(1 << 30)
 
 
 def draft_model_reason(flag: str, draft: str) -> str:
-    """Why a `draft_model` speculative draft with MoE layers is refused: vLLM builds it
-    under a ParallelConfig of its own (all2all backend allgather_reducescatter), whose
-    all-gather would run through the EP group's all2all manager, this backend's."""
     return (
         f"{flag}: the speculative draft model ({draft}) has MoE layers, and vLLM builds a "
         "draft_model draft with a parallel config of its own whose all2all backend is "
@@ -38,9 +30,6 @@ def draft_model_reason(flag: str, draft: str) -> str:
 
 
 def elastic_ep_reason(flag: str, enable_elastic_ep: bool) -> str | None:
-    """Why --enable-elastic-ep is refused, or None: elastic EP makes its EP group without
-    torch.distributed, and NCCL-EP's fleet is bootstrapped from a torch.distributed group
-    (its communicator, the ranks' agreement at load, the FT rendezvous store)."""
     if not enable_elastic_ep:
         return None
     return (
@@ -51,8 +40,7 @@ def elastic_ep_reason(flag: str, enable_elastic_ep: bool) -> str | None:
 
 
 def ubatching_reason(flag: str, use_ubatching: bool) -> str | None:
-    """Why micro-batching (vLLM's `ParallelConfig.use_ubatching`: --enable-dbo or
-    --ubatch-size > 1) is refused, or None."""
+    """Why micro-batching (`ParallelConfig.use_ubatching`) is refused, or None."""
     if not use_ubatching:
         return None
     return (
@@ -63,7 +51,6 @@ def ubatching_reason(flag: str, use_ubatching: bool) -> str | None:
 
 
 def fault_tolerance_reason(flag: str, backend: str, enable_fault_tolerance: bool) -> str | None:
-    """Why --enable-fault-tolerance is refused with `backend`, or None."""
     if not enable_fault_tolerance or backends.supports_fault_tolerance(backend):
         return None
     return (
@@ -75,10 +62,7 @@ def fault_tolerance_reason(flag: str, backend: str, enable_fault_tolerance: bool
 def unused_backend_warning(
     backend: str, use_all2all: bool, enable_expert_parallel: bool
 ) -> str | None:
-    """The warning config time logs when `backend` is selected but NCCL-EP will not run,
-    or None. `use_all2all`: vLLM's `ParallelConfig.use_all2all` (off at
-    --data-parallel-size 1); without --enable-expert-parallel vLLM's MoE layers take its
-    all-gather/reduce-scatter path (no all2all kernels: `use_all2all_kernels` needs EP)."""
+    """The warning logged when `backend` is selected but NCCL-EP will not run, or None."""
     if not use_all2all:
         return (
             f"{backend} is selected but does nothing here: the MoE all2all only runs with "
@@ -95,8 +79,8 @@ def unused_backend_warning(
 class StepBudgetVerdict(NamedTuple):
     """What config time does with --max-num-batched-tokens against a per-rank limit."""
 
-    lowered_to: int | None  # config time lowers --max-num-batched-tokens to this
-    refusal: str | None  # config time refuses with this message
+    lowered_to: int | None  # --max-num-batched-tokens is lowered to this
+    refusal: str | None
     why: str | None  # why the budget does not fit (None: it fits)
 
 
@@ -108,24 +92,13 @@ def ht_tokens_verdict(
     max_model_len: int | None,
     max_num_seqs: int | None = None,
 ) -> StepBudgetVerdict:
-    """The HT step-budget rule, for the engine (`config_validation._clamp_ht_tokens`) and `doctor` alike.
-
-    The HT fleet cannot take more than HT_MAX_TOKENS_PER_RANK tokens per rank, and vLLM's
-    profile run sends --max-num-batched-tokens tokens through every MoE layer at start-up,
-    so a larger budget would fail there: it is lowered to the limit. Chunked prefill keeps
-    any prompt length servable; without it a --max-model-len above the limit is refused.
-    """
+    """The HT step-budget rule: vLLM's profile run sends --max-num-batched-tokens through
+    every MoE layer, so a budget above HT_MAX_TOKENS_PER_RANK is lowered (or refused)."""
     limit = HT_MAX_TOKENS_PER_RANK
     if tokens <= limit:
         return StepBudgetVerdict(None, None, None)
-    refusal = _unchunked_reason(
-        flag,
-        limit,
-        f"takes at most {limit} tokens per rank and step",
-        tokens,
-        chunked_prefill,
-        max_model_len,
-    )
+    what = f"takes at most {limit} tokens per rank and step"
+    refusal = _unchunked_reason(flag, limit, what, tokens, chunked_prefill, max_model_len)
     if refusal is None and max_num_seqs is not None and max_num_seqs > limit:
         # vLLM refuses a step budget below --max-num-seqs; lowering it would make one.
         refusal = (
@@ -140,14 +113,14 @@ def ht_tokens_verdict(
 class LLMemoryVerdict(NamedTuple):
     """What config time does with an LL fleet's estimated memory (`ll_memory_verdict`)."""
 
-    need: int  # estimated bytes per GPU (runtime/buffer_sizes.ll_memory_bytes)
+    need: int  # estimated bytes per GPU (buffer_sizes.ll_memory_bytes)
     parts: dict[str, int]  # ll_memory_parts
     handles: int  # pooled handles in the estimate
-    budget: int | None  # bytes the fleet may take; None: no GPU visible, not checked
-    summary: str  # one sentence: the estimate, and the budget or why it is not checked
-    why: str | None  # why the step budget does not fit (None: it fits or is not checked)
-    lowered_to: int | None  # config time lowers --max-num-batched-tokens to this
-    refusal: str | None  # config time refuses with this message
+    budget: int | None  # None: no GPU visible, not checked
+    summary: str
+    why: str | None  # why the step budget does not fit
+    lowered_to: int | None
+    refusal: str | None
 
 
 def ll_memory_verdict(
@@ -162,15 +135,8 @@ def ll_memory_verdict(
     max_model_len: int | None,
     token_step: int = 1,
 ) -> LLMemoryVerdict:
-    """The LL memory rule, for the engine (`config_validation._check_ll_capacity`) and `doctor` alike.
-
-    `shape`: (LL hidden size, physical experts, top_k), `ModelShape.ll_fleet_shape`;
-    `total_memory`: GPU memory in bytes (`device_memory_bytes`), None where no GPU is
-    visible (then nothing is checked and the summary says so). The estimate includes
-    the handle pool a served engine warms (runtime/pool_sizes.py buckets above vLLM's
-    default capture sizes). `token_step`: a lowered budget is a multiple of it (DeepGEMM
-    experts need whole row tiles, `fp8_experts_choice.deep_gemm_step`).
-    """
+    """The LL memory rule (`total_memory` None: no GPU visible, nothing checked); a lowered
+    budget is a multiple of `token_step` (`fp8_experts_choice.deep_gemm_step`)."""
     hidden, experts, top_k = shape
     handles = len(buffer_sizes.served_pool_sizes(tokens))
     parts = buffer_sizes.ll_memory_parts(tokens, hidden, experts, top_k, handles)
@@ -198,7 +164,6 @@ def ll_memory_verdict(
         f"--max-num-batched-tokens {tokens}, more than {buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} "
         f"of the {usable / GIB:.1f} GiB vLLM may use; at most {fit} tokens fit"
     )
-    refusal = None
     if fit <= 0:  # the buffers' fixed part alone is over the budget: no step size helps
         refusal = (
             f"{flag}: even a step of one token needs more NCCL-EP buffer memory per GPU than "
@@ -212,24 +177,16 @@ def ll_memory_verdict(
             f"--max-num-batched-tokens <= {fit} and --max-num-seqs <= {fit}, or raise "
             "--gpu-memory-utilization."
         )
-    elif not chunked_prefill and max_model_len is not None and max_model_len > fit:
-        refusal = (
-            f"{flag} {why}, but --max-num-batched-tokens is {tokens} with chunked prefill off "
-            f"and --max-model-len {max_model_len}. Enable chunked prefill or pass "
-            f"--max-model-len <= {fit}."
-        )
+    else:
+        refusal = _unchunked_reason(flag, fit, why, tokens, chunked_prefill, max_model_len)
     lowered = None if refusal is not None else fit
     return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
 
 
 def ep_world_size(par: Any) -> int:
-    """Ranks of one EP group: vLLM 0.33.0 builds it over DP x PCP x TP, one per pipeline
-    stage (vllm/distributed/parallel_state.py, `_EP`)."""
-    return (
-        par.data_parallel_size
-        * getattr(par, "prefill_context_parallel_size", 1)
-        * par.tensor_parallel_size
-    )
+    """Ranks of one EP group: DP x PCP x TP (vllm/distributed/parallel_state.py, `_EP`)."""
+    pcp = getattr(par, "prefill_context_parallel_size", 1)
+    return par.data_parallel_size * pcp * par.tensor_parallel_size
 
 
 def rdma_buffer_reason(
@@ -240,13 +197,7 @@ def rdma_buffer_reason(
     world: int,
     budget: int | None,
 ) -> str | None:
-    """Why VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES cannot serve this LL fleet, or None.
-
-    NCCL-EP allocates a fixed RDMA buffer exactly and never grows it; a handle whose
-    layout does not fit fails at model load (ncclEpInitHandle: ncclInvalidUsage). The
-    floor is that layout (buffer_sizes.ll_layout_bytes); the ceiling the LL fleet's share
-    of the GPU (`budget`), or envs.RDMA_MAX_BYTES where no GPU is visible.
-    """
+    """Why VLLM_FLASHINFER_EP_RDMA_BUFFER_BYTES (never grown by NCCL-EP) cannot serve, or None."""
     if rdma_bytes == 0:
         return None
     hidden, experts, top_k = shape
@@ -269,7 +220,7 @@ def rdma_buffer_reason(
 
 def device_memory_bytes() -> int | None:
     """Memory of GPU 0 as vLLM's platform reports it (NVML: no CUDA context), or None.
-    Callers reach it as `config_rules.device_memory_bytes()`, so tests can stand in a GPU."""
+    Callers reach it through this module, so tests can stand in a GPU."""
     try:
         from vllm.platforms import current_platform
 
@@ -281,12 +232,7 @@ def device_memory_bytes() -> int | None:
 
 
 def _unchunked_reason(
-    flag: str,
-    limit: int,
-    why: str,
-    tokens: int,
-    chunked_prefill: bool,
-    max_model_len: int | None,
+    flag: str, limit: int, why: str, tokens: int, chunked_prefill: bool, max_model_len: int | None
 ) -> str | None:
     """Lowering the step budget below --max-model-len needs chunked prefill."""
     if chunked_prefill or max_model_len is None or max_model_len <= limit:
@@ -298,20 +244,14 @@ def _unchunked_reason(
     )
 
 
-# Quantization methods whose MoE layers this package runs (128x128 block layers: FP8 on
-# the wire; the others: BF16 on the wire, FP8 after receive):
-# FP8 checkpoints (vLLM's `fp8` method) and vLLM 0.33.0's online FP8 shorthands.
+# FP8 checkpoints (vLLM's `fp8`) and vLLM 0.33.0's online FP8 shorthands.
 CHECKPOINT_FP8 = ("fp8",)
 ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
 FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
 
 
 def quantization_reason(flag: str, method: str | None, block: Any) -> str | None:
-    """BF16, FP8 checkpoints (per-tensor scales or 128x128 blocks) and online FP8
-    (--quantization fp8_per_tensor / fp8_per_block / fp8_per_channel on a BF16
-    checkpoint), on both backends; why anything else is refused. `method`: vLLM's
-    quantization method (the checkpoint's quant_method or --quantization), `block` the
-    checkpoint's weight_block_size."""
+    """Why the model's quantization (FP8_METHODS; `block`: weight_block_size) is refused."""
     if not method:
         return None
     if method not in FP8_METHODS:
@@ -332,7 +272,7 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
 
 
 def dtype_reason(flag: str, dtype: str | None) -> str | None:
-    """Why the model's dtype (vLLM's resolved --dtype, a name: "float16") is refused."""
+    """Why the model's dtype (vLLM's resolved --dtype, by name) is refused."""
     if dtype is None or dtype == "bfloat16":
         return None
     return (
@@ -357,8 +297,7 @@ def top_k_reason(flag: str, backend: str, top_k: int | None) -> str | None:
 
 
 def transport_reason() -> str | None:
-    """Why VLLM_FLASHINFER_EP_TRANSPORT cannot be served here, or None: nixl_ep needs a
-    FlashInfer built with NIXL-EP (FlashInfer is imported only to ask)."""
+    """Why VLLM_FLASHINFER_EP_TRANSPORT=nixl_ep cannot be served here, or None."""
     if envs.transport() != "nixl_ep":
         return None
     try:
@@ -388,8 +327,7 @@ def placement_reason(flag: str, placement: str) -> str | None:
 
 
 def expert_split_reason(flag: str, experts: int | None, redundant: int, ranks: int) -> str | None:
-    """Why the physical experts (logical + EPLB redundant) cannot go to `ranks` EP ranks,
-    or None: NCCL-EP gives every rank the same number of experts."""
+    """Why the physical experts cannot split evenly over `ranks` EP ranks, or None."""
     if experts is None or ranks <= 1 or experts % ranks == 0:
         return None
     what = f"{experts} experts"

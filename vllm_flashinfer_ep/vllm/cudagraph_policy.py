@@ -1,13 +1,6 @@
-"""Which CUDA-graph mode each flashinfer_ep backend allows, and why: one function.
-
-Called for every engine config (patched `set_splitting_ops_for_v1`), so it applies in
-every compilation mode (vLLM's own DeepEP-HT gate only runs under VLLM_COMPILE). It only
-matters where the all2all runs at all: vLLM's `ParallelConfig.use_all2all` with expert
-parallelism for a MoE model (dp > 1, and also EP with prefill context parallel at dp 1). vLLM passes the
-hook only the data-parallel size, so the engine config being built names the rest
-(`for_engine`, around vLLM's `VllmConfig.__post_init__`). The decision is logged with
-its reason.
-"""
+"""Which CUDA-graph mode each flashinfer_ep backend allows, and why: one function, called
+for every engine config (patched `set_splitting_ops_for_v1`) in every compilation mode.
+vLLM passes that hook only the DP size, so `for_engine` says whether the all2all runs."""
 
 from __future__ import annotations
 

@@ -8,27 +8,10 @@ from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 def agreed_token_count(
     num_tokens: int, max_spread: int | None = None, capacity: int | None = None
 ) -> int | str | None:
-    """The MoE token count every EP rank agrees on for this forward: the largest rank's.
-
-    `max_spread`: when the largest and the smallest rank's counts differ by more, None
-    (every rank then runs a per-forward handle of its own size): HT's experts compute
-    padded rows, so an idle rank padding up to a busy rank's prefill would do that rank's
-    expert work again. Every rank reads the same counts, so every rank decides alike.
-
-    vLLM all-reduces each DP rank's token count every step (`num_tokens_across_dp` in the
-    forward context's DP metadata; per-rank chunk sizes in `local_sizes` under sequence
-    parallelism), so every rank computes the same maximum and picks the same pooled
-    handle. Without DP metadata (a single DP rank, or outside a vLLM forward: kernel
-    tests, benchmarks) every EP rank runs the same tokens: LOCAL.
-
-    A rank whose own count exceeds the metadata's largest is an error, not a fallback to
-    a per-forward handle: the other ranks would update their pooled handle while this one
-    created a new one, and the collectives would pair up wrongly (a hang). Only that rank
-    can see it; the others end through NCCL-EP's timeout (docs/fault_tolerance.md).
-
-    `capacity`: a largest count above it is refused here, on every rank alike, before
-    any collective (a rank left alone in a dispatch would wait for the others).
-    """
+    """The largest EP rank's MoE token count in vLLM's DP metadata, read alike by every
+    rank; LOCAL without it. `max_spread`: a wider spread gives None (fresh handles), so an
+    idle HT rank does not pad up to a busy rank's prefill. A rank above the largest count
+    raises: falling back alone would mis-pair the collectives."""
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
     except ImportError:  # pragma: no cover - vLLM layout changed

@@ -199,8 +199,8 @@ def auto_fp8_experts(
 
 def small_forwards_note(up_to: float | None = None) -> str:
     """What the LL DeepGEMM layers run small forwards on (experts/deep_gemm.py) at
-    the bound `up_to` (None: the variable's), in the words of the config-time line, doctor
-    and the worker's line once the layers are set up."""
+    the bound `up_to` (None: the variable's), in the words of the config-time line and
+    doctor."""
     if up_to is None:
         up_to = envs.deep_gemm_received_rows()
     if up_to <= 0:

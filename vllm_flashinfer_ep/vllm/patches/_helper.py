@@ -1,19 +1,8 @@
 """The one patch mechanism: check a vLLM target, replace it, remember the original, undo.
 
-A `Patch` is both a row of the index (what / why / how / upstream fix / removal) and
-the input of `apply`/`undo`. Kinds:
-
-- WRAP: a function or method attribute; `make(original) -> replacement`. `in_place`
-  keeps the function object (vLLM's importers hold it by name) and swaps its code.
-- PROPERTY: a property on a class; `make(original_fget) -> new fget`.
-- GLOBAL: a module-level value; `make(original_value) -> new value`.
-- FIELD: a dataclass field's type; `make(original_type) -> new type`; pydantic
-  dataclasses are rebuilt.
-
-`expect` is checked before anything is replaced: for WRAP and PROPERTY the leading
-parameter names of the function (getter), for GLOBAL and FIELD a predicate on the value.
-Every patch replaces something on a module or a class, never on one object. A vLLM release that moved or reshaped a target
-gives one PatchTargetError naming the patch.
+Kinds: WRAP (a function; `in_place` swaps its code, since vLLM's importers hold it by
+name), PROPERTY (its getter), GLOBAL (a module value), FIELD (a dataclass field's type).
+`expect` is checked first, so a moved or reshaped target gives one PatchTargetError.
 """
 
 from __future__ import annotations
@@ -49,7 +38,6 @@ class Patch:
     after: Callable[[], None] | None = None  # run after apply and after undo
 
     def entry(self) -> str:
-        """The index entry of this patch, as text."""
         return (
             f"{self.name} [{self.stage}] {self.kind} {self.target}\n"
             f"  What: {self.what}\n  Why: {self.why}\n  How: {self.how}\n"
@@ -207,7 +195,6 @@ def apply_all(patches: Iterable[Patch]) -> None:
         apply(patch)
 
 
-# ------------------------------------------------------------------ internals
 def _describe(fn: Any, original: Any) -> None:
     for name in ("__name__", "__qualname__", "__doc__"):
         if hasattr(original, name):
@@ -232,11 +219,8 @@ def _copy_function(fn: types.FunctionType, code: types.CodeType) -> types.Functi
 
 
 def _swap_code(fn: types.FunctionType, replacement: Callable) -> types.CodeType:
-    """Make `fn` itself run `replacement`, so every module holding `fn` sees the patch.
-
-    `fn`'s code becomes a call through a name in its own module; `make` got a copy of
-    the original function to call. Returns the original code, for undo.
-    """
+    """Make `fn` itself run `replacement` (through a name in its module), so every module
+    holding `fn` sees the patch. Returns the original code, for undo."""
     if not isinstance(fn, types.FunctionType) or fn.__code__.co_freevars:
         raise PatchTargetError(f"{fn!r} cannot be patched in place")
     saved = fn.__code__

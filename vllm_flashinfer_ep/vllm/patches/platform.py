@@ -1,8 +1,5 @@
-"""Replacements for the platform patches (CLI parsing, engine config).
-
-Each `make_*` takes what vLLM 0.33.0 has and returns what replaces it; the table in
-`patches/__init__.py` says where it goes and why.
-"""
+"""Replacements for the platform patches (CLI parsing, engine config); the table in
+`patches/__init__.py` says where each goes and why."""
 
 from __future__ import annotations
 
@@ -82,12 +79,8 @@ def make_set_splitting_ops(original):
 
 
 def make_environment_variables(original: dict) -> dict:
-    """vLLM's variable table + one getter per documented VLLM_FLASHINFER_EP_* name.
-
-    The getters return the raw string and never raise (vLLM calls them when it hashes
-    compile-cache factors); values are validated at engine-config time
-    (`envs.validate_all` from config_validation).
-    """
+    """vLLM's variable table + one getter per VLLM_FLASHINFER_EP_* name, returning the raw
+    string: vLLM calls them when it hashes compile-cache factors, so they never raise."""
     import os
 
     from vllm_flashinfer_ep import envs
