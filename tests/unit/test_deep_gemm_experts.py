@@ -1,607 +1,623 @@
-"""`--moe-backend deep_gemm` under LL (vllm/deep_gemm_experts.py), on CPU with real vLLM objects.
+"""Block-FP8 LL layers on DeepGEMM (experts/deep_gemm.py), on CPU with vLLM's own classes.
 
-Block-FP8 LL layers may run vLLM 0.33.0's BatchedDeepGemmExperts: the engine config keeps
-the choice (logged) or refuses it with one error naming the flag, doctor gives the same
-verdict, and vLLM's DeepGEMM apply gets the activation scales MN-major (what DeepGEMM
-reads) with the wire's values, re-laid by the experts' wrapper (vllm/deep_gemm_per_batch.py),
-while the LL prepare hands every experts object the wire's row-major ones. DeepGEMM
-itself does not run here: tests/kernels/test_deep_gemm_experts_gpu.py runs it on the
-receive buffer against vLLM's batched Triton experts.
+`ReceivedRowsOrDeepGemmExperts` (vLLM's FallbackExperts pattern) runs a forward on the
+received-rows experts when its rows per expert over all ranks (tokens x top_k / global
+experts) are at most the bound its constructor got, else on `DeepGemmExperts` (vLLM's
+`BatchedDeepGemmExperts` handed MN-major activation scales, its masked tiles warmed on the
+first eager forward with DP metadata). DeepGEMM itself does not run here: vLLM's
+`BatchedDeepGemmExperts.apply` is replaced by a recorder of what it was handed (and of the
+`expected_m` its own estimate gives); the received-rows side runs with the stand-ins of
+test_received_rows_experts.py. Config-time rules: test_deep_gemm_config.py; on the GPU:
+tests/kernels/test_deep_gemm_experts_gpu.py.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import types
+from dataclasses import dataclass
 
 import pytest
 import torch
+import vllm.forward_context as fc
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from tiny_models import DEEPSEEK_V3_MTP, engine_config, write_model
-from vllm.model_executor.layers.fused_moe.config import (
-    FusedMoEConfig,
-    fp8_w8a8_moe_quant_config,
-)
 from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
     BatchedDeepGemmExperts,
 )
-from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import BatchedTritonExperts
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+    TopKWeightAndReduceDelegate,
+)
 
-import vllm_flashinfer_ep
-from tests.helpers import moe_config, vllm_apply
-from vllm_flashinfer_ep import cli, doctor, envs
-from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
-from vllm_flashinfer_ep.bench.reference import random_routing
+from tests.fakes.runtime import build_fake_runtime
+from tests.helpers import vllm_apply
+from tests.unit.test_received_rows_experts import (  # noqa: F401 - fixtures
+    EXPERTS,
+    FP8,
+    HIDDEN,
+    INTER,
+    Layer,
+    bf16_buffer,
+    fp8_arrivals,
+    kernel_apply,
+    make_layer,
+    moe_cfg,
+    rec,
+    received_mask,
+    rel,
+    selection,
+    standins,
+    tokens_for,
+    torch_moe,
+    vllm_rows,
+)
+from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.vllm import compact_experts, deep_gemm_experts, receive_quant
-from vllm_flashinfer_ep.vllm.patches import _helper
+from vllm_flashinfer_ep.experts import deep_gemm
+from vllm_flashinfer_ep.experts.deep_gemm import (
+    DeepGemmExperts,
+    ReceivedRowsOrDeepGemmExperts,
+    dp_estimate,
+    expected_m_values,
+    mn_major,
+    takes_received_rows,
+)
+from vllm_flashinfer_ep.experts.received_rows import ReceivedRowsExperts
+from vllm_flashinfer_ep.vllm import receive_quant
 from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
-vllm_flashinfer_ep.register()
+ROWS = 128  # rows per expert: DeepGEMM's whole row tiles
+TOP_K = 2
 
-HIDDEN, EXPERTS, TOP_K, INTER = 2048, 8, 2, 256
-FLAG = f"--all2all-backend {LOW_LATENCY}"
+
+@dataclass
+class DeepGemmCall:
+    expected_m: int  # what vLLM's apply would hand DeepGEMM (the experts' own estimate)
+    rows: int  # received rows it would compute
+    hidden: torch.Tensor
+    scales: torch.Tensor | None
+    meta: mk.ExpertTokensMetadata
+
+
+class DeepGemm:
+    """vLLM's BatchedDeepGemmExperts.apply as far as these tests see it."""
+
+    def __init__(self) -> None:
+        self.calls: list[DeepGemmCall] = []
+        self.fail_on_empty = False
+
+    def real(self) -> list[DeepGemmCall]:
+        return [c for c in self.calls if c.rows]
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for var in envs.VARIABLES:
-        monkeypatch.delenv(var.name, raising=False)
-    for name in (deep_gemm_experts.DEEP_GEMM_SWITCH, "VLLM_MOE_USE_DEEP_GEMM"):
-        monkeypatch.delenv(name, raising=False)
+def vllm_deep_gemm(monkeypatch):
+    """DeepGEMM recorded, the warm-up's per-process memory empty, no forward context."""
+    seen = DeepGemm()
 
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("tiny-dg"))
-
-
-# ------------------------------------------------------------------ engine config
-def test_ll_block_fp8_keeps_deep_gemm_and_says_so(tiny_moe, caplog):
-    with caplog.at_level(logging.INFO):
-        cfg = engine_config(
-            tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm"
+    @vllm_apply
+    def apply(self, kw):
+        meta = kw["expert_tokens_meta"]
+        m = self.estimate_expected_m(
+            global_num_experts=kw["global_num_experts"],
+            max_tokens_per_expert=kw["hidden_states"].shape[1],
+            topk=kw["topk_ids"].size(-1),
         )
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-    assert "DeepGEMM batched experts (--moe-backend deep_gemm)" in caplog.text
-    assert "at most 4 rows per expert run the package's received-rows" in caplog.text
+        rows = int(meta.expert_num_tokens.sum())
+        seen.calls.append(DeepGemmCall(m, rows, kw["hidden_states"], kw["a1q_scale"], meta))
+        if seen.fail_on_empty and rows == 0:
+            raise RuntimeError("no kernel for this tile")
+
+    monkeypatch.setattr(BatchedDeepGemmExperts, "apply", apply)
+    monkeypatch.setattr(deep_gemm, "_warmed", set())
+    monkeypatch.setattr(deep_gemm, "is_capturing", lambda: False)
+    monkeypatch.setattr(fc, "_forward_context", None)
+    monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
+    return seen
 
 
-SMALL_FORWARDS = {  # what the config-time line says for each kind of bound
-    "off": "every forward on DeepGEMM (VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS=0)",
-    "bound": "rows per expert run the package's received-rows",
-    "all": "every forward on the package's received-rows Triton experts",
-}
+def dp_metadata(monkeypatch, tokens_per_rank: list[int] | None) -> None:
+    """vLLM's forward context of a data parallel forward (None: no DP metadata)."""
+    meta = None
+    if tokens_per_rank is not None:
+        across = torch.tensor(tokens_per_rank, dtype=torch.int32)
+        meta = types.SimpleNamespace(num_tokens_across_dp_cpu=across)
+    monkeypatch.setattr(fc, "_forward_context", types.SimpleNamespace(dp_metadata=meta))
 
 
-@pytest.mark.parametrize(
-    ("rows", "kind", "says"),
-    [
-        ("0", "off", ""),
-        ("1.5", "bound", "at most 1.5 rows"),
-        ("0.5", "bound", "at most 0.5 rows"),
-        ("inf", "all", "=inf"),
-    ],
-)
-def test_the_named_deep_gemm_logs_where_small_forwards_go(
-    tiny_moe, caplog, monkeypatch, rows, kind, says
-):
-    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", rows)
-    with caplog.at_level(logging.INFO):
-        engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
-    assert says in caplog.text
-    assert [k for k, line in SMALL_FORWARDS.items() if line in caplog.text] == [kind]
-
-
-@pytest.mark.parametrize("quantization", ["fp8_per_block", None])
-def test_a_bad_small_forwards_bound_fails_the_engine_config(tiny_moe, monkeypatch, quantization):
-    """Refused with the other variables, whatever the model (a BF16 one has no DeepGEMM)."""
-    from vllm_flashinfer_ep.errors import FlashInferEPEnvVarError
-
-    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", "-2")
-    kwargs = {"quantization": quantization} if quantization else {}
-    with pytest.raises(
-        FlashInferEPEnvVarError, match="VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS='-2'"
-    ):
-        engine_config(tiny_moe, LOW_LATENCY, **kwargs)
-
-
-def test_a_block_fp8_checkpoint_keeps_deep_gemm(tmp_path):
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    model = write_model(tmp_path / "m", quantization_config=quant)
-    cfg = engine_config(model, LOW_LATENCY, moe_backend="deep_gemm")
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-
-
-REFUSED = [
-    (HIGH_THROUGHPUT, dict(quantization="fp8_per_block"), "under flashinfer_ep_low_latency only"),
-    (LOW_LATENCY, dict(quantization="fp8_per_tensor"), "128x128 block-FP8 layers only"),
-    (LOW_LATENCY, dict(quantization="fp8_per_channel"), "128x128 block-FP8 layers only"),
-    # dp=2: 200 x 2 = 400 rows per expert; 192 x 2 = 384 would do.
-    (
-        LOW_LATENCY,
-        dict(quantization="fp8_per_block", max_num_batched_tokens=200),
-        "Pass --max-num-batched-tokens a multiple of 64",
-    ),
-]
-
-
-@pytest.mark.parametrize("backend,kwargs,message", REFUSED)
-def test_deep_gemm_where_it_cannot_run_is_one_clear_error(tiny_moe, backend, kwargs, message):
-    with pytest.raises(FlashInferEPConfigError) as info:
-        engine_config(tiny_moe, backend, moe_backend="deep_gemm", **kwargs)
-    assert type(info.value) is FlashInferEPConfigError
-    assert message in str(info.value) and "--moe-backend triton" in str(info.value)
-
-
-def test_a_capacity_that_fills_whole_tiles_is_kept(tiny_moe):
-    cfg = engine_config(
-        tiny_moe,
-        LOW_LATENCY,
-        quantization="fp8_per_block",
-        moe_backend="deep_gemm",
-        max_num_batched_tokens=192,
-    )
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-
-
-def test_vllm_s_deep_gemm_switch_at_zero_is_named(tiny_moe, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
-    with pytest.raises(FlashInferEPConfigError, match="VLLM_USE_DEEP_GEMM=0 turns DeepGEMM off"):
-        engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm")
-
-
-def test_the_moe_only_switch_does_not_override_an_explicit_choice(tiny_moe, monkeypatch):
-    """vLLM's oracle honours --moe-backend deep_gemm before it reads VLLM_MOE_USE_DEEP_GEMM."""
-    monkeypatch.setenv("VLLM_MOE_USE_DEEP_GEMM", "0")
-    cfg = engine_config(
-        tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="deep_gemm"
-    )
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-
-
-def test_other_experts_stay_refused(tiny_moe):
-    with pytest.raises(FlashInferEPConfigError, match="Pass --moe-backend triton"):
-        engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block", moe_backend="cutlass")
-
-
-def test_doctor_gives_the_engine_s_verdict(tiny_moe, monkeypatch):
-    seen = []
-    real = doctor.model_checks
-    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
-    args = ["-q", "fp8_per_block", "--moe-backend", "deep_gemm", "-dp", "2", "-ep"]
-    cli.main(["doctor", "--model", tiny_moe, *args, "--max-num-batched-tokens", "200"])
-    check = {c.name: c for c in seen}["FP8 experts"]
-    with pytest.raises(FlashInferEPConfigError) as info:
-        engine_config(
-            tiny_moe,
-            LOW_LATENCY,
-            quantization="fp8_per_block",
-            moe_backend="deep_gemm",
-            max_num_batched_tokens=200,
-        )
-    assert not check.ok and check.fix == str(info.value)
-    seen.clear()
-    cli.main(["doctor", "--model", tiny_moe, *args])
-    check = {c.name: c for c in seen}["FP8 experts"]
-    assert check.ok and "DeepGEMM" in check.detail
-
-
-# ---------------------------------------------------------------- the LL prepare
-def _moe_config() -> FusedMoEConfig:
-    return moe_config(
-        experts=EXPERTS,
-        top_k=TOP_K,
-        hidden=HIDDEN,
-        inter=INTER,
-        max_num_tokens=128,
-        backend=LOW_LATENCY,
-    )
-
-
-def _block_qc():
-    one = torch.ones(EXPERTS, dtype=torch.float32)
-    return fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
-
-
-@pytest.fixture
-def kernel(fake):
-    """An LL prepare/finalize over a fake runtime (capacity 128, FP8 on the wire) set up by
-    vLLM's modular kernel with the experts a test names; instance patches undone after."""
-    from tests.fakes.runtime import build_fake_runtime
-    from vllm_flashinfer_ep.backends import Algorithm
-
-    def build(cls, capacity=128, fp8_dispatch=True):
-        rt, _ = build_fake_runtime(
-            Algorithm.LOW_LATENCY,
-            hidden=HIDDEN,
-            num_experts=EXPERTS,
-            capacity=capacity,
-            top_k=TOP_K,
-            sizes=[8],
-        )
-        if fp8_dispatch:
-            rt.enable_fp8_wire()
-        pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, fp8_dispatch=fp8_dispatch)
-        experts = cls(_moe_config(), _block_qc(), max_num_tokens=capacity, num_dispatchers=1)
-        mk.FusedMoEKernel(pf, experts)  # post_init_setup
-        return rt, pf, experts
-
-    yield build
-    _helper.undo_instances()
-
-
-def _layer(num_tokens: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).bfloat16() * 3
-    ids, weights = random_routing(num_tokens, EXPERTS, TOP_K, torch.device("cpu"), gen)
-    return x, ids, weights
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Value for value, NaN included (the fake leaves NaN in rows nobody received)."""
-    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
-
-
-def _is_mn_major(s: torch.Tensor) -> bool:
+def is_mn_major(s: torch.Tensor) -> bool:
     experts, rows, groups = s.shape
     return s.stride() == (rows * groups, 1, rows)
 
 
-class RecordingDeepGemm(BatchedDeepGemmExperts):
-    """vLLM's BatchedDeepGemmExperts whose own apply (DeepGEMM, absent here) records the
-    activations and scales it was handed."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.calls: list[dict] = []
-
-    @vllm_apply
-    def apply(self, kw):
-        self.calls.append({"hidden": kw["hidden_states"], "scales": kw["a1q_scale"]})
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Value for value, NaN included (rows nobody received hold NaN)."""
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
-def _experts_apply(experts, prepared, ids, weights) -> None:
-    """The experts called on the prepare's result, as vLLM's modular kernel calls them."""
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+def build(bound: float, *, dispatchers: int = 1, sent=None, seed: int = 0, capacity=None):
+    layer = make_layer("block", seed)
+    capacity = capacity or ROWS // dispatchers
+    experts = ReceivedRowsOrDeepGemmExperts(
+        moe_cfg(TOP_K, capacity),
+        layer.qc,
+        capacity,
+        dispatchers,
+        received_rows_up_to=bound,
+        sent_per_rank=(lambda: sent) if sent is not None else None,
+    )
+    return experts, layer
 
-    a1q, scales, meta, _, _ = prepared
-    rows = a1q.shape[1]
+
+def counts_for(tokens: int, top_k: int = TOP_K, rows: int = ROWS) -> list[int]:
+    """tokens x top_k rows spread over the experts, none above the buffer."""
+    counts = [0] * EXPERTS
+    for r in range(tokens * top_k):
+        counts[(r * 3) % EXPERTS] += 1
+    return [min(c, rows) for c in counts]
+
+
+def run(experts, layer: Layer, hidden, scales, counts, tokens, *, top_k=TOP_K, global_experts=None):
+    """One call as vLLM's modular kernel makes it; the output starts NaN."""
+    e, rows, h = hidden.shape
+    out = torch.full((e, rows, h), float("nan"), dtype=torch.bfloat16)
     experts.apply(
-        output=torch.empty(EXPERTS, rows, HIDDEN, dtype=torch.bfloat16),
-        hidden_states=a1q,
-        w1=torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.float8_e4m3fn),
-        w2=torch.zeros(EXPERTS, HIDDEN, INTER, dtype=torch.float8_e4m3fn),
-        topk_weights=weights,
-        topk_ids=ids,
-        activation=MoEActivation.SILU,
-        global_num_experts=EXPERTS,
+        output=out,
+        hidden_states=hidden,
+        w1=layer.w1,
+        w2=layer.w2,
+        topk_weights=None,
+        topk_ids=torch.zeros(tokens, top_k, dtype=torch.int64),
+        activation=experts.moe_config.activation,
+        global_num_experts=global_experts or EXPERTS,
         expert_map=None,
         a1q_scale=scales,
         a2_scale=None,
-        workspace13=torch.empty(EXPERTS * rows * 2 * INTER, dtype=torch.bfloat16),
-        workspace2=torch.empty(EXPERTS * rows * INTER, dtype=torch.bfloat16),
-        expert_tokens_meta=meta,
+        workspace13=torch.empty(e * rows * max(2 * INTER, h), dtype=torch.bfloat16),
+        workspace2=torch.empty(e * rows * INTER, dtype=torch.bfloat16),
+        expert_tokens_meta=mk.ExpertTokensMetadata(
+            expert_num_tokens=counts, expert_num_tokens_cpu=counts.clone()
+        ),
         apply_router_weight_on_input=False,
     )
+    return out
 
 
-@pytest.mark.parametrize("tokens", [5, 9], ids=["pooled-8", "fresh"])
-def test_deep_gemm_experts_get_the_wire_s_scales_mn_major(kernel, tokens, monkeypatch):
-    """The prepare hands on the wire's scales; the experts' wrapper (vllm/deep_gemm_per_batch.py)
-    re-lays them MN-major for DeepGEMM, copying only the rows the round can have filled."""
-    copied = []
-    real = deep_gemm_experts.mn_major
-    monkeypatch.setattr(
-        deep_gemm_experts, "mn_major", lambda s, rows=None: copied.append(rows) or real(s, rows)
-    )
-    rt, pf, experts = kernel(RecordingDeepGemm)
-    assert compact_experts.PATCH.name not in [r.patch for r in _helper._chain(experts, "apply")]
-    x, ids, weights = _layer(tokens, seed=1)
-    prepared = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
-    a1q, wire, meta, _, _ = prepared
-    assert a1q is rt.fp8_wire.tokens and wire is rt.fp8_wire.scales and not _is_mn_major(wire)
-    # The rows the round can have filled: a pooled round's size from every rank (8 here);
-    # a fresh handle's round (above the pool) says nothing, so every row.
-    sent = rt.round.sent_per_rank
-    filled = wire.shape[1] if sent is None else sent * rt.world_size
-    assert filled == (8 if tokens <= 8 else 128)
-    assert int(meta.expert_num_tokens.max()) <= filled
-    assert int(meta.expert_num_tokens.sum()) == (sent or tokens) * TOP_K  # padding too
-    _experts_apply(experts, prepared, ids, weights)
-    scales = experts.calls[-1]["scales"]
-    assert _is_mn_major(scales) and scales.shape == wire.shape
-    assert _same(scales[:, :filled], wire[:, :filled])
-    assert copied == [None if sent is None else filled]  # no copy of rows no token filled
-    rt.round.end()
+def wire_buffer(counts: list[int], seed: int, rows: int = ROWS):
+    """E4M3 rows and row-major scales [E, rows, H / 128] as the FP8 wire fills them."""
+    x, c = bf16_buffer(counts, seed, rows)
+    q, s = fp8_arrivals("block", x, c)
+    return q, s, c
 
 
-def test_scales_quantized_after_receive_are_mn_major_too(kernel, monkeypatch):
+# ------------------------------------------------------------------ the choice
+@pytest.mark.parametrize(
+    ("bound", "tokens", "received_rows"),
+    [
+        # 8 experts, top_k 2: bound b takes forwards of at most 4b tokens
+        pytest.param(1.0, 1, True, id="one-token"),
+        pytest.param(1.0, 4, True, id="at-the-bound"),
+        pytest.param(1.0, 5, False, id="one-token-above"),
+        pytest.param(0.5, 2, True, id="fractional-at-the-bound"),
+        pytest.param(0.5, 3, False, id="fractional-above"),
+        pytest.param(0.0, 1, False, id="off"),
+        pytest.param(0.0, 0, False, id="off-for-an-empty-forward-too"),
+        pytest.param(math.inf, ROWS, True, id="every-forward"),
+    ],
+)
+def test_small_forwards_run_the_received_rows_and_the_others_deep_gemm(
+    vllm_deep_gemm, bound, tokens, received_rows
+):
+    experts, layer = build(bound)
+    q, s, c = wire_buffer(counts_for(tokens), seed=tokens)
+    out = run(experts, layer, q, s, c, tokens)
+    received = received_mask(c, ROWS)
+    if received_rows:
+        assert not vllm_deep_gemm.calls and len(rec.gemms) == 2
+        # the received-rows side reads the wire's row-major scales in place
+        assert rec.gemms[0]["A_scale"].data_ptr() == s.data_ptr() and not is_mn_major(s)
+        want = vllm_rows(layer, q, s, c)
+        assert rel(out[received], want[received]) < 1e-3
+        assert torch.isnan(out[~received].float()).all()
+        return
+    assert not rec.gemms and len(vllm_deep_gemm.calls) == 1
+    got = vllm_deep_gemm.calls[0]
+    assert got.hidden is q and is_mn_major(got.scales) and same(got.scales, s)
+
+
+@pytest.mark.parametrize(
+    ("tokens_across", "bound", "takes"),
+    [(4, 1.0, True), (5, 1.0, False), (0, 0.0, False), (10**9, math.inf, True), (1, 0.25, True)],
+)
+def test_the_rule_is_tokens_across_times_top_k_at_most_bound_times_experts(
+    tokens_across, bound, takes
+):
+    assert takes_received_rows(tokens_across, TOP_K, EXPERTS, bound) is takes
+
+
+@pytest.mark.parametrize(
+    ("bound", "received_rows"), [(4.0, True), (3.9, False)], ids=["at-4", "below-4"]
+)
+def test_a_round_s_size_counts_every_sender_not_this_rank(vllm_deep_gemm, bound, received_rows):
+    """Two senders, a pooled round of 8 tokens each: 16 tokens x 2 = 32 rows over 8
+    experts, 4 per expert, whatever this rank's own count (1 token here)."""
+    experts, layer = build(bound, dispatchers=2, sent=8)
+    q, s, c = wire_buffer([4] * EXPERTS, seed=3)
+    run(experts, layer, q, s, c, 1)
+    assert bool(rec.gemms) is received_rows and bool(vllm_deep_gemm.calls) is not received_rows
+
+
+@pytest.mark.parametrize(
+    ("dp", "bound", "received_rows"),
+    [
+        pytest.param([3, 9], 4.5, True, id="largest-rank-9-at-4.5"),
+        pytest.param([3, 9], 4.4, False, id="largest-rank-9-below"),
+        pytest.param(None, 32.0, True, id="no-metadata-capacity-at-32"),
+        pytest.param(None, 31.9, False, id="no-metadata-capacity-below"),
+    ],
+)
+def test_without_the_round_s_size_vllm_s_dp_metadata_or_the_capacity_counts(
+    monkeypatch, vllm_deep_gemm, dp, bound, received_rows
+):
+    """Two senders: 9 tokens from the largest rank x 2 ranks x top_k 2 = 36 rows over 8
+    experts (4.5 each); without DP metadata each rank may send its capacity (64: 32 each)."""
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    if dp is not None:
+        dp_metadata(monkeypatch, dp)
+    experts, layer = build(bound, dispatchers=2)
+    q, s, c = wire_buffer([3] * EXPERTS, seed=4)
+    run(experts, layer, q, s, c, 3)
+    assert bool(rec.gemms) is received_rows and bool(vllm_deep_gemm.real()) is not received_rows
+
+
+def test_rows_per_expert_count_every_rank_s_experts(vllm_deep_gemm):
+    """EP world 2, 8 of 16 experts here: 2 senders x 4 tokens x top_k 2 = 16 rows over 16
+    experts, 1 per expert: at a bound of 1 the received rows, not 2 per local expert."""
+    experts, layer = build(1.0, dispatchers=2, sent=4)
+    q, s, c = wire_buffer(counts_for(4), seed=5)
+    run(experts, layer, q, s, c, 4, global_experts=2 * EXPERTS)
+    assert not vllm_deep_gemm.calls and len(rec.gemms) == 2
+    rec.clear()
+    run(experts, layer, q, s, c, 4)  # 16 rows over 8 experts: 2 each, above the bound
+    assert len(vllm_deep_gemm.calls) == 1 and not rec.gemms
+
+
+def test_the_bound_off_looks_no_token_count_up(monkeypatch, vllm_deep_gemm):
+    def no_lookup(*args):
+        raise AssertionError("the token count was looked up with the bound off")
+
+    monkeypatch.setattr(deep_gemm, "senders_tokens", no_lookup)
+    experts, layer = build(0.0, dispatchers=2, sent=1)
+    q, s, c = wire_buffer(counts_for(1), seed=6)
+    run(experts, layer, q, s, c, 1)
+    assert len(vllm_deep_gemm.calls) == 1
+
+
+def test_a_pooled_round_s_rows_are_all_computed_whatever_this_rank_sent(vllm_deep_gemm):
+    """World 1, a pooled round of 8 tokens carrying 1 real one: every row the 8 tokens
+    put in the buffer is computed (the list sized from the round, not the batch)."""
+    experts, layer = build(math.inf, sent=8)
+    q, s, c = wire_buffer(counts_for(8), seed=7)
+    out = run(experts, layer, q, s, c, 1)
+    received = received_mask(c, ROWS)
+    assert not vllm_deep_gemm.calls
+    assert rel(out[received], vllm_rows(layer, q, s, c)[received]) < 1e-3
+
+
+def test_scales_already_mn_major_are_read_right_by_both_sides(vllm_deep_gemm):
+    q, s, c = wire_buffer(counts_for(2), seed=8)
+    mn = mn_major(s)
+    experts, layer = build(math.inf)
+    out = run(experts, layer, q, mn, c, 2)
+    received = received_mask(c, ROWS)
+    assert rel(out[received], vllm_rows(layer, q, s, c)[received]) < 1e-3
+    experts, layer = build(0.0)
+    run(experts, layer, q, mn, c, 2)
+    assert same(vllm_deep_gemm.calls[0].scales, s) and is_mn_major(vllm_deep_gemm.calls[0].scales)
+
+
+def test_the_prepare_s_quantized_rows_take_either_side(monkeypatch, vllm_deep_gemm):
+    """A block layer whose wire is off: the LL prepare quantizes what arrived (these
+    experts never defer it) and both sides read its E4M3 rows with row-major scales."""
     from tests.unit.test_receive_quant import emulated_quantize
 
     monkeypatch.setattr(receive_quant, "_vllm_quantize", emulated_quantize)
-    rt, pf, experts = kernel(RecordingDeepGemm, fp8_dispatch=False)
-    x, ids, weights = _layer(3, seed=2)
-    prepared = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
-    a1q, row_major, *_ = prepared
-    assert a1q.dtype == torch.float8_e4m3fn and not _is_mn_major(row_major)
-    _experts_apply(experts, prepared, ids, weights)
-    filled = rt.round.sent_per_rank * rt.world_size
-    scales = experts.calls[-1]["scales"]
-    assert _is_mn_major(scales) and _same(scales[:, :filled], row_major[:, :filled])
-    rt.round.end()
+    experts, layer = build(1.0)
+    assert experts.expects_unquantized_inputs is False
+    x, c = bf16_buffer(counts_for(2), seed=9, rows=ROWS)
+    xq, xs = receive_quant.quantize_expert_buffer(x.nan_to_num(), c, layer.qc, False)
+    out = run(experts, layer, xq, xs, c, 2)
+    received = received_mask(c, ROWS)
+    assert not vllm_deep_gemm.calls and rec.gemms[0]["A"].data_ptr() == xq.data_ptr()
+    assert rel(out[received], vllm_rows(layer, xq, xs, c)[received]) < 1e-3
+    run(experts, layer, xq, xs, c, 5)  # above the bound
+    got = vllm_deep_gemm.calls[0]
+    assert got.hidden is xq and is_mn_major(got.scales) and same(got.scales, xs)
 
 
-def test_triton_experts_keep_the_wire_s_row_major_scales(kernel):
-    rt, pf, _ = kernel(BatchedTritonExperts)
-    x, ids, weights = _layer(5, seed=3)
-    _, scales, *_ = pf.prepare(x, weights, ids, EXPERTS, None, False, _block_qc())
-    assert scales is rt.fp8_wire.scales
-    rt.round.end()
+# ------------------------------------------------------------------ MN-major scales
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize(
+    ("sent", "dispatchers", "copied"),
+    [(8, 1, 8), (8, 2, 16), (None, 1, None)],
+    ids=["pooled-8", "pooled-8-two-senders", "unknown-every-row"],
+)
+def test_deep_gemm_gets_mn_major_scales_holding_the_rows_the_round_can_fill(
+    monkeypatch, vllm_deep_gemm, sent, dispatchers, copied
+):
+    """Each sender puts at most its round's tokens in an expert's slot: the copy covers
+    sent x senders rows per expert (every row when the round's size is unknown)."""
+    asked = []
+    monkeypatch.setattr(
+        deep_gemm, "mn_major", lambda s, rows=None: asked.append(rows) or mn_major(s, rows)
+    )
+    experts, layer = build(0.0, dispatchers=dispatchers, sent=sent)
+    q, s, c = wire_buffer([min(8, 4 * dispatchers)] * EXPERTS, seed=10)
+    s = s.nan_to_num(7.0)  # rows past the counts: an earlier round's leftovers
+    run(experts, layer, q, s, c, 4)
+    assert asked == [copied]
+    scales = vllm_deep_gemm.calls[0].scales
+    filled = ROWS if copied is None else copied
+    assert is_mn_major(scales) and scales.shape == s.shape
+    assert same(scales[:, :filled], s[:, :filled])
+    assert scales[:, filled:].isnan().all()  # nothing past what the round can fill
 
 
-def test_experts_that_want_packed_ue8m0_scales_are_refused_at_load(kernel, monkeypatch):
+def test_mn_major_keeps_every_value_and_takes_any_layout():
+    s = torch.rand(3, 128, 16, generator=torch.Generator().manual_seed(4))
+    out = mn_major(s)
+    assert is_mn_major(out) and torch.equal(out, s) and out.data_ptr() != s.data_ptr()
+    assert torch.equal(mn_major(out), s)  # already MN-major: a new tensor, same values
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """New tensors NaN-filled, so rows nobody copied show as such (not as leftovers)."""
+    real = torch.empty_strided
+
+    def empty_strided(*args, **kwargs):
+        return real(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty_strided", empty_strided)
+
+
+@pytest.mark.usefixtures("nan_empty")
+@pytest.mark.parametrize("rows", [0, 1, 17, 128, 500])
+def test_mn_major_copies_the_rows_asked_for_and_no_others(rows):
+    """The copy is the cost the round's size saves: rows past `rows` stay untouched."""
+    s = torch.rand(3, 128, 16, generator=torch.Generator().manual_seed(5))
+    out = mn_major(s, rows)
+    kept = min(rows, 128)
+    assert is_mn_major(out) and torch.equal(out[:, :kept], s[:, :kept])
+    assert out[:, kept:].isnan().all()
+
+
+# ------------------------------------------------------------------ through vLLM's kernel
+def ll_kernel(bound: str, monkeypatch, *, wire=True, sizes=(8,)):
+    """vLLM's FusedMoEKernel over the LL prepare/finalize with vLLM's BatchedDeepGemmExperts
+    (what its oracle builds for --moe-backend deep_gemm), the bound from the variable."""
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS", bound)
+    layer = make_layer("block", seed=11)
+    rt, _ = build_fake_runtime(
+        Algorithm.LOW_LATENCY,
+        hidden=HIDDEN,
+        num_experts=EXPERTS,
+        capacity=ROWS,
+        top_k=TOP_K,
+        sizes=list(sizes),
+    )
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, fp8_dispatch=wire)
+    vllm_experts = BatchedDeepGemmExperts(moe_cfg(TOP_K, ROWS), layer.qc, ROWS, 1)
+    kernel = mk.FusedMoEKernel(pf, vllm_experts)
+    experts = kernel.fused_experts
+    assert type(experts) is ReceivedRowsOrDeepGemmExperts
+    assert experts.received_rows_up_to == float(bound)
+    return rt, kernel, layer
+
+
+@pytest.mark.usefixtures("selection")
+@pytest.mark.parametrize("tokens", [5, 9], ids=["pooled-8", "fresh"])
+def test_through_the_kernel_deep_gemm_gets_the_wire_s_scales_mn_major(
+    monkeypatch, vllm_deep_gemm, tokens
+):
+    asked = []
+    monkeypatch.setattr(
+        deep_gemm, "mn_major", lambda s, rows=None: asked.append(rows) or mn_major(s, rows)
+    )
+    rt, kernel, layer = ll_kernel("0", monkeypatch)
+    x, ids, weights = tokens_for(tokens, TOP_K, seed=tokens)
+    kernel_apply(kernel, layer, x, ids, weights)
+    got = vllm_deep_gemm.calls[0]
+    wire = rt.fp8_wire
+    assert got.hidden is wire.tokens and is_mn_major(got.scales) and not is_mn_major(wire.scales)
+    # a pooled round's size (8 tokens from the one rank); a fresh handle's round says
+    # nothing, so every row
+    filled = 8 if tokens <= 8 else ROWS
+    assert asked == [None if tokens > 8 else 8]
+    assert int(got.meta.expert_num_tokens.max()) <= filled
+    assert same(got.scales[:, :filled], wire.scales[:, :filled])
+
+
+@pytest.mark.usefixtures("selection")
+def test_through_the_kernel_small_forwards_match_a_torch_moe(monkeypatch, vllm_deep_gemm):
+    rt, kernel, layer = ll_kernel("inf", monkeypatch)
+    x, ids, weights = tokens_for(5, TOP_K, seed=12)
+    out = kernel_apply(kernel, layer, x, ids, weights)
+    assert not vllm_deep_gemm.calls and len(rec.gemms) == 2
+    assert rec.gemms[0]["A_scale"].data_ptr() == rt.fp8_wire.scales.data_ptr()  # row-major
+    assert rel(out, torch_moe(x, layer.d1, layer.d2, ids, weights)) < 8e-2
+
+
+@pytest.mark.usefixtures("selection")
+def test_through_the_kernel_the_wire_off_prepare_quantizes_for_deep_gemm(
+    monkeypatch, vllm_deep_gemm
+):
+    from tests.unit.test_receive_quant import emulated_quantize
+
+    monkeypatch.setattr(receive_quant, "_vllm_quantize", emulated_quantize)
+    rt, kernel, layer = ll_kernel("0", monkeypatch, wire=False)
+    assert kernel.fused_experts.expects_unquantized_inputs is False
+    x, ids, weights = tokens_for(3, TOP_K, seed=13)
+    kernel_apply(kernel, layer, x, ids, weights)
+    got = vllm_deep_gemm.calls[0]
+    assert got.hidden.dtype == FP8 and is_mn_major(got.scales)
+    assert rt.fp8_wire is None or rt.fp8_wire.dispatches == 0
+
+
+# ------------------------------------------------------------------ the warm-up
+TOP_K_WARM = 8  # 128 rows x top_k 8 / 8 experts: estimates up to the rows per expert
+
+
+def warm_call(experts, layer, tokens=5, rows=ROWS):
+    q, s, c = wire_buffer([3, 0, 1, 0, 0, 0, 0, 2], seed=14, rows=rows)
+    run(experts, layer, q, s, c, tokens, top_k=TOP_K_WARM)
+    return q
+
+
+def test_the_first_eager_call_with_dp_metadata_warms_every_expected_m_once(
+    monkeypatch, vllm_deep_gemm, caplog
+):
+    """vLLM's apply once per `expected_m` a forward can give, every count zero (no row
+    computed, each tile compiled), then the forward's own call with vLLM's estimate; once
+    per weight shape and process."""
+    dp_metadata(monkeypatch, [40, 24])  # 64 tokens x 8 / 8 experts = 64 per expert
+    experts, layer = build(0.0)
+    with caplog.at_level(logging.INFO):
+        hidden = warm_call(experts, layer)
+    values = expected_m_values(ROWS, TOP_K_WARM, EXPERTS)
+    assert values == list(range(16, ROWS + 1, 16))
+    got = [(c.expected_m, c.rows) for c in vllm_deep_gemm.calls]
+    assert got == [(m, 0) for m in values] + [(64, 6)]
+    warm = vllm_deep_gemm.calls[0]
+    assert warm.hidden is hidden and warm.meta.expert_num_tokens_cpu is None
+    assert experts.experts._fixed_m is None  # vLLM's estimate again
+    assert f"warmed for {len(values)} expected_m values" in caplog.text
+    vllm_deep_gemm.calls.clear()
+    warm_call(experts, layer)
+    assert [(c.expected_m, c.rows) for c in vllm_deep_gemm.calls] == [(64, 6)]
+    other, _ = build(0.0, seed=1)  # another layer of the same shape: nothing to compile
+    warm_call(other, layer)
+    assert len(vllm_deep_gemm.calls) == 2
+    bigger, _ = build(0.0, capacity=2 * ROWS)  # another buffer shape: its own tiles
+    vllm_deep_gemm.calls.clear()
+    warm_call(bigger, layer, rows=2 * ROWS)
+    assert len(vllm_deep_gemm.calls) == len(expected_m_values(2 * ROWS, TOP_K_WARM, EXPERTS)) + 1
+
+
+@pytest.mark.parametrize("why", ["no-dp-metadata", "capturing"])
+def test_no_warm_up_outside_an_eager_forward_with_dp_metadata(monkeypatch, vllm_deep_gemm, why):
+    """World 1 has no DP metadata (nothing to warm); a capture must not launch more: the
+    next eager forward with DP metadata warms."""
+    if why == "capturing":
+        dp_metadata(monkeypatch, [8, 8])
+        monkeypatch.setattr(deep_gemm, "is_capturing", lambda: True)
+    experts, layer = build(0.0)
+    warm_call(experts, layer)
+    assert [c.rows for c in vllm_deep_gemm.calls] == [6]
+    dp_metadata(monkeypatch, [8, 8])
+    monkeypatch.setattr(deep_gemm, "is_capturing", lambda: False)
+    vllm_deep_gemm.calls.clear()
+    warm_call(experts, layer)
+    assert len(vllm_deep_gemm.calls) == len(expected_m_values(ROWS, TOP_K_WARM, EXPERTS)) + 1
+
+
+def test_vllm_s_skip_setting_skips_the_warm_up(monkeypatch, vllm_deep_gemm, caplog):
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    dp_metadata(monkeypatch, [8, 8])
+    experts, layer = build(0.0)
+    with caplog.at_level(logging.INFO):
+        warm_call(experts, layer)
+    assert [c.rows for c in vllm_deep_gemm.calls] == [6]
+    assert "VLLM_DEEP_GEMM_WARMUP=skip" in caplog.text
+
+
+def test_a_failed_warm_up_is_logged_and_the_forward_still_runs(monkeypatch, vllm_deep_gemm, caplog):
+    vllm_deep_gemm.fail_on_empty = True
+    dp_metadata(monkeypatch, [8, 8])  # 16 tokens x 8 / 8 experts: vLLM's estimate 16
+    experts, layer = build(0.0)
+    with caplog.at_level(logging.WARNING):
+        warm_call(experts, layer)
+    assert "warming DeepGEMM's masked tiles failed (RuntimeError" in caplog.text
+    assert vllm_deep_gemm.calls[-1].rows == 6 and vllm_deep_gemm.calls[-1].expected_m == 16
+    assert experts.experts._fixed_m is None
+
+
+def test_the_warm_up_stops_at_the_largest_estimate_a_forward_can_give(monkeypatch, vllm_deep_gemm):
+    """128 rows x top_k 8 over 64 global experts: at most 16 rows per expert."""
+    dp_metadata(monkeypatch, [64, 64])
+    experts, layer = build(0.0)
+    q, s, c = wire_buffer([3, 0, 1, 0, 0, 0, 0, 2], seed=15)
+    run(experts, layer, q, s, c, 5, top_k=TOP_K_WARM, global_experts=64)
+    assert [c.expected_m for c in vllm_deep_gemm.calls if c.rows == 0] == [16]
+
+
+@pytest.mark.parametrize("rows", [8, 128, 256, 512, 2048])
+@pytest.mark.parametrize("global_experts", [8, 64, 256, 384])
+def test_the_values_warmed_are_every_estimate_vllm_makes(monkeypatch, rows, global_experts):
+    """vLLM's own estimate over every token count the DP metadata can hold (at most the
+    buffer's rows over all ranks) gives exactly `expected_m_values`."""
+    experts = BatchedDeepGemmExperts(moe_cfg(TOP_K, 128), make_layer("block", 0).qc, 128, 1)
+    seen = set()
+    for tokens in range(rows + 1):
+        dp_metadata(monkeypatch, [tokens // 2, tokens - tokens // 2])
+        seen.add(experts.estimate_expected_m(global_experts, rows, TOP_K_WARM))
+    assert seen == set(expected_m_values(rows, TOP_K_WARM, global_experts))
+
+
+def test_dp_estimate_is_vllm_s_estimate_for_any_token_count(monkeypatch):
+    experts = BatchedDeepGemmExperts(moe_cfg(TOP_K, 128), make_layer("block", 0).qc, 128, 1)
+    for rows in (128, 256):
+        for global_experts in (8, 64, 384):
+            for top_k in (1, 8):
+                for tokens in range(0, 2 * rows + 64, 7):
+                    dp_metadata(monkeypatch, [tokens // 2, tokens - tokens // 2])
+                    vllm_m = experts.estimate_expected_m(global_experts, rows, top_k)
+                    assert dp_estimate(tokens, top_k, global_experts, rows) == vllm_m
+
+
+# ------------------------------------------------------------------ construction
+@pytest.mark.parametrize(
+    ("capacity", "dispatchers", "step"), [(100, 1, 128), (96, 2, 64), (200, 3, 128)]
+)
+def test_a_buffer_deep_gemm_would_overrun_is_refused(capacity, dispatchers, step):
+    with pytest.raises(FlashInferEPConfigError) as info:
+        build(4.0, capacity=capacity, dispatchers=dispatchers)
+    assert f"--max-num-batched-tokens a multiple of {step}" in str(info.value)
+    assert "--moe-backend triton" in str(info.value)
+
+
+def test_gpus_that_want_packed_ue8m0_scales_are_refused(monkeypatch):
     """Blackwell with vLLM's E8M0 setting: DeepGEMM wants packed power-of-two scales."""
     monkeypatch.setattr(BatchedDeepGemmExperts, "supports_packed_ue8m0_act_scales", lambda s: True)
     with pytest.raises(FlashInferEPConfigError, match="packed UE8M0.*--moe-backend triton"):
-        kernel(BatchedDeepGemmExperts)
+        build(4.0)
 
 
-def test_a_buffer_deep_gemm_would_overrun_is_refused_at_load(kernel):
-    with pytest.raises(FlashInferEPConfigError, match="--max-num-batched-tokens a multiple of 128"):
-        kernel(BatchedDeepGemmExperts, capacity=100)
-
-
-def test_ht_refuses_deep_gemm_experts():
-    experts = BatchedDeepGemmExperts(
-        _moe_config(), _block_qc(), max_num_tokens=128, num_dispatchers=1
+@pytest.mark.usefixtures("selection")
+def test_vllm_s_kernel_build_raises_the_refusal(monkeypatch):
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=100, sizes=[1]
     )
-    receive_quant.check_experts(experts, FLAG, batched=True)
-    with pytest.raises(FlashInferEPConfigError, match="--moe-backend triton"):
-        receive_quant.check_experts(experts, FLAG, batched=False)
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt)
+    layer = make_layer("block", 0)
+    with pytest.raises(FlashInferEPConfigError, match="multiple of 128"):
+        mk.FusedMoEKernel(pf, BatchedDeepGemmExperts(moe_cfg(TOP_K, 100), layer.qc, 100, 1))
 
 
-# ---------------------------------------------------------------------- the rules
-def test_mn_major_keeps_every_value_and_takes_any_layout():
-    gen = torch.Generator().manual_seed(4)
-    s = torch.rand(3, 128, 16, generator=gen)
-    out = deep_gemm_experts.mn_major(s)
-    assert _is_mn_major(out) and torch.equal(out, s)
-    assert torch.equal(deep_gemm_experts.mn_major(out), s)  # already MN-major: same values
-
-
-@pytest.mark.parametrize("rows", [0, 1, 17, 128, 500])
-def test_mn_major_copies_the_rows_asked_for(rows):
-    s = torch.rand(3, 128, 16, generator=torch.Generator().manual_seed(5))
-    out = deep_gemm_experts.mn_major(s, rows)
-    kept = min(rows, 128)
-    assert _is_mn_major(out) and torch.equal(out[:, :kept], s[:, :kept])
-
-
-@pytest.mark.parametrize(
-    "tokens,world,ok",
-    [(128, 1, True), (64, 2, True), (256, 3, True), (100, 1, False), (96, 2, False)],
-)
-def test_rows_rule(tokens, world, ok):
-    assert (deep_gemm_experts.rows_reason(FLAG, tokens, world) is None) == ok
-
-
-@pytest.mark.parametrize(
-    "value,refused",
-    [("0", True), ("00", True), (" 0", True), ("1", False), ("", False), ("--0", False)],
-)
-def test_switch_values_read_as_vllm_reads_them(value, refused):
-    """int(value) == 0 is off, as vLLM reads it; what int() cannot read is vLLM's to refuse."""
-    reason = deep_gemm_experts.switches_reason(FLAG, {"VLLM_USE_DEEP_GEMM": value})
-    assert (reason is not None) == refused
-
-
-# A budget the memory rule must lower on an 80 GiB GPU (dp=2, block FP8 online).
-MEMORY_BOUND = dict(
-    quantization="fp8_per_block",
-    max_num_batched_tokens=100_001,
-    max_num_seqs=256,
-    gpu_memory_utilization=0.9,
-)
-
-
-def _memory_bound_model(tmp_path, monkeypatch) -> str:
-    """A 128-expert model and an 80 GiB GPU, where MEMORY_BOUND's budget does not fit."""
-    from vllm_flashinfer_ep.vllm import config_rules
-
-    monkeypatch.setattr(config_rules, "device_memory_bytes", lambda: 80 * (1 << 30))
-    return write_model(
-        tmp_path / "big",
-        num_experts=128,
-        num_experts_per_tok=8,
-        hidden_size=2048,
-        max_position_embeddings=32768,
-    )
-
-
-def test_a_lowered_step_budget_keeps_whole_deep_gemm_tiles(tmp_path, monkeypatch):
-    """The memory rule lowers --max-num-batched-tokens to what fits (an arbitrary count);
-    with DeepGEMM experts it lowers to a multiple of their step instead of to a value the
-    rows rule would then refuse. doctor reports the same budget and verdict."""
-    big = _memory_bound_model(tmp_path, monkeypatch)
-    cfg = engine_config(big, LOW_LATENCY, **MEMORY_BOUND, moe_backend="deep_gemm")
-    fit = cfg.scheduler_config.max_num_batched_tokens
-    assert fit < 100_001 and fit % 64 == 0  # dp=2: 64 tokens x 2 ranks = one 128-row tile
-    without = engine_config(big, LOW_LATENCY, **MEMORY_BOUND)
-    assert fit <= without.scheduler_config.max_num_batched_tokens < fit + 64
-
-    seen = []
-    real = doctor.model_checks
-    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
-    cli.main(
-        ["doctor", "--model", big, "-dp", "2", "-ep", "-q", "fp8_per_block"]
-        + ["--moe-backend", "deep_gemm", "--max-num-batched-tokens", "100001"]
-        + ["--max-num-seqs", "256", "--gpu-memory-utilization", "0.9"]
-    )
-    checks = {c.name: c for c in seen}
-    assert checks["FP8 experts"].ok and "DeepGEMM" in checks["FP8 experts"].detail
-    assert f"from 100001 to {fit}:" in checks["LL memory estimate"].fix
-
-
-# ------------------------------------------------------------------ --moe-backend auto
-@pytest.fixture
-def hopper(monkeypatch):
-    """A host where vLLM's DeepGEMM runs (this CPU machine is not one)."""
-    monkeypatch.setattr(deep_gemm_experts, "platform_reason", lambda: None)
-
-
-@pytest.mark.usefixtures("hopper")
-def test_auto_takes_deep_gemm_for_ll_block_fp8_on_hopper(tiny_moe, caplog):
-    with caplog.at_level(logging.INFO):
-        cfg = engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block")
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-    assert "--moe-backend auto -> deep_gemm" in caplog.text
-    assert "DeepGEMM: forwards of at most 4 rows per expert run" in caplog.text
-
-
-@pytest.mark.usefixtures("hopper")
-@pytest.mark.parametrize(
-    "backend,kwargs",
-    [
-        (HIGH_THROUGHPUT, dict(quantization="fp8_per_block")),
-        (LOW_LATENCY, dict(quantization="fp8_per_channel")),
-        (LOW_LATENCY, dict(quantization="fp8_per_block", max_num_batched_tokens=200)),
-    ],
-    ids=["ht", "per-channel", "rows-not-whole-tiles"],
-)
-def test_auto_keeps_triton_where_deep_gemm_cannot_run(tiny_moe, backend, kwargs, caplog):
-    with caplog.at_level(logging.INFO):
-        cfg = engine_config(tiny_moe, backend, **kwargs)
-    assert cfg.kernel_config.moe_backend == "triton"
-    assert "--moe-backend auto -> triton" in caplog.text
-    assert "received-rows Triton experts, faster" not in caplog.text  # no DeepGEMM layers
-
-
-def test_auto_keeps_triton_off_hopper(tiny_moe, caplog):
-    with caplog.at_level(logging.INFO):
-        cfg = engine_config(tiny_moe, LOW_LATENCY, quantization="fp8_per_block")
-    assert cfg.kernel_config.moe_backend == "triton"
-    assert "not a Hopper GPU" in caplog.text
-
-
-@pytest.mark.usefixtures("hopper")
-def test_doctor_says_what_auto_becomes(tiny_moe, monkeypatch):
-    seen = []
-    real = doctor.model_checks
-    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
-    cli.main(["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"])
-    check = {c.name: c for c in seen}["FP8 experts"]
-    assert check.ok and "--moe-backend auto -> deep_gemm" in check.detail
-    assert "forwards of at most 4 rows per expert run the package's received-rows" in check.detail
-
-
-@pytest.mark.usefixtures("hopper")
-def test_doctor_with_a_bad_small_forwards_bound_reports_it_once(tiny_moe, monkeypatch):
-    """The variables' check names the bad value; the FP8 experts line does not crash."""
-    monkeypatch.setenv(envs.DEEP_GEMM_RECEIVED_ROWS, "-1")
-    seen = []
-    real = doctor.model_checks
-    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
-    cli.main(["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"])
-    check = {c.name: c for c in seen}["FP8 experts"]
-    assert check.ok and "rows per expert" not in check.detail
-
-
-# ------------------------------------------------ MoE layers that stay unquantized
-BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-
-
-@pytest.fixture(scope="module")
-def experts_left_bf16(tmp_path_factory):
-    """A block-FP8 checkpoint whose ignore list keeps one layer's experts in BF16: vLLM
-    runs that layer with its unquantized MoE, which takes triton but not deep_gemm."""
-    quant = dict(BLOCK, ignored_layers=["lm_head", "model.layers.0.mlp.experts"])
-    return write_model(tmp_path_factory.mktemp("bf16-experts"), quantization_config=quant)
-
-
-@pytest.mark.usefixtures("hopper")
-def test_auto_keeps_triton_when_the_checkpoint_leaves_experts_unquantized(
-    experts_left_bf16, caplog
-):
-    with caplog.at_level(logging.INFO):
-        cfg = engine_config(experts_left_bf16, LOW_LATENCY)
-    assert cfg.kernel_config.moe_backend == "triton"
-    assert "leaves MoE layers unquantized (model.layers.0.mlp.experts)" in caplog.text
-
-
-@pytest.mark.usefixtures("hopper")
-def test_an_ignore_list_without_experts_keeps_deep_gemm(tmp_path):
-    """Qwen3's FP8 checkpoints leave the router gates (mlp.gate) unquantized, not the
-    experts."""
-    quant = dict(BLOCK, modules_to_not_convert=["lm_head", "model.layers.0.mlp.gate"])
-    model = write_model(tmp_path / "m", quantization_config=quant)
-    assert engine_config(model, LOW_LATENCY).kernel_config.moe_backend == "deep_gemm"
-
-
-def test_deep_gemm_with_unquantized_experts_is_one_clear_error(experts_left_bf16):
-    with pytest.raises(FlashInferEPConfigError) as err:
-        engine_config(experts_left_bf16, LOW_LATENCY, moe_backend="deep_gemm")
-    assert "leaves MoE layers unquantized" in str(err.value)
-    assert "Pass --moe-backend auto or triton" in str(err.value)
-
-
-@pytest.mark.usefixtures("hopper")
-def test_doctor_reads_the_ignore_list_as_the_engine_does(experts_left_bf16, monkeypatch):
-    seen = []
-    real = doctor.model_checks
-    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
-    cli.main(["doctor", "--model", experts_left_bf16, "-dp", "2", "-ep"])
-    check = {c.name: c for c in seen}["FP8 experts"]
-    assert check.ok and "--moe-backend auto -> triton" in check.detail
-    assert "leaves MoE layers unquantized" in check.detail
-
-
-@pytest.fixture(scope="module")
-def mtp_target(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("dsv3-mtp"), base=DEEPSEEK_V3_MTP)
-
-
-def _with_mtp(**spec) -> dict:
-    config = dict(method="mtp", num_speculative_tokens=1, **spec)
-    return dict(quantization="fp8_per_block", speculative_config=config)
-
-
-@pytest.mark.usefixtures("hopper")
-def test_auto_gives_deep_gemm_to_an_mtp_draft_quantized_like_its_target(mtp_target, caplog):
-    """An MTP draft inherits --moe-backend and the target's quantization: its MoE layers
-    are 128x128 block FP8 too, so `auto` keeps DeepGEMM for both."""
-    with caplog.at_level(logging.INFO):
-        cfg = engine_config(mtp_target, LOW_LATENCY, **_with_mtp())
-    assert cfg.speculative_config.draft_model_config.is_moe
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-    assert "speculative draft's MoE layers" not in caplog.text
-
-
-@pytest.mark.usefixtures("hopper")
-def test_a_draft_with_its_own_moe_backend_leaves_deep_gemm_to_the_target(mtp_target):
-    cfg = engine_config(mtp_target, LOW_LATENCY, **_with_mtp(moe_backend="triton"))
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-
-
-@pytest.mark.usefixtures("hopper")
-def test_a_budget_lowered_under_auto_keeps_deep_gemm_tiles(tmp_path, monkeypatch):
-    """`auto` decides for DeepGEMM before the memory rule lowers the budget, so the
-    lowered budget is whole tiles and DeepGEMM still runs."""
-    cfg = engine_config(_memory_bound_model(tmp_path, monkeypatch), LOW_LATENCY, **MEMORY_BOUND)
-    fit = cfg.scheduler_config.max_num_batched_tokens
-    assert fit < 100_001 and fit % 64 == 0
-    assert cfg.kernel_config.moe_backend == "deep_gemm"
-
-
-@pytest.mark.usefixtures("hopper")
-def test_a_moe_draft_quantized_otherwise_keeps_auto_off_deep_gemm(mtp_target):
-    """A MoE draft that is not 128x128 block FP8 (an EAGLE head of a BF16 checkpoint; on
-    CPU, the real MTP config with its draft's quantization taken away) cannot take
-    DeepGEMM, and inherits --moe-backend unless the speculative config names its own."""
-    from vllm_flashinfer_ep.vllm.fp8_experts_choice import draft_moe
-
-    cfg = engine_config(mtp_target, LOW_LATENCY, **_with_mtp())
-    assert draft_moe(cfg) is None  # quantized like the target
-    cfg.speculative_config.draft_model_config.quantization = None
-    assert "inherit --moe-backend" in draft_moe(cfg)
-    cfg.speculative_config.moe_backend = "triton"
-    assert draft_moe(cfg) is None
+def test_what_the_pair_declares_to_vllm():
+    experts, layer = build(4.0, sent=3)
+    assert type(experts.experts) is DeepGemmExperts
+    assert type(experts.fallback_experts) is ReceivedRowsExperts
+    assert experts.get_clses() == (DeepGemmExperts, ReceivedRowsExperts)
+    assert experts.activation_format() == mk.FusedMoEActivationFormat.BatchedExperts
+    assert experts.expects_unquantized_inputs is False  # DeepGEMM reads FP8 only
+    assert experts.fallback_experts.expects_unquantized_inputs is False
+    assert experts.supports_packed_ue8m0_act_scales() is False
+    assert isinstance(experts.finalize_weight_and_reduce_impl(), TopKWeightAndReduceDelegate)
+    for inner in (experts.experts, experts.fallback_experts):
+        assert inner._sent_per_rank() == 3 and inner.max_num_tokens == ROWS
+        assert inner.quant_config is layer.qc
+    args = (4, 2 * INTER, HIDDEN, TOP_K, EXPERTS, EXPERTS, None, experts.moe_config.activation)
+    ours = experts.workspace_shapes(*args)
+    a, b = experts.experts.workspace_shapes(*args), experts.fallback_experts.workspace_shapes(*args)
+    assert ours == tuple(tuple(map(max, x, y)) for x, y in zip(a, b))

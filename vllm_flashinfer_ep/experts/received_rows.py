@@ -114,7 +114,9 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         if any(s.numel() != 1 for s in static):
             raise FlashInferEPConfigError(
                 "the received-rows experts take one static activation scale per layer; "
-                f"this layer has {[tuple(s.shape) for s in static]}"
+                f"this layer has {[tuple(s.shape) for s in static]}. Serve it with "
+                "--all2all-backend flashinfer_ep_high_throughput (or a checkpoint with one "
+                "input scale per layer)."
             )
         self.scheme = scheme
         self._quantizes_input = quantizes_input and scheme.fp8
@@ -202,10 +204,10 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         _gemm(a1, w1, cache1, blocks, config, tl.bfloat16, self._fp8(a1_scale, self.w1_scale))
         how = self.scheme.intermediate
         if self._fused_activation:  # activation and quantization in one launch
-            a2, a2_scale = self._quantize(how, cache1, blocks, rows, True, a2_scale)
+            a2, a2_scale = self._quantize(how, cache1, blocks, rows, True, a2_scale, True)
         else:
             self._activation(activation, cache2, cache1, counts, blocks, experts)
-            a2, a2_scale = self._quantize(how, cache2, blocks, rows, False, a2_scale)
+            a2, a2_scale = self._quantize(how, cache2, blocks, rows, False, a2_scale, True)
         _gemm(a2, w2, out, blocks, config, tl.bfloat16, self._fp8(a2_scale, self.w2_scale))
 
     def _gemm1_input(
@@ -215,7 +217,7 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         as they arrived (the FP8 wire's scales, or vLLM's batched prepare's)."""
         if x.dtype != num.FP8:
             static = self.quant_config.a1_scale
-            return self._quantize(self.scheme.input, x, blocks, rows, False, static)
+            return self._quantize(self.scheme.input, x, blocks, rows, False, static, False)
         if self.scheme.arrivals is Arrivals.EXPERT_SCALES:  # one per expert, or one
             per_expert = (
                 scales.reshape(-1).float().expand(experts) if scales.numel() == 1 else scales
@@ -231,16 +233,21 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         rows: int,
         act: bool,
         static: torch.Tensor | None,
+        intermediate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The received rows of x (GEMM1's output, activated first, when `act`) as E4M3
-        with [rows, groups] FP32 scales, as the scheme row says."""
+        with [rows, groups] FP32 scales, as the scheme row says. A per-tensor row without
+        its static scale takes a dynamic one as vLLM would: one over the input's rows, per
+        expert for the intermediate when eager."""
         if how is Quantizer.GROUP:
             return quantize.quantize_rows(x, blocks, num.GROUP, self._ue8m0, act)
         if how is Quantizer.TOKEN:
             return quantize.quantize_rows(x, blocks, None, False, act)
-        if how is Quantizer.TENSOR_STATIC and static is not None:
-            return quantize.tensor_quant(x, blocks, rows, False, act, static)
-        per_expert = how is not Quantizer.TENSOR_ONE and not _is_capturing_or_compiling()
+        if how is Quantizer.TENSOR_STATIC:
+            if static is not None:
+                return quantize.tensor_quant(x, blocks, rows, False, act, static)
+            how = Quantizer.TENSOR_PER_EXPERT_EAGER if intermediate else Quantizer.TENSOR_ONE
+        per_expert = how is Quantizer.TENSOR_PER_EXPERT_EAGER and not _is_capturing_or_compiling()
         return quantize.tensor_quant(x, blocks, rows, per_expert, act)
 
     def _activation(self, activation, out, x, counts, blocks, experts) -> None:

@@ -135,7 +135,7 @@ def quant_keys(quant_config: Any) -> tuple[QuantKey | None, QuantKey | None] | N
     if quant_config.quant_dtype != num.FP8 or not quant_config.use_fp8_w8a8:
         return None
     block = quant_config.block_shape
-    static = quant_config.a1_scale is not None
+    static = quant_config.a1_scale is not None or quant_config.a2_scale is not None
     if block is not None:
         if tuple(block) != num.BLOCK_SHAPE or static:
             return None
