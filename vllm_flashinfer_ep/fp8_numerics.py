@@ -1,9 +1,6 @@
-"""The FP8 numbers every quantization in the package uses, in one place.
-
-Each constant is vLLM 0.33.0's (its dynamic FP8 kernels and `moe_kernel_quantize_input`):
-the wire, the prepare/finalize and the received-rows experts must give the bytes vLLM's
-own path would give, so none of them may carry a copy. No vLLM import: the runtime reads
-this too.
+"""vLLM 0.33.0's FP8 constants (its dynamic FP8 kernels, `moe_kernel_quantize_input`) in one
+place: the wire, the prepare/finalize and the experts must give vLLM's bytes. No vLLM
+import: the runtime reads this too.
 """
 
 from __future__ import annotations
@@ -20,12 +17,11 @@ TENSOR_SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)  # a dynamic per-ten
 
 
 def over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 as a true FP32 division, as vLLM's kernels divide (torch multiplies by
-    the reciprocal of a host scalar, one ulp off at times, which moves E4M3 roundings)."""
+    """amax / 448 as a true FP32 division, as vLLM's kernels (torch's / by a host scalar
+    multiplies by its reciprocal, one ulp off at times)."""
     return amax / torch.full_like(amax, FP8_MAX)
 
 
 def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """A dynamic per-tensor scale from max |x|: an all-zero input gets the floor, not a
-    division by zero."""
+    """A dynamic per-tensor scale from max |x|; an all-zero input gets the floor."""
     return over_fp8_max(amax.float()).clamp_min(TENSOR_SCALE_FLOOR)

@@ -5,40 +5,33 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 
-def positive(text: str) -> int:
+def _at_least(low: int, text: str, parse: Callable[[str], int], expected: str) -> int:
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive(text: str) -> int:
+    return _at_least(1, text, int, "a positive integer")
 
 
 def non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _at_least(0, text, int, "an integer >= 0")
 
 
 def tokens(text: str) -> int:
     """vLLM's parser for --max-num-batched-tokens (accepts 8k, 2K, ...)."""
     from vllm.utils.argparse_utils import human_readable_int
 
-    try:
-        value = human_readable_int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _at_least(1, text, human_readable_int, "a positive integer")
 
 
 def model_len(text: str) -> int | None:

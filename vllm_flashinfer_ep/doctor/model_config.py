@@ -57,11 +57,9 @@ OFFLINE_FIX = (
 
 
 def _hub_config_json(model: str) -> Path:
-    """config.json of a Hugging Face id, as `hf_hub_download` gets it (the cache when
-    HF_HUB_OFFLINE=1, as vLLM does), but without its ~25 s of retries where no connection
-    to the Hub can be made at all: one HEAD without retries first (huggingface_hub's own
-    `get_hf_file_metadata`, its proxy and endpoint settings); where that cannot connect,
-    the cached copy or an error that says so. Online, the download is unchanged."""
+    """config.json of a Hugging Face id, as `hf_hub_download` gets it, but without its
+    retries where the Hub cannot be reached at all: one HEAD without retries first
+    (`get_hf_file_metadata`); where that cannot connect, the cached copy or an error."""
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -91,9 +89,8 @@ def _hub_config_json(model: str) -> Path:
 
 
 def _hub_unreachable(model: str) -> bool:
-    """True when no connection to the Hub can be made (name resolution, refused, connect
-    timeout): what huggingface_hub itself takes for "the Internet connection is down"
-    before it retries. Any answer from the Hub, or any other error: False."""
+    """True when no connection to the Hub can be made (what huggingface_hub takes for "the
+    connection is down" before it retries); any answer or other error: False."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
     try:

@@ -1,8 +1,6 @@
 """doctor's verdicts on a model: the engine's config-time rules (vllm/config_rules.py,
-vllm/fp8_experts_choice.py) applied to its config.json, read through model_shape (the
-reader config validation uses), and the serve arguments: hidden size, top_k, dtype,
-quantization, the FP8 experts, the HT step budget, the LL memory estimate, a fixed RDMA
-buffer."""
+vllm/fp8_experts_choice.py) applied to its config.json (through model_shape, as config
+validation reads it) and the serve arguments."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ from vllm_flashinfer_ep.vllm import fp8_experts_choice as fp8_choice
 def model_checks(
     model: str, tokens_per_rank: int | None = None, settings: ServeSettings | None = None
 ) -> list[Check]:
-    """The engine's config-time verdicts on `model` (the engine's rules, read through
-    model_shape, the reader config validation uses), as doctor lines."""
+    """The engine's config-time verdicts on `model`, as doctor lines."""
     settings = settings or ServeSettings()
     if tokens_per_rank is not None:
         settings = replace(settings, max_num_batched_tokens=tokens_per_rank)
@@ -73,33 +70,15 @@ def model_checks(
                 f"{hidden} -> rounded up to {round_up_ll_hidden_size(hidden)} for {LOW_LATENCY} "
                 f"(LL sizes: {list(SUPPORTED_HIDDEN_SIZES)})"
             )
-        checks.append(
-            Check(
-                "LL hidden size" if low_latency else "hidden size",
-                reason is None,
-                detail,
-                reason or "",
-            )
-        )
+        name = "LL hidden size" if low_latency else "hidden size"
+        checks.append(Check(name, reason is None, detail, reason or ""))
     if shape.top_k is None:
-        checks.append(
-            Check(
-                "top_k",
-                False,
-                "no experts-per-token field: not an MoE config?",
-                "pass an MoE model",
-            )
-        )
+        why = "no experts-per-token field: not an MoE config?"
+        checks.append(Check("top_k", False, why, "pass an MoE model"))
     else:
         reason = rules.top_k_reason(flag, backend, shape.top_k)
-        checks.append(
-            Check(
-                "top_k",
-                reason is None,
-                f"{shape.top_k} (limits: low latency {MAX_TOPK_LL}, high throughput {MAX_TOPK_HT})",
-                reason or "",
-            )
-        )
+        limits = f"(limits: low latency {MAX_TOPK_LL}, high throughput {MAX_TOPK_HT})"
+        checks.append(Check("top_k", reason is None, f"{shape.top_k} {limits}", reason or ""))
     checks.append(_dtype_check(shape, settings, flag))
     if settings.use_all2all and settings.enable_expert_parallel and shape.physical_experts:
         ranks = settings.ep_world
@@ -111,15 +90,9 @@ def model_checks(
     method = settings.quantization or shape.quant_method
     block = shape.weight_block_size
     reason = rules.quantization_reason(flag, method, block)
-    checks.append(
-        Check(
-            "checkpoint precision",
-            reason is None,
-            f"quantization {method or 'none'}"
-            + (f", weight_block_size {block}" if block is not None else ""),
-            reason or "",
-        )
-    )
+    shown = f"quantization {method or 'none'}"
+    shown += f", weight_block_size {block}" if block is not None else ""
+    checks.append(Check("checkpoint precision", reason is None, shown, reason or ""))
     fleet = shape.ll_fleet_shape() if low_latency else None
     total = rules.device_memory_bytes() if fleet is not None else None
     unquantized = fp8_choice.unquantized_moe(shape.unquantized_modules)
@@ -148,8 +121,7 @@ def model_checks(
 
 def draft_check(spec: dict[str, Any] | None, settings: ServeSettings) -> Check | None:
     """--speculative-config: the engine's verdict on a `draft_model` draft (the one method
-    whose draft runs under a parallel config of its own), from its config.json. MTP and
-    EAGLE drafts share the target's checks; other methods have no draft model."""
+    whose draft has a parallel config of its own), from its config.json."""
     if not spec or spec.get("method") != "draft_model" or not spec.get("model"):
         return None
     if not (settings.use_all2all and settings.enable_expert_parallel):
@@ -175,34 +147,18 @@ def _fp8_experts_check(
     tokens: int,
     unquantized: str | None,
 ) -> Check:
-    """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`), with
-    the LL step budget the engine checks it against (`tokens`, after any lowering) and the
-    checkpoint's unquantized MoE layers (`unquantized`)."""
-    asked = settings.moe_backend
+    """--moe-backend for an FP8 model: the engine's verdict (`fp8_experts_reason`) at the
+    LL step budget after any lowering (`tokens`)."""
+    asked, ll_tokens = settings.moe_backend, tokens if backend == LOW_LATENCY else None
     reason = fp8_choice.fp8_experts_reason(
-        flag,
-        backend,
-        method,
-        block,
-        asked,
-        tokens if backend == LOW_LATENCY else None,
-        settings.ep_world,
-        os.environ,
-        unquantized,
+        flag, backend, method, block, asked, ll_tokens, settings.ep_world, os.environ, unquantized
     )
     if reason is not None:
         return Check("FP8 experts", False, f"--moe-backend {asked}", reason)
     runs, shown = asked, f"--moe-backend {asked}"
     if asked == "auto":
         runs, why = fp8_choice.auto_fp8_experts(
-            flag,
-            backend,
-            method,
-            block,
-            tokens if backend == LOW_LATENCY else None,
-            settings.ep_world,
-            os.environ,
-            unquantized,
+            flag, backend, method, block, ll_tokens, settings.ep_world, os.environ, unquantized
         )
         shown += f" -> {runs} ({why})"
     kind = "DeepGEMM batched" if runs == "deep_gemm" else "Triton"
@@ -232,8 +188,7 @@ def _dtype_check(shape: model_shape.ModelShape, settings: ServeSettings, flag: s
 
 
 def _ht_tokens_check(flag: str, shape: model_shape.ModelShape, settings: ServeSettings) -> Check:
-    """--max-num-batched-tokens against NCCL-EP's HT limit per rank, the engine's verdict
-    (config_rules.ht_tokens_verdict: fits, lowered, or refused)."""
+    """--max-num-batched-tokens against NCCL-EP's HT limit per rank (`ht_tokens_verdict`)."""
     name = f"HT tokens per rank (at most {HT_MAX_TOKENS_PER_RANK})"
     chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
     max_model_len = settings.max_model_len or shape.max_position_embeddings
@@ -287,9 +242,7 @@ def _ll_memory_verdict(
     method: str | None,
     unquantized: str | None,
 ):
-    """config_rules.ll_memory_verdict on the serve arguments (vLLM's defaults where
-    they are not given); `method` and `unquantized` decide what `auto` rounds the budget
-    for (`budget_backend`)."""
+    """config_rules.ll_memory_verdict on the serve arguments (vLLM's defaults where unset)."""
     gmu, seqs, chunked = vllm_defaults(settings) if total is not None else (1.0, 1, True)
     return rules.ll_memory_verdict(
         flag,
@@ -317,13 +270,9 @@ def _ll_memory_verdict(
 
 
 def _ll_memory_check(
-    shape: model_shape.ModelShape,
-    fleet: tuple[int, int, int],
-    settings: ServeSettings,
-    verdict,
+    shape: model_shape.ModelShape, fleet: tuple[int, int, int], settings: ServeSettings, verdict
 ) -> Check:
-    """The LL fleet's estimated GPU memory per GPU and the engine's verdict on it
-    (config_rules.ll_memory_verdict: fits, lowered, or refused)."""
+    """The LL fleet's estimated memory per GPU and the engine's verdict on it."""
     hidden, experts, top_k = fleet
     tokens = settings.tokens
     parts, gib = verdict.parts, 1 << 30

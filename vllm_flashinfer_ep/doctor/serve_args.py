@@ -11,9 +11,8 @@ from vllm_flashinfer_ep.vllm import config_rules as rules
 
 
 def accepted_backends() -> tuple[str, ...]:
-    """The --all2all-backend names `vllm serve` accepts with this plugin: vLLM's field
-    Literal as the plugin extends it (patches/platform.make_backend_literal), less the
-    passthrough backend vLLM's parser leaves out (bound from --moe-backend)."""
+    """The --all2all-backend names `vllm serve` accepts with this plugin: the patched field
+    Literal (patches/platform.make_backend_literal), less vLLM's passthrough backend."""
     from typing import get_args
 
     from vllm.config.kernel import PASSTHROUGH_ALL2ALL_BACKEND
@@ -50,8 +49,7 @@ def _backend_check(name: str) -> Check:
 
 
 def serve_checks(settings: ServeSettings) -> list[Check]:
-    """The engine's config-time verdicts on the parallel `vllm serve` arguments
-    (config_rules on vLLM's ParallelConfig properties), as doctor lines."""
+    """The engine's config-time verdicts on the parallel `vllm serve` arguments."""
     checks = [_backend_check(settings.backend)]
     backend = checked_backend(settings.backend)
     flag = f"--all2all-backend {backend}"

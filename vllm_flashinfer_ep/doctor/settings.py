@@ -1,6 +1,4 @@
-"""The `vllm serve` arguments doctor's verdicts depend on (`ServeSettings`, under vLLM's
-names so vLLM's own ParallelConfig properties read them), and vLLM 0.33.0's defaults for
-the ones left unset."""
+"""The `vllm serve` arguments doctor's verdicts depend on, and vLLM 0.33.0's defaults."""
 
 from __future__ import annotations
 
@@ -74,8 +72,7 @@ class ServeSettings:
 
     @property
     def tokens(self) -> int:
-        # LL under DP+EP is vLLM's "batched DP MoE": its default step budget is
-        # SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP (256).
+        # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP (LL: DP+EP)
         return self.max_num_batched_tokens or 256
 
     @property
@@ -83,8 +80,7 @@ class ServeSettings:
         # vLLM's EP group: DP x PCP x TP ranks (config_rules.ep_world_size).
         return rules.ep_world_size(self)
 
-    # vLLM 0.33.0's own ParallelConfig properties, evaluated on these arguments (the
-    # fields above carry vLLM's names): whether the all2all runs, and micro-batching.
+    # vLLM 0.33.0's own ParallelConfig properties, evaluated on these arguments.
     @property
     def all2all_backend(self) -> str:
         return self.backend
@@ -103,17 +99,15 @@ class ServeSettings:
 
 
 def _parallel_property(name: str, settings: ServeSettings) -> bool:
-    """vLLM's `ParallelConfig.<name>` (the patched one where the plugin is registered)
-    computed from the serve arguments, without building (and validating) a ParallelConfig."""
+    """vLLM's (patched) `ParallelConfig.<name>` on the serve arguments, building none."""
     from vllm.config.parallel import ParallelConfig
 
     return bool(getattr(ParallelConfig, name).fget(settings))
 
 
 def vllm_defaults(settings: ServeSettings) -> tuple[float, int, bool]:
-    """vLLM 0.33.0's defaults where the serve arguments leave them unset:
-    --gpu-memory-utilization, --max-num-seqs (`vllm serve`'s, by GPU memory, at most the
-    step budget) and chunked prefill (on)."""
+    """vLLM 0.33.0's defaults where unset: --gpu-memory-utilization, --max-num-seqs (by GPU
+    memory, at most the step budget) and chunked prefill (on)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
@@ -130,8 +124,7 @@ def vllm_defaults(settings: ServeSettings) -> tuple[float, int, bool]:
 
 
 def vllm_default_tokens(settings: ServeSettings) -> int | None:
-    """vLLM 0.33.0's default --max-num-batched-tokens for `vllm serve` where the step is not
-    batched DP MoE (HT), which depends on the GPU; None where no GPU is visible."""
+    """vLLM 0.33.0's default --max-num-batched-tokens for HT (by GPU; None: no GPU here)."""
     if rules.device_memory_bytes() is None:
         return None
     from vllm.config import SchedulerConfig

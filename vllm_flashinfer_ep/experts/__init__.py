@@ -1,13 +1,7 @@
 """The experts wing: vLLM modular experts classes that compute only the received rows.
 
-`received_rows.ReceivedRowsExperts` (vLLM's batched Triton experts) and
-`deep_gemm.ReceivedRowsOrDeepGemmExperts` (vLLM's batched DeepGEMM experts, small forwards
-on the received rows) declare what they support as vLLM's experts do; `schemes.py` is
-the table of quantization schemes; `kernels/` holds the Triton kernels they launch.
-
-`for_low_latency` is what the patch table's `experts_selection` entry calls when vLLM
-builds an LL MoE kernel: the class vLLM's oracle picked, replaced by this wing's class
-for it, built with the same arguments. Nothing here imports vLLM at package import.
+`for_low_latency` is what the patch table's `experts_selection` row calls when vLLM builds
+an LL MoE kernel. No vLLM import at package import.
 """
 
 from __future__ import annotations
@@ -41,9 +35,7 @@ def replacements() -> dict[type, type]:
     from vllm.model_executor.layers.fused_moe.experts.batched_deep_gemm_moe import (
         BatchedDeepGemmExperts,
     )
-    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import (
-        BatchedTritonExperts,
-    )
+    from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import BatchedTritonExperts
 
     from vllm_flashinfer_ep.experts.deep_gemm import ReceivedRowsOrDeepGemmExperts
     from vllm_flashinfer_ep.experts.received_rows import ReceivedRowsExperts
@@ -57,10 +49,9 @@ def replacements() -> dict[type, type]:
 def for_low_latency(
     experts: Any, *, fp8_wire: bool, sent_per_rank: Any, options: ExpertsOptions
 ) -> Any:
-    """The experts an LL kernel runs in place of `experts` (vLLM's pick, built by its
-    oracle), built with the same arguments. `fp8_wire`: the layer's activations arrive as
-    FP8 from the wire (else an FP8 layer's arrive in BF16 and the received rows quantize
-    them). FP8 layers need one of the replaced classes; BF16 layers keep any other."""
+    """The experts an LL kernel runs in place of vLLM's pick `experts`, built with the same
+    arguments. `fp8_wire`: FP8 activations arrive from the wire (else the received rows
+    quantize BF16). FP8 layers need a replaced class; BF16 layers keep any other."""
     from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 
     qc = experts.quant_config

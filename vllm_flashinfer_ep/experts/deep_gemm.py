@@ -1,22 +1,11 @@
-"""Block-FP8 LL layers on DeepGEMM, with the received rows for small forwards.
-
-vLLM's `BatchedDeepGemmExperts` (`--moe-backend deep_gemm`, and what `auto` gives
-128x128 block-FP8 LL layers on Hopper) runs DeepGEMM's masked grouped GEMM over the
-expert-major buffer; its scheduler reads each expert's count on the device, so it costs
-what the received rows cost. Here it gets three things from the package:
-- activation scales MN-major: DeepGEMM reads them so (what DeepEP's dispatch hands it);
-  the FP8 wire and the prepare's quantization give row-major ones, which DeepGEMM would
-  transpose itself over every row of the buffer. `mn_major` copies only the rows the round
-  can have filled.
-- its masked GEMMs compiled at load for every `expected_m` a data parallel forward can
-  ask for (vLLM estimates it per forward from the DP metadata, and its DeepGEMM warm-up
-  skips masked GEMMs): the first eager forward with DP metadata (vLLM's profile run) runs
-  each tile once with every count at zero, so no rank compiles mid-serving between
-  dispatch and combine.
-- small forwards on the received-rows experts: DeepGEMM sizes its tile for `expected_m`
-  rows per expert, and at a fraction of a row per expert the received rows are faster.
-  `ReceivedRowsOrDeepGemmExperts` chooses per forward (vLLM's FallbackExperts pattern),
-  the bound given to its constructor.
+"""Block-FP8 LL layers on vLLM's `BatchedDeepGemmExperts`, with three additions:
+- MN-major activation scales, as DeepGEMM reads them: the wire and the prepare give
+  row-major ones, which DeepGEMM would transpose over the whole buffer (`mn_major`).
+- masked GEMMs compiled for every `expected_m` a DP forward can ask for at the first eager
+  forward with DP metadata (vLLM's warm-up skips masked GEMMs), so no rank compiles
+  between dispatch and combine.
+- small forwards on the received-rows experts, faster than DeepGEMM's `expected_m`-sized
+  tile there: `ReceivedRowsOrDeepGemmExperts` (vLLM's FallbackExperts pattern).
 """
 
 from __future__ import annotations
@@ -45,31 +34,18 @@ from vllm_flashinfer_ep.vllm.fp8_experts_choice import MOE_BACKEND, rows_reason
 logger = get_logger(__name__)
 
 # vLLM 0.33.0's experts `apply` parameters, in order (both classes forward them by name).
-APPLY_PARAMS = (
-    "output",
-    "hidden_states",
-    "w1",
-    "w2",
-    "topk_weights",
-    "topk_ids",
-    "activation",
-    "global_num_experts",
-    "expert_map",
-    "a1q_scale",
-    "a2_scale",
-    "workspace13",
-    "workspace2",
-    "expert_tokens_meta",
-    "apply_router_weight_on_input",
+APPLY_PARAMS = tuple(
+    "output hidden_states w1 w2 topk_weights topk_ids activation global_num_experts "
+    "expert_map a1q_scale a2_scale workspace13 workspace2 expert_tokens_meta "
+    "apply_router_weight_on_input".split()
 )
 STEP = 16  # vLLM's expected_m estimate rounds up to multiples of 16, never below 16
 _warmed: set[tuple] = set()  # weight shapes whose masked tiles this process compiled
 
 
 def mn_major(scales: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """[experts, T, groups] FP32 scales in any layout -> a new MN-major tensor (strides
-    (T * groups, 1, T)) holding their first `rows` rows per expert (None: all); T is a
-    multiple of 128 (`rows_reason`), so the layout is TMA-aligned as it stands."""
+    """[experts, T, groups] FP32 scales -> a new MN-major tensor (strides (T * groups, 1, T))
+    of their first `rows` rows per expert (None: all); T % 128 == 0 keeps it TMA-aligned."""
     experts, total, groups = scales.shape
     shape, strides = (experts, total, groups), (total * groups, 1, total)
     out = torch.empty_strided(shape, strides, dtype=torch.float32, device=scales.device)
@@ -145,9 +121,8 @@ class DeepGemmExperts(BatchedDeepGemmExperts):
         super().apply(**call)
 
     def _warm(self, call: dict) -> None:
-        """vLLM's apply once per `expected_m` value with every count at zero (no row is
-        computed, each tile compiles), unless the user skips DeepGEMM's warm-up. A failure
-        is logged: the forward's own call still runs."""
+        """vLLM's apply once per `expected_m` with every count at zero (each tile compiles,
+        no row is computed). A failure is logged: the forward's own call still runs."""
         import vllm.envs as vllm_envs
 
         if vllm_envs.VLLM_DEEP_GEMM_WARMUP == "skip":
@@ -207,8 +182,7 @@ class ReceivedRowsOrDeepGemmExperts(FallbackExperts):
         received_rows_up_to: float = 4.0,
         sent_per_rank: SentPerRank | None = None,
     ) -> None:
-        # FallbackExperts.__init__ builds Standard-format experts (no token bound); these
-        # are batched, so the base is set up with the batched arguments directly.
+        # FallbackExperts.__init__ builds Standard-format experts; these are batched.
         mk.FusedMoEExpertsModular.__init__(
             self, moe_config, quant_config, max_num_tokens, num_dispatchers
         )
@@ -233,9 +207,7 @@ class ReceivedRowsOrDeepGemmExperts(FallbackExperts):
     def in_place_of(
         cls, experts: Any, *, fp8_wire: bool, sent_per_rank: SentPerRank, options: Any
     ) -> ReceivedRowsOrDeepGemmExperts:
-        """Built with the arguments vLLM built `experts` (its BatchedDeepGemmExperts) with,
-        and the user's bound for small forwards. DeepGEMM reads FP8 only: the prepare
-        quantizes where the wire does not."""
+        """Built as vLLM built `experts`, with the user's bound for small forwards."""
         return cls(
             experts.moe_config,
             experts.quant_config,

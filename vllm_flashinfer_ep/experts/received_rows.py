@@ -1,19 +1,9 @@
 """vLLM's batched Triton experts, computing only the rows that arrived.
 
-An LL dispatch hands the experts an expert-major buffer [local experts, rows per expert,
-hidden], rows per expert = the LL capacity times the EP world. vLLM 0.33.0's
-`BatchedTritonExperts` launches programs over every row of that buffer and lets those past
-an expert's received count return; at a real model's shape the empty programs, not the
-weights, set a decode step's time. These experts run vLLM's fused-MoE kernel (the one it
-runs without EP) over the blocks of received rows instead (kernels/row_blocks.py), a list
-whose length follows the rows the forward can carry and whose shapes are fixed, so CUDA
-graphs replay it for any routing. Its tile is vLLM's lookup at the forward's token count.
-
-Every per-layer decision is made here once: the scheme row (schemes.py), whether the
-layer's BF16 arrivals are quantized here (`quantizes_input`, vLLM's
-`expects_unquantized_inputs`), whether the activation fuses with the quantization. Per
-forward only the bound on received rows and, for a dynamic per-tensor intermediate,
-vLLM's eager / captured split are read.
+vLLM 0.33.0's `BatchedTritonExperts` launches programs over every row of the expert-major
+LL buffer, and those empty programs set a decode step's time. These run vLLM's fused-MoE
+kernel over the blocks of received rows (kernels/row_blocks.py): fixed shapes, so CUDA
+graphs replay them for any routing. Per-layer decisions are made at construction.
 """
 
 from __future__ import annotations
@@ -46,10 +36,9 @@ SentPerRank = Callable[[], "int | None"]
 
 
 def senders_tokens(local: int, senders: int, capacity: int, sent_per_rank: int | None) -> int:
-    """The most tokens any sender dispatches in this forward: what the transport says every
-    rank sent (a pooled round's handle size, padding included) when it knows; else this
-    rank's own count at one sender; else the largest count of vLLM's DP metadata, at most
-    the LL capacity per rank; without the metadata, that capacity."""
+    """The most tokens any sender dispatches in this forward: the transport's count when it
+    knows; else this rank's at one sender; else vLLM's DP metadata's largest, at most the
+    LL capacity; else that capacity."""
     if sent_per_rank is not None:
         return sent_per_rank
     if senders == 1:
@@ -64,8 +53,7 @@ def senders_tokens(local: int, senders: int, capacity: int, sent_per_rank: int |
 
 
 def plain_silu_and_mul(activation: Any, config: Any) -> bool:
-    """SiLU(gate) x up with vLLM's defaults (no clamp, alpha 1, beta 0): what the fused
-    activation kernels compute; anything else keeps vLLM's activation."""
+    """SiLU(gate) x up with vLLM's defaults: what the fused activation kernels compute."""
     return (
         getattr(activation, "value", activation) == "silu"
         and config is not None
@@ -77,9 +65,8 @@ def plain_silu_and_mul(activation: Any, config: Any) -> bool:
 
 class ReceivedRowsExperts(BatchedTritonExperts):
     """`BatchedTritonExperts` over the received rows. `quantizes_input`: an FP8 layer's
-    activations arrive in BF16 and are quantized here, for the received rows only (the LL
-    prepare then sends BF16: a layer without FP8 on the wire). `sent_per_rank()`: during a
-    round, the tokens every rank dispatched (see `senders_tokens`)."""
+    BF16 arrivals (no FP8 wire) are quantized here, received rows only. `sent_per_rank()`:
+    see `senders_tokens`."""
 
     def __init__(
         self,
@@ -128,8 +115,7 @@ class ReceivedRowsExperts(BatchedTritonExperts):
     def in_place_of(
         cls, experts: Any, *, fp8_wire: bool, sent_per_rank: SentPerRank, options: Any
     ) -> ReceivedRowsExperts:
-        """Built with the arguments vLLM built `experts` (its BatchedTritonExperts) with;
-        an FP8 layer not on the FP8 wire quantizes its received rows here."""
+        """Built as vLLM built `experts`; an FP8 layer off the FP8 wire quantizes here."""
         qc = experts.quant_config
         return cls(
             experts.moe_config,
@@ -213,8 +199,7 @@ class ReceivedRowsExperts(BatchedTritonExperts):
     def _gemm1_input(
         self, x: torch.Tensor, scales: Any, blocks: RowBlocks, rows: int, experts: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """E4M3 rows and [rows, groups] FP32 scales for GEMM1: quantized here from BF16, or
-        as they arrived (the FP8 wire's scales, or vLLM's batched prepare's)."""
+        """E4M3 rows and [rows, groups] FP32 scales for GEMM1: quantized here, or as arrived."""
         if x.dtype != num.FP8:
             static = self.quant_config.a1_scale
             return self._quantize(self.scheme.input, x, blocks, rows, False, static, False)
@@ -235,10 +220,9 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         static: torch.Tensor | None,
         intermediate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The received rows of x (GEMM1's output, activated first, when `act`) as E4M3
-        with [rows, groups] FP32 scales, as the scheme row says. A per-tensor row without
-        its static scale takes a dynamic one as vLLM would: one over the input's rows, per
-        expert for the intermediate when eager."""
+        """The received rows of x (activated first when `act`) as E4M3 with [rows, groups]
+        FP32 scales. A per-tensor row without a static scale takes a dynamic one as vLLM
+        would: one over the input, per expert for the intermediate when eager."""
         if how is Quantizer.GROUP:
             return quantize.quantize_rows(x, blocks, num.GROUP, self._ue8m0, act)
         if how is Quantizer.TOKEN:
@@ -265,8 +249,7 @@ class ReceivedRowsExperts(BatchedTritonExperts):
 
 def _gemm(a, w, c, blocks: RowBlocks, config: dict, compute_type, fp8: tuple | None = None):
     """c[row] = a[row] @ w[expert].T for the received rows: vLLM's fused-MoE kernel with the
-    blocks as its sorted ids (top_k 1, no routing weights). `fp8`: (A scales [rows,
-    groups], B scales, per_channel, block_shape) for E4M3 a and w."""
+    blocks as its sorted ids. `fp8`: (A scales, B scales, per_channel, block_shape)."""
     a_scale, w_scale, per_channel, block_shape = fp8 if fp8 is not None else (None,) * 4
     invoke_fused_moe_triton_kernel(
         a,

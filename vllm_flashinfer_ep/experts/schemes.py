@@ -1,16 +1,9 @@
 """The scheme table: how the received-rows experts run each (weight, activation) key.
 
-One row per quantization scheme vLLM 0.33.0's batched Triton experts take
-(`BatchedTritonExperts._supports_quant_scheme`), the same keys, so wherever vLLM picks
-those experts this package can run the received rows instead. A row says how BF16
-arrivals are quantized before GEMM1 (`input`), how the intermediate is quantized between
-the GEMMs (`intermediate`), how FP8 arrivals' scales are read (`arrivals`) and how vLLM's
-fused-MoE kernel is told to read A's scales (`per_channel`, `block_shape`). Adding a
-scheme is a row here, its kernel in experts/kernels/, and its tests.
-
-A per-tensor activation scale is one per expert in vLLM's batched experts, and its fused
-kernel's tensor-wise branch reads one for every row; so per-tensor rows give the kernel
-per-row scales (`per_channel`), each row its expert's, which is the same FP32 product.
+One row per scheme vLLM 0.33.0's batched Triton experts take, with their keys
+(`BatchedTritonExperts._supports_quant_scheme`). Per-tensor rows hand vLLM's fused kernel
+per-row scales (`per_channel`), each its expert's: the same FP32 product as the one scale
+per expert of vLLM's batched experts, which its tensor-wise branch cannot read.
 """
 
 from __future__ import annotations
@@ -39,9 +32,8 @@ class Quantizer(enum.Enum):
     TOKEN = "per row, dynamic"
     TENSOR_STATIC = "the checkpoint's per-tensor scale"
     TENSOR_ONE = "one dynamic scale over every received row"
-    # vLLM's batched experts take a dynamic per-tensor intermediate scale per expert when
-    # eager (their loop over experts) and over the whole buffer inside a CUDA graph or
-    # torch.compile: the experts ask vLLM which, per call.
+    # vLLM's batched experts take it per expert when eager, over the whole buffer when
+    # captured or compiled: the experts ask vLLM which, per call.
     TENSOR_PER_EXPERT_EAGER = "one dynamic scale per expert when eager, one when captured"
 
 
@@ -128,8 +120,7 @@ def supports(weight_key: QuantKey | None, activation_key: QuantKey | None) -> bo
 
 
 def quant_keys(quant_config: Any) -> tuple[QuantKey | None, QuantKey | None] | None:
-    """The (weight, activation) keys a layer's FusedMoEQuantConfig describes (None: not
-    an FP8 layout a key of this table can name)."""
+    """The (weight, activation) keys of a FusedMoEQuantConfig (None: no key names it)."""
     if quant_config.quant_dtype is None:
         return None if quant_config.w1_scale is not None else (None, None)
     if quant_config.quant_dtype != num.FP8 or not quant_config.use_fp8_w8a8:

@@ -1,43 +1,18 @@
-"""Fault tolerance in vLLM's conventions, on top of FlashInfer's NCCL-EP fleet FT API.
+"""Fault tolerance in vLLM's conventions on FlashInfer's NCCL-EP fleet FT API (LL only:
+NCCL-EP has no HT FT; nothing here may run under CUDA-graph capture).
 
-Conventions differ, so this adapter converts:
-- mask polarity: FlashInfer/NCCL-EP write 1 = active, 0 = masked; vLLM's
-  `query_active_mask()` wants 0 = live, 1 = masked.
-- fault signal: FlashInfer's `query_fault()` is a host bool read from a pinned flag;
-  vLLM calls `query_fault()` every step on its output-copy stream and copies the
-  result to the CPU non-blocking, so it must be a stream-ordered GPU bool tensor.
-  The adapter compares the current masks with the baseline on the GPU and ORs in
-  the host flags.
+- Mask polarity: FlashInfer writes 1 = active; vLLM's `query_active_mask()` wants 1 = masked.
+- Fault signal: vLLM reads `query_fault()` every step on a stream and copies it to the CPU
+  non-blocking, so it is a GPU bool: the masks against the baseline, OR the host flags.
+Every FT fleet counts (read at each call, later ones included): any mask or fault is one.
+The baseline is the all-active mask only, the one state recovery returns to.
+`clean_buffers` (vLLM's retry) re-admits every peer (`ncclEpMaskClean` sets every mask
+active, nccl_ep.h), then the survivors agree on who took part (`reconcile_active_mask`):
+a silent peer is masked again and reads as a fault, as does a fleet whose recovery
+failed. No degraded serving.
 
-Every fault-tolerant fleet counts (one per MoE shape, fleets created after the
-adapter included: it reads the fleet list at each call). A rank is masked if any
-fleet masks it; a fault in any fleet is a fault.
-
-The baseline is the all-active mask, and only that: it is what the fleets start
-with and the only state recovery may return to. `clean_buffers` (vLLM's retry)
-re-admits every masked peer with `clear_faults(readmit=True)`. That is NCCL-EP's
-`ncclEpMaskClean`, whose barrier skips masked peers and which then sets every mask
-to active (nccl_ep.h), a dead peer's too. So the survivors then agree on who took
-part (`reconcile_active_mask`, FlashInfer's store-based agreement: a peer silent
-past the FT timeout, and at least AGREE_MIN_S, is masked). A peer that did not answer the retry (dead, or
-never sent it) is masked again and keeps reading as a fault, as does a fleet whose
-re-admission or agreement failed: the adapter never reports healthy while any
-fleet masks a peer (no degraded serving). At EP world 1 there is no peer to agree
-with, and no store is needed.
-
-None of these calls may run under CUDA-graph capture (FlashInfer raises there too).
-Low latency only: NCCL-EP has no FT for high throughput.
-
-EXPERT_MAJOR and re-admission: FlashInfer warns that `ncclEpMaskClean` computes its
-buffer-reset offsets for the RANK_MAJOR layout, so under EXPERT_MAJOR (our layout)
-it "may leave stale bytes in the LL staging buffer" -- receive-side count/flag words
-or rows of the aborted round that the clean did not reach. The plugin cannot reset
-that buffer itself (NCCL-EP allocates it; FlashInfer exposes no handle on it), and
-an extra "flush" round would not provably drain it: a stale signal is consumed by
-whichever round comes next in place of the real one, whose own signal is then left
-for the round after. So nothing is added here; docs/fault_tolerance.md states the
-risk (outputs of the first rounds after a re-admission are FlashInfer's to vouch
-for) and the clean alternative (restart the engines).
+Under EXPERT_MAJOR the clean may leave stale bytes in the LL staging buffer (FlashInfer's
+warning), which the plugin cannot reset or provably drain: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -55,28 +30,22 @@ logger = get_logger(__name__)
 
 # flashinfer/moe_ep/core/comm/fault_tolerance.py
 ACTIVE = 1
-# The survivors' agreement is a host round trip through the rendezvous store: it waits
-# for a peer at least this long, however short the kernels' FT timeout is set.
+# The survivors' agreement (a store round trip) waits at least this long for a peer.
 AGREE_MIN_S = 5.0
 
 
 class FaultToleranceAdapter:
     def __init__(
-        self,
-        fleets: Sequence[Any] | Callable[[], Sequence[Any]],
-        device: torch.device | int | str,
+        self, fleets: Sequence[Any] | Callable[[], Sequence[Any]], device: torch.device | int | str
     ) -> None:
-        """`fleets`: the fleets, or a callable returning the current ones (a manager
-        passes `FleetCache.fleets`, so fleets created later are seen too)."""
+        """`fleets`: the fleets, or a callable returning the current ones."""
         self._fleets: Callable[[], Sequence[Any]] = (
             fleets if callable(fleets) else (lambda fixed=tuple(fleets): fixed)
         )
         self.device = torch.device(device)
-        # Fleets whose last recovery did not end in an agreed mask (re-admission or
-        # agreement raised): a fault until a later retry recovers them.
+        # Fleets whose last recovery raised: a fault until a later retry recovers them.
         self._unrecovered: list[str] = []
-        # The all-active mask (FlashInfer polarity), built at the first query from the
-        # fleets' own mask. Never a snapshot of a live mask: see the module docstring.
+        # The all-active mask (FlashInfer polarity), never a snapshot of a live mask.
         self._baseline: torch.Tensor | None = None
 
     @property
@@ -93,10 +62,8 @@ class FaultToleranceAdapter:
         return fleets
 
     def _masked(self, op: str) -> torch.Tensor:
-        """Bool [ep_world] on the GPU: True where any FT fleet masks the rank.
-
-        Built from fresh tensors, never from FlashInfer's fleet-owned mask buffer
-        (NCCL-EP writes it in place)."""
+        """Bool [ep_world] on the GPU: True where any FT fleet masks the rank (fresh
+        tensors: NCCL-EP writes the fleet's mask buffer in place)."""
         _reject_capture(op)
         masked: torch.Tensor | None = None
         for fleet in self._ft_fleets():
@@ -121,33 +88,23 @@ class FaultToleranceAdapter:
 
     def clean_buffers(self) -> None:
         """vLLM's retry: re-admit every masked peer in every FT fleet, then agree on who
-        answered.
-
-        Both steps are collective over the survivors of each fleet and run on every
-        FT fleet in the same order on every rank, whatever this rank's own view shows
-        (another rank may mask a peer that this one does not). A failure is logged,
-        not raised, so the retry still re-creates vLLM's DP group on every rank; the
-        fault then stays reported (`query_fault`) until a later retry recovers it.
-        """
+        answered. Collective: every fleet, in order, on every rank, whatever this rank
+        sees. A failure is logged, not raised (vLLM's DP group is still re-created), and
+        stays reported by `query_fault` until a later retry recovers it."""
         _reject_capture("clean_buffers")
         self._unrecovered = []
         refused: list[str] = []
-        # A peer silent for the FT timeout is dead (the kernels' own rule), given the
-        # store's round trip at least AGREE_MIN_S.
-        wait_s = max(envs.ft_timeout_ms() / 1000, AGREE_MIN_S)
+        wait_s = max(envs.ft_timeout_ms() / 1000, AGREE_MIN_S)  # the kernels' own rule
         for index, fleet in enumerate(self._ft_fleets()):
             try:
                 fleet.clear_faults(readmit=True)
             except Exception as exc:  # noqa: BLE001 - reported through query_fault
-                # NCCL-EP's clean failed here (its flag stays set), or no round ever ran
-                # on the fleet (no handle: not after load, where every fleet's pool has
-                # its handles). This rank still takes part in the agreement below.
+                # NCCL-EP's clean failed, or no round ran yet (no handle); still agree below.
                 refused.append(f"fleet {index}: {type(exc).__name__}: {exc}")
             if fleet.query_active_mask().numel() == 1:
                 continue  # EP world 1: nobody to agree with
             try:
-                # Every rank agrees on every fleet, in order, even after a failed clean:
-                # FlashInfer numbers each fleet's store keys by the order of first use.
+                # Even after a failed clean: FlashInfer numbers store keys by first use.
                 fleet.reconcile_active_mask(timeout_s=wait_s)
             except Exception as exc:  # noqa: BLE001 - e.g. the peers evicted this rank
                 self._unrecovered.append(f"fleet {index}: {type(exc).__name__}: {exc}")

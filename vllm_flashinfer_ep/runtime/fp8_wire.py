@@ -1,32 +1,13 @@
-"""FP8 on the wire: block-FP8 layers dispatch E4M3 rows with one FP32 scale per 128 elements.
-
-Low latency (`Fp8Wire`): NCCL-EP quantizes the BF16 activations inside its dispatch.
-High throughput (`HtFp8Wire`): the caller quantizes, NCCL-EP forwards the rows and scales.
-
-Why: 128x128 block-FP8 MoE layers quantize their activations to E4M3 with one FP32
-scale per 128 elements before the experts. NCCL-EP's LL dispatch does exactly that in
-its kernel with the DS_FP8E3M4 recipe (nccl_ep.h: BF16 tokens in; E4M3 tokens
-[local experts, rows, hidden] and FP32 scales [local experts, rows, hidden / 128] out;
-hidden a multiple of 512). A dispatched row then moves hidden + hidden / 32 bytes instead
-of 2 * hidden, and the quantization pass after receive disappears. The scales are
-amax / 448 per 128-element group, vLLM's own convention (per_token_group_quant_fp8;
-docs/benchmarks.md, "The LL transport: `vllm-flashinfer-ep bench`", FP8 on the LL wire),
-so the experts see what vLLM's quantization would give.
-
-How: FlashInfer 0.7.2.post1's NcclEpHandle builds its dispatch config without a recipe,
-so this module issues the dispatch on the nccl.ep handle underneath it, through the
-attributes listed in runtime/flashinfer_internals.py (read in place on every dispatch),
-checked once per handle class (`native_reason`). Update and combine (BF16) stay the
-pool's (FlashInfer's, or its direct calls). Remove when FlashInfer's handle takes a
-dispatch quantization recipe.
-
-High throughput: the DS_FP8E3M4 recipe is LL-only (nccl_ep.h), so HT layers quantize
-before dispatch (vLLM's group quantization, passed in by the adapter; `group_quantize`
-without vLLM) and NCCL-EP's forward recipe (FWD) carries the E4M3 rows and their
-scales as they are, into flat [received, hidden] and [received, hidden / 128] buffers. Its
-rule: token and scale rows 16-byte aligned, so the same hidden % 512 (hidden / 32 scale
-bytes per row). HT's forward pass also sends the routing weights, as FlashInfer's BF16 HT
-dispatch does.
+"""FP8 on the wire: block-FP8 layers dispatch E4M3 rows with one FP32 scale per 128 elements
+(vLLM's per_token_group_quant_fp8 layout), hidden + hidden / 32 bytes a row instead of
+2 * hidden, and no quantization pass after receive.
+Low latency (`Fp8Wire`): NCCL-EP quantizes inside its dispatch (DS_FP8E3M4, nccl_ep.h).
+FlashInfer 0.7.2.post1's NcclEpHandle sets no recipe, so the dispatch is issued on the
+nccl.ep handle underneath (runtime/flashinfer_internals.py; `native_reason`); update and
+combine stay the pool's. Remove when FlashInfer's handle takes a quantization recipe.
+High throughput (`HtFp8Wire`): DS_FP8E3M4 is LL-only, so the caller quantizes and the
+forward recipe (FWD) carries rows, scales and routing weights as they are. Both need
+hidden % 512 == 0 (16-byte aligned rows).
 """
 
 from __future__ import annotations
@@ -70,14 +51,9 @@ def native_reason(handle: Any, recipe: str = "DS_FP8E3M4") -> str | None:
 
 
 def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, hidden] -> (E4M3 [tokens, hidden], FP32 scales [tokens, hidden / 128]),
-    scale = amax / 448 per 128 elements, for callers without vLLM (benchmark, transport
-    tests); zero groups get the smallest normal scale, so every scale is finite.
-
-    Not vllm/receive_quant.group_quantize, which the engine hands `HtFp8Wire` (runtime/
-    imports no vLLM): that one is vLLM's own quantization and follows vLLM's platform
-    (scales rounded to powers of two under DeepGEMM's E8M0 setting, amax floored rather
-    than the scale). Without E8M0 both give amax / 448 for every group of amax >= 1e-10."""
+    """x [tokens, hidden] -> (E4M3, FP32 scales [tokens, hidden / 128]), amax / 448 per 128
+    elements (zero groups: the smallest normal scale), for callers without vLLM. The engine
+    uses vllm/receive_quant.group_quantize; without E8M0 both agree where amax >= 1e-10."""
     rows, hidden = x.shape
     groups = x.float().view(rows, hidden // SCALE_GROUP, SCALE_GROUP)
     scales = (groups.abs().amax(-1) / num.FP8_MAX).clamp_min(num.TENSOR_SCALE_FLOOR)
@@ -91,8 +67,7 @@ def bytes_per_row(hidden: int, fp8: bool) -> int:
 
 
 class Fp8Wire:
-    """The FP8 receive buffers of one LL runtime (shared by its layers, like FlashInfer's
-    BF16 receive buffer) and the dispatch that fills them."""
+    """The FP8 receive buffers of one LL runtime (shared by its layers) and their dispatch."""
 
     def __init__(
         self,
@@ -121,8 +96,7 @@ class Fp8Wire:
     def dispatch(
         self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dispatch x [tokens, hidden] BF16 on `handle`'s current routing; returns the
-        E4M3 tokens, their scales and the per-expert received counts (device tensors)."""
+        """Dispatch x [tokens, hidden] BF16 on `handle`'s routing -> (tokens, scales, counts)."""
         if scales is not None:
             raise HandlePoolError("the LL FP8 dispatch quantizes BF16 itself: pass no scales")
         kind = type(handle)
@@ -169,12 +143,9 @@ Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class HtFp8Wire:
-    """The FP8 receive buffers of one HT runtime (shared by its layers) and the
-    forward-recipe dispatch that fills them.
-
-    `weights`: the pool's static routing weights, the memory every handle of the pool has
-    bound (HandlePool.topk_weights); HT's forward pass sends a handle's rows of it.
-    `quantize`: BF16 rows -> (E4M3, FP32 scales per 128), the layers' own quantization."""
+    """The FP8 receive buffers of one HT runtime (shared by its layers) and their dispatch.
+    `weights`: the routing weights every handle of the pool has bound (HandlePool.
+    topk_weights). `quantize`: BF16 rows -> (E4M3, FP32 scales per 128), the layers' own."""
 
     def __init__(
         self,
@@ -209,8 +180,7 @@ class HtFp8Wire:
         )
 
     def _input_error(self, x: torch.Tensor, scales: torch.Tensor | None, rows: int) -> str | None:
-        """What is wrong with a forwarded dispatch's inputs (None: nothing); the recipe
-        converts nothing, so the rows must already be what the receive buffers hold."""
+        """What is wrong with a forwarded dispatch's inputs (the recipe converts nothing)."""
         want_x = (rows, self.hidden)
         want_s = (rows, self.hidden // SCALE_GROUP)
         if x.dtype != self.tokens.dtype:
@@ -228,8 +198,7 @@ class HtFp8Wire:
     def dispatch(
         self, handle: Any, x: torch.Tensor, scales: torch.Tensor | None = None
     ) -> HtFp8Received:
-        """Dispatch x [tokens, hidden] E4M3 with its scales [tokens, hidden / 128] FP32
-        (the caller's quantization) on `handle`'s current routing."""
+        """Dispatch x [tokens, hidden] E4M3 and its FP32 scales on `handle`'s routing."""
         kind = type(handle)
         if kind not in self._checked:
             reason = native_reason(handle, "FWD")

@@ -1,8 +1,5 @@
-"""Which token counts a handle pool holds: the one sizing policy.
-
-Why one place: the managers warm these counts, doctor and the config check estimate the
-memory of exactly these counts, and the benchmarks measure them; a second policy would
-make an estimate describe a pool nobody builds.
+"""Which token counts a handle pool holds: the one sizing policy, so that the managers,
+the memory estimates and the benchmarks all describe the pool that is built.
 """
 
 from __future__ import annotations
@@ -13,21 +10,15 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.runtime.transport import handle_supports_update
 
-# HT pads by at most this many rows per round: its experts compute every received row,
-# padded ones included (zeros, weight 0), so the geometric buckets alone could add up to
-# half a prefill's expert work. What an HT handle costs: docs/benchmarks.md (HT section).
+# HT pads by at most this many rows per round: its experts compute padded rows too, so the
+# geometric buckets alone could add up to half a prefill's expert work.
 HT_MAX_PAD = 256
 
 
 def bucket_sizes(above: int, capacity: int, max_pad: int | None = None) -> list[int]:
-    """Pooled sizes for eager steps above `above` (the largest captured size, 0 without
-    graphs) up to `capacity`: 2^k and 3*2^(k-1), plus the capacity itself.
-
-    Any count in (above, capacity] pads by less than half its size, with at most
-    2*log2(capacity) + 1 handles. `max_pad` also bounds the padding in rows: where two
-    sizes lie further apart, sizes `max_pad` apart fill the gap (HT, whose experts
-    compute every received row, padding included).
-    """
+    """Pooled sizes for eager steps in (above, capacity]: 2^k and 3*2^(k-1), and the
+    capacity, so any count pads by less than half its size. `max_pad` also bounds the
+    padding in rows (sizes `max_pad` apart fill wider gaps)."""
     sizes: set[int] = set()
     power = 1
     while power <= capacity:
@@ -46,12 +37,9 @@ def bucket_sizes(above: int, capacity: int, max_pad: int | None = None) -> list[
 def pool_sizes(
     algorithm: Algorithm | str, capacity: int, captured: Iterable[int] = ()
 ) -> list[int]:
-    """The token counts a pool is warmed with at load.
-
-    LL: the engine's configured capture sizes that fit the capacity, then the eager
-    buckets above the largest of them (counts vLLM captures beyond these are learned at
-    capture, runtime/capture.py). HT is never captured: buckets from 1, at most
-    HT_MAX_PAD rows apart, since its experts compute padded rows too."""
+    """The token counts a pool is warmed with at load. LL: the capture sizes that fit, then
+    eager buckets above them (other captured counts: runtime/capture.py). HT (never
+    captured): buckets from 1, at most HT_MAX_PAD rows apart."""
     if Algorithm(algorithm) != Algorithm.LOW_LATENCY:
         return bucket_sizes(0, capacity, max_pad=HT_MAX_PAD)
     fits = {int(s) for s in captured if 1 <= int(s) <= capacity}
@@ -59,11 +47,8 @@ def pool_sizes(
 
 
 def unavailable_reason() -> str | None:
-    """Why a persistent pool cannot back CUDA graphs here, or None if it can.
-
-    The one place that decides: the managers warm no pool and the CUDA-graph policy
-    turns graphs off, both from this answer.
-    """
+    """Why a persistent pool cannot back CUDA graphs here (None: it can); the managers and
+    the CUDA-graph policy both follow this answer."""
     if not envs.handle_pool_enabled():
         return f"the persistent handle pool is disabled ({envs.HANDLE_POOL}=0)"
     if not handle_supports_update():

@@ -1,13 +1,7 @@
-"""Engine-config-time checks for the flashinfer_ep backends.
-
-Runs inside `VllmConfig.__post_init__` (the `config_validation` row of
-patches/__init__.py), in the process that builds the engine config, before any worker
-starts. It applies the rules of vllm/config_rules.py and vllm/fp8_experts_choice.py to
-vLLM's config: a refusal is one FlashInferEPConfigError that names the flag to change;
-what the rules lower (the step budget) or choose (`--moe-backend auto` for FP8 layers) is
-written back with a log line. Checks that need a GPU or the native library (libnccl
-version, libnccl_ep load, nvcc, compute capability) run in the worker, in the manager's
-constructor, before model load.
+"""Engine-config-time checks for the flashinfer_ep backends, in `VllmConfig.__post_init__`
+(the `config_validation` patch row), before any worker starts: config_rules.py and
+fp8_experts_choice.py applied to vLLM's config. A refusal names the flag; what the rules
+lower or choose is written back and logged. GPU checks run in the worker before load.
 """
 
 from __future__ import annotations
@@ -119,8 +113,7 @@ def validate(vllm_config: Any) -> None:
 
 
 def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
-    """Keep each step within NCCL-EP's high-throughput limit of tokens per rank
-    (`ht_tokens_verdict`, which `doctor` prints): lowered with a warning, or refused."""
+    """Each step within NCCL-EP's HT tokens per rank (`ht_tokens_verdict`): lowered or refused."""
     sched, model = vllm_config.scheduler_config, vllm_config.model_config
     if sched is None:
         return
@@ -138,15 +131,8 @@ def _clamp_ht_tokens(vllm_config: Any, flag: str) -> None:
 
 
 def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
-    """Size the LL fleet from --max-num-batched-tokens only if its buffers fit the GPU.
-
-    The LL per-rank capacity is vLLM's step budget; NCCL-EP's LL buffers grow with it
-    times experts times hidden size (runtime/buffer_sizes.py, from measured sizes). Above
-    LL_BUFFER_BUDGET_FRACTION of the memory vLLM may use, the budget is lowered with a
-    warning; where that cannot work (chunked prefill off, or below --max-num-seqs) the
-    config is refused. Both name --max-num-batched-tokens. The verdict is
-    `ll_memory_verdict`'s, which `doctor` prints.
-    """
+    """The LL capacity is the step budget, and NCCL-EP's buffers grow with it times experts
+    times hidden: `ll_memory_verdict` lowers the budget to fit, or refuses."""
     sched, model = vllm_config.scheduler_config, vllm_config.model_config
     if sched is None or model is None or getattr(model, "is_moe", True) is False:
         return
@@ -194,20 +180,17 @@ def _budget_backend(vllm_config: Any, flag: str) -> str | None:
 
 
 def _served_unquantized(vllm_config: Any, shape: ModelShape) -> str | None:
-    """Why some MoE layers the engine serves stay unquantized: the checkpoint's ignore
-    list or a speculative draft (`unquantized_moe`, `draft_moe`)."""
+    """Why some served MoE layers stay unquantized (`unquantized_moe`, `draft_moe`)."""
     return unquantized_moe(shape.unquantized_modules) or draft_moe(vllm_config)
 
 
 def _ll_fleet_shape(vllm_config: Any) -> tuple[int, int, int] | None:
-    """(rounded LL hidden size, physical experts, top_k) of the model, or None if unknown
-    (or wider than LL: refused by _validate_model with its own message)."""
+    """(rounded LL hidden size, physical experts, top_k) of the model (None: unknown)."""
     return model_shape.from_vllm_config(vllm_config).ll_fleet_shape()
 
 
 def _check_rdma_buffer(vllm_config: Any, backend: str, flag: str) -> None:
-    """A fixed RDMA buffer must hold the LL fleet's layout (envs.py checks the shape-free
-    range already)."""
+    """A fixed RDMA buffer must hold the LL fleet's layout (envs.py checks its range)."""
     rdma = envs.rdma_buffer_bytes()
     if rdma == 0 or backend != backends.LOW_LATENCY or vllm_config.model_config is None:
         return
@@ -215,14 +198,10 @@ def _check_rdma_buffer(vllm_config: Any, backend: str, flag: str) -> None:
     if shape is None:
         return
     total = config_rules.device_memory_bytes()  # by module: tests stand in a GPU there
-    budget = (
-        None
-        if total is None
-        else int(
-            int(total * vllm_config.cache_config.gpu_memory_utilization)
-            * buffer_sizes.LL_BUFFER_BUDGET_FRACTION
-        )
-    )
+    budget = None
+    if total is not None:
+        gmu = vllm_config.cache_config.gpu_memory_utilization
+        budget = int(int(total * gmu) * buffer_sizes.LL_BUFFER_BUDGET_FRACTION)
     tokens = vllm_config.scheduler_config.max_num_batched_tokens
     reason = rdma_buffer_reason(
         flag, rdma, shape, tokens, ep_world_size(vllm_config.parallel_config), budget
@@ -232,8 +211,7 @@ def _check_rdma_buffer(vllm_config: Any, backend: str, flag: str) -> None:
 
 
 def _log_parallel_layout(par: Any, flag: str) -> None:
-    """Say how tensor and pipeline parallelism combine with the backend (docs/architecture.md,
-    "Tensor and pipeline parallelism"): both are accepted."""
+    """How TP and PP combine with the backend (docs/architecture.md): both are accepted."""
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     if (tp == 1 and pp == 1) or not par.enable_expert_parallel:
         return
@@ -277,8 +255,7 @@ def _check_unquantized_experts(vllm_config: Any, backend: str, flag: str) -> Non
     if reason is not None:
         raise FlashInferEPConfigError(reason)
     if backend == backends.HIGH_THROUGHPUT and kernel.moe_backend == "auto":
-        # vLLM's auto prefers FlashInfer's TRT-LLM BF16 experts on Blackwell (Triton on
-        # Hopper); HT hands its flat rows to vLLM's Triton experts, the ones it is run with.
+        # vLLM's auto may pick FlashInfer's TRT-LLM BF16 experts (Blackwell); HT needs Triton.
         kernel.moe_backend = "triton"
         logger.info(
             "%s: unquantized MoE layers use --moe-backend auto -> triton (vLLM's Triton "
@@ -288,8 +265,7 @@ def _check_unquantized_experts(vllm_config: Any, backend: str, flag: str) -> Non
 
 
 def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
-    """FP8 MoE layers: the --moe-backend asked for, checked (`fp8_experts_reason`);
-    auto becomes what `auto_fp8_experts` says, logged."""
+    """FP8 MoE layers: --moe-backend checked (`fp8_experts_reason`), auto pinned, logged."""
     model, kernel = vllm_config.model_config, getattr(vllm_config, "kernel_config", None)
     if not getattr(model, "quantization", None) or kernel is None:
         return
@@ -346,13 +322,10 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
 
 
 def _validate_draft(vllm_config: Any, backend: str, flag: str) -> None:
-    """A speculative draft with MoE layers. MTP and EAGLE drafts are built under the
-    target's parallel config, so their MoE layers run through this backend (a fleet of
-    their own shape, EPLB's redundant experts included): the model rules and the expert
-    split apply to them. A `draft_model` draft gets a parallel config of its own, whose
-    all2all backend is vLLM's default (allgather_reducescatter): its MoE layers would
-    all-gather through the EP group's all2all manager, which is this backend's and has
-    no such operation, so the worker would fail at its first forward."""
+    """A speculative draft with MoE layers. MTP and EAGLE drafts run their MoE layers
+    through this backend (the target's parallel config): the model rules apply. A
+    `draft_model` draft's own parallel config would all-gather through this backend's
+    manager, which has no such operation: refused."""
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     if draft is None or getattr(draft, "is_moe", False) is not True:
@@ -382,7 +355,7 @@ def _validate_draft(vllm_config: Any, backend: str, flag: str) -> None:
 
 
 def _validate_model(model: Any, shape: ModelShape, backend: str, flag: str) -> None:
-    """The model rules (config_rules' *_reason functions, which `doctor` applies too)."""
+    """The model rules (config_rules' *_reason functions, as `doctor` applies them)."""
     if getattr(model, "is_moe", True) is False:
         return
     dtype = getattr(model, "dtype", None)

@@ -1,13 +1,7 @@
-"""Which vLLM experts run FP8 MoE layers under the flashinfer_ep backends (config time).
-
-`--moe-backend` is one value for every MoE layer of the served models (the target and a
-speculative draft). Under HT, vLLM's Triton experts read the scale layouts the package
-hands them (vllm/receive_quant.py); under LL the received-rows experts run in place of
-vLLM's batched Triton experts, and 128x128 block-FP8 layers can take vLLM's batched
-DeepGEMM experts instead (experts/deep_gemm.py). These functions say what a named backend
-is refused for, what `auto` becomes, and which backend a lowered step budget is rounded
-for; the engine pins the choice in vllm/config_validation.py and doctor prints it. No
-vLLM or torch import: doctor and config validation read this.
+"""Which vLLM experts run FP8 MoE layers under the flashinfer_ep backends (config time):
+what a named --moe-backend is refused for, what `auto` becomes, which backend a lowered
+step budget is rounded for. --moe-backend is one value for every MoE layer served (target
+and draft). No vLLM or torch import: doctor and config validation read this.
 """
 
 from __future__ import annotations
@@ -19,9 +13,8 @@ from vllm_flashinfer_ep import backends, envs, model_shape
 from vllm_flashinfer_ep.vllm.config_rules import FP8_METHODS
 
 MOE_BACKEND = "deep_gemm"  # vLLM's --moe-backend name; BATCHED_DEEPGEMM for BatchedExperts
-# DeepGEMM stores whole 64- or 128-row output tiles through one 2-D map over [experts x
-# rows, N] (sm90_fp8_gemm_1d2d.cuh): rows per expert must be a multiple of the largest, or
-# a full expert's last tile writes into the next expert's rows.
+# DeepGEMM stores whole 64/128-row tiles through one 2-D map over [experts x rows, N]
+# (sm90_fp8_gemm_1d2d.cuh): other row counts spill a tile into the next expert's rows.
 ROW_MULTIPLE = 128
 # vLLM's switch that takes DeepGEMM away (read by is_deep_gemm_supported). An explicit
 # --moe-backend passes over VLLM_MOE_USE_DEEP_GEMM (oracle/fp8.py), so that one is not.
@@ -85,9 +78,8 @@ def deep_gemm_step(moe_backend: str | None, ep_world: int) -> int:
     return token_step(ep_world) if moe_backend == MOE_BACKEND else 1
 
 
-# --moe-backend values vLLM 0.33.0 serves unquantized MoE layers with through these
-# backends (oracle/unquantized.py: marlin and humming are quantization-only and fall
-# through to auto; batched_triton forces the batched format, which only LL hands over).
+# --moe-backend values vLLM 0.33.0 serves unquantized MoE layers with here (oracle/
+# unquantized.py: marlin, humming fall through to auto; batched_triton is LL's format).
 UNQUANTIZED_MOE_BACKENDS = {
     backends.LOW_LATENCY: ("auto", "triton", "batched_triton", "marlin", "humming"),
     backends.HIGH_THROUGHPUT: ("auto", "triton", "marlin", "humming"),
@@ -96,8 +88,7 @@ UNQUANTIZED_MOE_BACKENDS = {
 
 def unquantized_experts_reason(flag: str, backend: str, moe_backend: str) -> str | None:
     """Why a BF16 model's MoE layers cannot run with the --moe-backend asked for (None:
-    they can): vLLM's Triton experts, batched under LL (the received-rows experts run in
-    their place), are the ones these backends hand tokens to."""
+    they can): these backends hand tokens to vLLM's Triton experts (batched under LL)."""
     if moe_backend in UNQUANTIZED_MOE_BACKENDS.get(backend, ("auto",)):
         return None
     return (
@@ -118,13 +109,9 @@ def fp8_experts_reason(
     environ: Any,
     unquantized: str | None = None,
 ) -> str | None:
-    """Why the FP8 MoE layers cannot run with the --moe-backend asked for (None: they can).
-
-    Their experts are vLLM's Triton experts (`auto` becomes triton: the scale layouts the
-    package hands them are theirs, vllm/receive_quant.py), or, under LL for 128x128
-    block-FP8 models, vLLM's batched DeepGEMM experts (experts/deep_gemm.py).
-    `unquantized`: why some MoE layers of the served models stay unquantized
-    (`unquantized_moe`, `draft_moe`)."""
+    """Why the FP8 MoE layers cannot run with the --moe-backend asked for (None: they can):
+    vLLM's Triton experts, or under LL for 128x128 block FP8 its batched DeepGEMM experts.
+    `unquantized`: why some served MoE layers stay unquantized (`unquantized_moe`)."""
     if moe_backend in ("auto", "triton"):
         return None
     deep_gemm = MOE_BACKEND
@@ -170,25 +157,15 @@ def auto_fp8_experts(
     environ: Any,
     unquantized: str | None = None,
 ) -> tuple[str, str]:
-    """(the --moe-backend `auto` becomes for FP8 MoE layers, why). Under LL, 128x128
-    block-FP8 layers take vLLM's DeepGEMM batched experts where they can run (the fastest
-    measured path from a few rows per expert up; smaller forwards go to the received rows,
-    experts/deep_gemm.py) and every MoE layer is block FP8 (`unquantized`: why
-    not); everything else, vLLM's Triton experts."""
+    """(the --moe-backend `auto` becomes for FP8 MoE layers, why): vLLM's DeepGEMM batched
+    experts under LL where every MoE layer is 128x128 block FP8 and they can run, else
+    vLLM's Triton experts."""
     deep_gemm = MOE_BACKEND
     if backend != backends.LOW_LATENCY or not _is_block_128(method, block):
         return "triton", "the scale layouts the package hands vLLM's Triton experts"
     reason = (
         fp8_experts_reason(
-            flag,
-            backend,
-            method,
-            block,
-            deep_gemm,
-            tokens_per_rank,
-            ep_world,
-            environ,
-            unquantized,
+            flag, backend, method, block, deep_gemm, tokens_per_rank, ep_world, environ, unquantized
         )
         or platform_reason()
     )
@@ -198,9 +175,7 @@ def auto_fp8_experts(
 
 
 def small_forwards_note(up_to: float | None = None) -> str:
-    """What the LL DeepGEMM layers run small forwards on (experts/deep_gemm.py) at
-    the bound `up_to` (None: the variable's), in the words of the config-time line and
-    doctor."""
+    """What the LL DeepGEMM layers run small forwards on at `up_to` (None: the variable's)."""
     if up_to is None:
         up_to = envs.deep_gemm_received_rows()
     if up_to <= 0:
@@ -224,10 +199,8 @@ def _is_block_128(method: str | None, block: Any) -> bool:
 
 
 def unquantized_moe(modules: Any) -> str | None:
-    """Why some MoE layers of a quantized checkpoint stay unquantized (None: none do):
-    the entries of its ignore list (ModelShape.unquantized_modules) that can name expert
-    modules (vLLM 0.33.0 skips a MoE layer whose prefix an "experts" entry contains,
-    quantization/utils/quant_utils.is_layer_skipped)."""
+    """Why some MoE layers of a quantized checkpoint stay unquantized (None: none do): its
+    ignore list's entries that can name experts (vLLM's quant_utils.is_layer_skipped)."""
     named = [m for m in modules if "expert" in m.lower() or "moe" in m.lower()]
     if not named:
         return None
@@ -236,9 +209,8 @@ def unquantized_moe(modules: Any) -> str | None:
 
 
 def draft_moe(vllm_config: Any) -> str | None:
-    """Why a speculative draft model's MoE layers cannot take deep_gemm (None: there is
-    none, it names its own backend, or it is 128x128 block FP8 like the target): the
-    draft inherits --moe-backend unless its speculative config sets `moe_backend`."""
+    """Why a speculative draft's MoE layers cannot take deep_gemm (None: no such draft, its
+    own `moe_backend`, or block FP8 like the target): the draft inherits --moe-backend."""
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     if draft is None or getattr(spec, "moe_backend", None) is not None:
@@ -269,8 +241,7 @@ def budget_backend(
     unquantized: str | None = None,
 ) -> str | None:
     """The --moe-backend an LL step budget is lowered for (`deep_gemm_step`): the one
-    asked, or what `auto` will become for an FP8 model, decided before the budget is (so a
-    lowered budget keeps DeepGEMM's whole tiles)."""
+    asked, or what `auto` will become for an FP8 model."""
     if asked != "auto" or method not in FP8_METHODS:
         return asked
     choice, _ = auto_fp8_experts(flag, backend, method, block, None, ep_world, environ, unquantized)

@@ -1,24 +1,11 @@
-"""vLLM prepare/finalize classes over the NCCL-EP transport (thin adapters).
-
-- Low latency: expert-major dispatch -> vLLM's BatchedExperts format
-  ([local experts, max_tokens_per_rank * ep_world, hidden] + per-expert counts).
-  Combine applies the routing weights bound to the handle and writes straight into
-  vLLM's `output`. For BF16 layers nothing is allocated between dispatch and combine
-  (FP8 layers allocate their quantized activations); CUDA-graph capturable through the
-  persistent handle pool.
-- FP8 layers get their activations quantized after receive, as their experts expect
-  (vllm/receive_quant.py), unless the experts quantize them themselves (vLLM's
-  `defer_input_quant`: the received-rows experts, for the rows that arrived); 128x128
-  block-FP8 layers send them in FP8 instead (runtime/fp8_wire.py): LL through NCCL-EP's
-  quantizing dispatch, HT quantized here with vLLM's group quantization and forwarded
-  with their scales. Everything else dispatches BF16.
-- High throughput: flat dispatch -> vLLM's Standard format with global expert ids;
-  the received row count is read on the host (not capturable); the experts'
-  per-(row, k) output is weighted and reduced per received row before combine.
-The transport logic lives in runtime/rounds.py (shared with benchmark and GPU tests).
-The prepare/finalize asks its experts questions (do they leave weighting to the combine,
-do they quantize their own input) and changes nothing of theirs; which experts an LL
-kernel runs is the patch table's `experts_selection` entry (experts/__init__.py).
+"""vLLM prepare/finalize classes: thin adapters over the NCCL-EP rounds (runtime/rounds.py).
+- Low latency: expert-major dispatch -> vLLM's BatchedExperts format; the combine applies
+  the routing weights bound to the handle, into vLLM's `output`. CUDA-graph capturable
+  through the persistent handle pool.
+- High throughput: flat dispatch -> vLLM's Standard format (global expert ids); the row
+  count is read on the host (not capturable); rows are weighted and reduced before combine.
+FP8 layers: quantized after receive (vllm/receive_quant.py) unless the experts defer, or
+FP8 on the wire for 128x128 block layers (runtime/fp8_wire.py).
 """
 
 from __future__ import annotations
@@ -56,9 +43,8 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         agreement_fn: AgreementFn | None = None,
         fp8_dispatch: bool = False,
     ) -> None:
-        """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for the
-        current forward (vllm/forward_state.py); by default every rank runs its own.
-        `fp8_dispatch`: FP8 on the wire (block-FP8 layers; runtime/fp8_wire.py)."""
+        """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for this
+        forward (vllm/forward_state.py; default: each its own). `fp8_dispatch`: FP8 wire."""
         super().__init__()
         self.runtime = runtime
         self._round = runtime.round
@@ -77,8 +63,7 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         return self._fp8
 
     def sent_per_rank(self) -> int | None:
-        """During a round: the tokens every rank dispatched (a pooled round's handle size,
-        padding included); None when the transport does not know."""
+        """During a round: the tokens every rank dispatched (None: the transport can't tell)."""
         return self._round.sent_per_rank
 
     def topk_indices_dtype(self) -> torch.dtype | None:
@@ -124,8 +109,7 @@ class FlashInferEPLowLatencyPrepareAndFinalize(_Base):
     activation_format = mk.FusedMoEActivationFormat.BatchedExperts
 
     def post_init_setup(self, fused_experts) -> None:
-        """Once per kernel (vLLM's setup hook): the combine applies the routing weights, so
-        the experts must leave weighting to it."""
+        """The combine applies the routing weights: the experts must leave weighting to it."""
         impl = fused_experts.finalize_weight_and_reduce_impl()
         if not isinstance(impl, TopKWeightAndReduceDelegate):
             raise FlashInferEPConfigError(

@@ -1,26 +1,12 @@
 """FP8 MoE layers: what the experts get, quantized after receive or before dispatch.
-
-128x128 block-FP8 layers send FP8 on the wire when NCCL-EP can carry it
-(`fp8_dispatch_reason`; runtime/fp8_wire.py: LL quantizes in NCCL-EP's kernel, HT with
-`group_quantize` before the dispatch). Every other FP8 layer (and a block layer whose wire
-is off) dispatches BF16 and hands the experts FP8 activations with the scales their quant
-config describes: per tensor (static from the checkpoint, or dynamic), per token, or per
-128-element group (128x128 block checkpoints). The quantization is vLLM's own
-(`moe_kernel_quantize_input`); only what it is applied to is this module's business:
-
-- High throughput: the received rows, exactly (their count is known on the host).
-- Low latency: the expert-major buffer [local experts, rows per expert, hidden] with
-  rows past each expert's received count left over from earlier forwards (or never
-  written). Per-token and per-group scales are per row, so those rows cannot reach a
-  received row's scale. A dynamic per-tensor scale would: it is taken here over the
-  received rows only (a masked max, fixed shapes, so CUDA graphs capture it), then applied
-  as a static scale. This pass reads every row of every expert's slot whatever the batch:
-  it runs only for experts that ask for quantized inputs (vLLM's DeepGEMM, or vLLM's own
-  experts should the package's be undone); the received-rows experts quantize the rows
-  that arrived themselves (vLLM's `expects_unquantized_inputs`).
-
-Which FP8 layouts are accepted is `refusal()`, used when the MoE layers are built; the
-engine-config check (config_validation.py) refuses non-FP8 quantization methods earlier.
+128x128 block-FP8 layers send FP8 on the wire where NCCL-EP can (`fp8_dispatch_reason`,
+runtime/fp8_wire.py). Others dispatch BF16 and get vLLM's own quantization
+(`moe_kernel_quantize_input`) here:
+- HT: the received rows, exactly (their count is known on the host).
+- LL: the expert-major buffer, whose rows past each expert's count hold stale data. Per-row
+  scales never mix rows; a dynamic per-tensor scale is taken over the received rows only
+  (a masked max, graph-capturable). Only for experts that want quantized inputs: the
+  received-rows experts quantize their own rows (`expects_unquantized_inputs`).
 """
 
 from __future__ import annotations
@@ -36,8 +22,8 @@ GROUP = num.GROUP  # the activation group size of 128x128 block checkpoints
 
 
 def carries_block(block: Any) -> bool:
-    """Whether a layer's FP8 block shape (None: not block-quantized) has the activation
-    groups this package quantizes into: [*, 128]. One rule for load, config and doctor."""
+    """Whether a layer's FP8 block shape (None: not block-quantized) is [*, 128]: the
+    activation groups this package quantizes into."""
     return block is None or (len(block) == 2 and block[1] == GROUP)
 
 
@@ -70,11 +56,9 @@ def refusal(quant_config: Any, flag: str) -> str | None:
 
 
 def fp8_dispatch_reason(quant_config: Any, hidden: int) -> str | None:
-    """Why a layer keeps BF16 on the wire (None: NCCL-EP's FP8 dispatch carries its
-    activations, runtime/fp8_wire.py; both backends). Only 128x128 block-FP8 layers
-    qualify: E4M3 + one FP32 scale per 128 elements is their activation layout; per-tensor
-    and per-token layers need one scale over more than 128 elements (vLLM's DeepEP
-    backends draw the same line)."""
+    """Why a layer keeps BF16 on the wire (None: NCCL-EP's FP8 dispatch carries it). Only
+    128x128 block-FP8 layers qualify: other scales span more than 128 elements (vLLM's
+    DeepEP backends draw the same line)."""
     from vllm_flashinfer_ep import envs
     from vllm_flashinfer_ep.runtime import fp8_wire
 
@@ -94,16 +78,10 @@ def fp8_dispatch_reason(quant_config: Any, hidden: int) -> str | None:
 
 
 def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, hidden] BF16 -> (E4M3, FP32 scales [tokens, hidden / 128], row-major):
-    what a 128x128 block-FP8 layer's Triton experts would compute from x (vLLM's
-    per_token_group_quant_fp8), done before an HT FP8 dispatch (the HT prepare hands it
-    to EPRuntime.enable_fp8_wire).
-
-    Kept apart from runtime/fp8_wire.group_quantize (the torch quantizer for callers
-    without vLLM) on purpose: this one must follow vLLM wherever vLLM's platform changes
-    the numerics (scales rounded up to powers of two when DeepGEMM's E8M0 scales are in
-    use, the platform's FP8 type and range, amax floored at 1e-10), which the runtime's,
-    free of vLLM imports, cannot; see that function for where the two agree."""
+    """x [tokens, hidden] BF16 -> (E4M3, FP32 scales [tokens, hidden / 128]) as a 128x128
+    block-FP8 layer's Triton experts quantize it, before an HT FP8 dispatch. Apart from
+    runtime/fp8_wire.group_quantize (no vLLM there): this one follows vLLM's platform
+    (E8M0 scales under DeepGEMM, the platform's FP8 type, amax floored)."""
     from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
 
     return moe_kernel_quantize_input(
@@ -114,11 +92,8 @@ def group_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_received_rows(
     x: torch.Tensor, quant_config: Any, defer: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """High throughput: x [received, hidden] BF16 -> (activations, scales) for the experts.
-
-    No rows received (another rank holds every routed expert): nothing to quantize, and
-    vLLM's per-tensor kernels would launch an empty grid; vLLM's modular kernel returns
-    before the experts when there are no rows."""
+    """HT: x [received, hidden] BF16 -> (activations, scales) for the experts. No rows: as
+    is (vLLM's per-tensor kernels would launch an empty grid; the experts do not run)."""
     if defer or quant_config is None or quant_config.quant_dtype is None or x.shape[0] == 0:
         return x, None
     return _vllm_quantize(x, quant_config.a1_scale, quant_config)
@@ -127,8 +102,8 @@ def quantize_received_rows(
 def quantize_expert_buffer(
     x: torch.Tensor, counts: torch.Tensor, quant_config: Any, defer: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Low latency: x [experts, rows, hidden] BF16, counts [experts] -> (activations in the
-    same layout, scales shaped as vLLM's batched experts read them)."""
+    """LL: x [experts, rows, hidden] BF16 -> (activations, scales as vLLM's batched experts
+    read them)."""
     if defer or quant_config is None or quant_config.quant_dtype is None:
         return x, None
     experts, rows, hidden = x.shape
@@ -142,12 +117,9 @@ def quantize_expert_buffer(
 
 
 def received_amax(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """max |x| over the rows each expert received (fp32 scalar tensor, no host sync).
-
-    Unreceived rows may hold anything, NaN included: they are masked, not multiplied. A
-    received row holding NaN counts as zero (the other tokens keep a finite scale); an
-    infinity stays one, as vLLM's dynamic per-tensor kernel keeps it (the received-rows
-    experts' scale, experts/kernels/quantize.py, reads rows the same way)."""
+    """max |x| over the rows each expert received (FP32 scalar tensor, no host sync).
+    Unreceived rows (anything, NaN included) are masked, not multiplied; a received NaN
+    counts as zero, an infinity stays one, as in vLLM's dynamic per-tensor kernel."""
     rows = x.shape[1]
     row_max = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1)  # [experts, rows]
     row_max = torch.nan_to_num(row_max, nan=0.0, posinf=float("inf"))
@@ -170,10 +142,8 @@ def _vllm_quantize(
 
 
 def check_ht_experts(fused_experts: Any, flag: str) -> None:
-    """HT hands FP8 layers' experts flat rows with the scale layouts above: vLLM's Triton
-    experts (what `--moe-backend triton` selects) read them. Others (CUTLASS, FlashInfer)
-    expect other layouts or quantize themselves; refuse them at load rather than compute
-    wrong."""
+    """HT FP8 layers' experts must be vLLM's Triton experts, which read the scale layouts
+    above; others expect other layouts: refused at load rather than computing wrong."""
     qc = fused_experts.quant_config
     if qc is None or qc.quant_dtype is None:
         return

@@ -1,10 +1,5 @@
-"""SiLU-and-mul over the received rows only.
-
-vLLM's masked activation runs a grid over every expert's whole buffer slot, which a decode
-step pays in every MoE layer whatever the batch; this launch has the blocks' fixed grid.
-It rounds as vLLM's SiLU-and-mul kernels do (the SiLU to the 16-bit type, then the
-product), so a received row gets what vLLM's activation writes there, up to where
-Triton's exp and CUDA's differ in the last bit.
+"""SiLU-and-mul over the received rows only (vLLM's masked activation covers every expert's
+whole slot). Rounds as vLLM's kernels do: the SiLU to the 16-bit type, then the product.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ def buffers_reason(out: torch.Tensor, x: torch.Tensor) -> str | None:
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: RowBlocks) -> None:
-    """out[row] = silu(x[row, :d]) * x[row, d:] for the received rows in `blocks`; other
-    rows of `out` are left as they were (the GEMM after reads received rows only)."""
+    """out[row] = silu(x[row, :d]) * x[row, d:] for the received rows; others untouched."""
     if triton is None:
         raise RuntimeError("silu_and_mul needs Triton")
     reason = buffers_reason(out, x)
@@ -57,8 +51,7 @@ if triton is not None:
 
     @triton.jit
     def silu_mul_rows(x_ptr, ids, cols, mask, d):
-        """SiLU(gate) x up of x [rows, 2d] on these rows and columns, rounded as vLLM's
-        activation rounds it, returned in FP32 holding those 16-bit values."""
+        """SiLU(gate) x up of x [rows, 2d], rounded as vLLM's, as FP32 of 16-bit values."""
         gate_at = x_ptr + ids[:, None] * (2 * d) + cols[None, :]
         gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_at + d, mask=mask, other=0.0).to(tl.float32)

@@ -1,16 +1,9 @@
-"""FP8 quantization of the received rows, optionally fused with SiLU-and-mul.
-
-Between the two GEMMs the intermediate is activated and quantized in one launch over the
-blocks' fixed grid; before GEMM1 the same kernel without the activation quantizes BF16
-arrivals. Both round as vLLM 0.33.0 does: the activation to the 16-bit type first
-(kernels/activation.py), then vLLM's quantization of those 16-bit values, with true
-divisions as vLLM's CUDA kernels divide (the constants: fp8_numerics.py):
-- per 128-element group (`per_token_group_fp8_quant`): scale = max(amax, floor) / 448,
-  rounded up to a power of two where vLLM's DeepGEMM E8M0 setting is on;
-- per token (`dynamic_per_token_scaled_fp8_quant`): scale = max(amax / 448, floor);
-- per tensor (`tensor_quant`): a dynamic scale spans rows, so two launches: the max of the
-  received rows (per expert, or one for all), then vLLM's static quantization with it
-  (x times the inverted scale); a static scale skips the first launch.
+"""FP8 quantization of the received rows, optionally fused with SiLU-and-mul (between the
+GEMMs; without it, BF16 arrivals before GEMM1). Rounding is vLLM 0.33.0's, with true
+divisions as its CUDA kernels divide (constants: fp8_numerics.py):
+- per group (`per_token_group_fp8_quant`): max(amax, floor) / 448, a power of two in E8M0;
+- per token (`dynamic_per_token_scaled_fp8_quant`): max(amax / 448, floor);
+- per tensor: a dynamic scale's max over the received rows first, then x times 1 / scale.
 Rows that did not arrive are left undefined: the GEMM after reads received rows only.
 """
 
@@ -31,8 +24,7 @@ TILE = 4096  # elements one program holds at a time: BLOCK_M x BLOCK_N
 
 
 def rows_reason(x: torch.Tensor, group: int | None, act: bool) -> str | None:
-    """Why these kernels do not take `x` ([rows, 2d] GEMM1's output when `act`, else
-    [rows, d]) (None: they do)."""
+    """Why these kernels do not take `x`, [rows, 2d] when `act` (None: they do)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"16-bit x, got {x.dtype}"
     if not x.is_contiguous() or x.dim() != 2 or (act and x.shape[1] % 2):
@@ -60,8 +52,8 @@ def _checked(name: str, x: torch.Tensor, group: int | None, act: bool) -> None:
 def quantize_rows(
     x: torch.Tensor, blocks: RowBlocks, group: int | None, ue8m0: bool, act: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x -> (E4M3 [rows, d], FP32 scales [rows, d / group], or [rows, 1] per token when
-    `group` is None) for the received rows; `act`: x is GEMM1's output, activated first."""
+    """x -> (E4M3 [rows, d], FP32 scales [rows, d / group], [rows, 1] when `group` is None)
+    for the received rows; `act`: x is GEMM1's output, activated first."""
     _checked("quantize_rows", x, group, act)
     d = x.shape[1] // 2 if act else x.shape[1]
     q, scales = _outputs(x, act, 1 if group is None else d // group)
@@ -97,9 +89,8 @@ def quantize_rows(
 
 
 def token_tiling(d: int, block_m: int) -> tuple[int, int]:
-    """Per token: (columns a program holds, rows a program takes). A row that fits TILE is
-    held whole and read once, the block's rows spread over programs (a decode step lists a
-    few blocks); a wider row takes one row per program, read twice (amax, then quantize)."""
+    """Per token: (columns a program holds, rows it takes). A row within TILE is read once;
+    a wider one takes a program of its own and is read twice (amax, then quantize)."""
     width = triton.next_power_of_2(d)
     if width <= TILE:
         return width, max(1, min(block_m, TILE // width))
@@ -114,10 +105,9 @@ def tensor_quant(
     act: bool,
     static_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x -> (E4M3 [rows, d], FP32 [rows, 1]) for a per-tensor layer's received rows. The
-    scale: `static_scale` (FP32, one element) when given, else max(max |y| / 448, floor)
-    over the received rows (NaN counting as zero, an infinity kept), each expert's own
-    when `per_expert`, else one over them all. Every received row gets its scale."""
+    """x -> (E4M3 [rows, d], FP32 [rows, 1]) for a per-tensor layer's received rows; the
+    scale is `static_scale`, else max(max |y| / 448, floor) over the received rows (NaN as
+    zero, infinity kept), per expert when `per_expert`."""
     _checked("tensor_quant", x, None, act)
     q, scales = _outputs(x, act, 1)
     rows, d = q.shape
@@ -153,8 +143,7 @@ if triton is not None:
 
     @triton.jit
     def _rows(x_ptr, ids, cols, mask, d, ACT: tl.constexpr):
-        """The values to quantize, FP32: SiLU(gate) x up of [rows, 2d] (`ACT`), or the
-        rows of x [rows, d]."""
+        """The values to quantize, FP32: SiLU(gate) x up (`ACT`), or x's rows."""
         if ACT:
             y = silu_mul_rows(x_ptr, ids, cols, mask, d)
         else:
@@ -230,8 +219,7 @@ if triton is not None:
             tl.store(s_ptr + ids * (d // BLOCK_N) + g, scale, mask=received)
             _store_q(q_ptr, y, scale, ids, cols, mask, d, FP8_MAX)
 
-    # per_expert is a runtime 0 / 1, not specialized: the eager call (per expert) and the
-    # captured one (one scale) run one compiled kernel, so none compiles during a capture.
+    # per_expert not specialized: eager and captured calls share one compiled kernel.
     @triton.jit(do_not_specialize=["per_expert"])
     def _amax_kernel(
         x_ptr,
@@ -246,8 +234,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         ACT: tl.constexpr,
     ):
-        """max |y| of one block's received rows over one column chunk, into its expert's
-        slot (or the one slot): NaN counts as zero, as vLLM's fmaxf skips it."""
+        """max |y| of a block's received rows into its slot (NaN as zero: vLLM's fmaxf)."""
         b = tl.program_id(0)
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
             return
@@ -276,10 +263,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         ACT: tl.constexpr,
     ):
-        """One block's received rows over one column chunk quantized with their slot's
-        scale (`STATIC`: the scale itself; else from the slot's max), as vLLM's static
-        per-tensor kernel does (times the inverted scale); the first chunk writes each
-        row's scale."""
+        """A block's received rows quantized with their slot's scale as vLLM's static
+        per-tensor kernel does (times the inverted scale); chunk 0 writes the scales."""
         b = tl.program_id(0)
         if b * BLOCK_M >= tl.load(blocks_rows_ptr):
             return

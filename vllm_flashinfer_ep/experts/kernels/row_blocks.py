@@ -1,12 +1,8 @@
 """The received rows as blocks: (expert, BLOCK_M rows) pairs built on the device from the
-received counts, the list vLLM's fused-MoE kernel reads in place of its sorted token ids.
-
-Row r of expert e's buffer slot is flat row e * rows_per_expert + r. The list has a fixed
-length (the most blocks the forward can need, `max_blocks`), so a captured CUDA graph
-replays it for any routing; programs past the used blocks return at once. On CUDA it is
-one Triton launch (a torch build of the same list is about fifteen small kernels per
-layer, and launches are what a decode step pays for); elsewhere the torch build, which
-writes the same values.
+counts, read by vLLM's fused-MoE kernel in place of its sorted token ids. Row r of expert
+e is flat row e * rows_per_expert + r. The list's length is fixed (`max_blocks`), so CUDA
+graphs replay it for any routing. One Triton launch on CUDA (launches are what a decode
+step pays for); the torch build elsewhere writes the same values.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ BLOCKS_PER_PROGRAM = 16  # blocks one program writes: [16, experts] compares fit
 
 
 class RowBlocks(NamedTuple):
-    """sorted_ids int32 [num_blocks * block_m]: flat rows block by block, the sentinel
-    experts * rows_per_expert where a block has no row; expert_ids int32 [num_blocks]:
-    each block's expert, -1 past the last; blocks_rows int32 [1]: used blocks x block_m."""
+    """sorted_ids [num_blocks * block_m] (sentinel experts * rows_per_expert: no row),
+    expert_ids [num_blocks] (-1 past the last), blocks_rows [1]: used blocks x block_m."""
 
     sorted_ids: torch.Tensor
     expert_ids: torch.Tensor
@@ -39,9 +34,8 @@ class RowBlocks(NamedTuple):
 
 
 def max_blocks(rows_bound: int, experts: int, rows_per_expert: int, block_m: int) -> int:
-    """Most blocks a forward can need when the rank receives at most `rows_bound` rows:
-    each expert with rows needs ceil(rows / block_m) blocks, so at most the rows, at most
-    one partial block per expert beyond rows_bound / block_m, at most the whole buffer."""
+    """Most blocks a forward of at most `rows_bound` received rows can need: at most the
+    rows, one partial block per expert beyond rows_bound / block_m, the whole buffer."""
     per_expert = -(-rows_per_expert // block_m)
     return max(1, min(rows_bound, -(-rows_bound // block_m) + experts, experts * per_expert))
 
@@ -49,8 +43,7 @@ def max_blocks(rows_bound: int, experts: int, rows_per_expert: int, block_m: int
 def row_blocks(
     counts: torch.Tensor, rows_per_expert: int, block_m: int, num_blocks: int
 ) -> RowBlocks:
-    """The blocks of the received rows from the per-expert counts; fixed shapes, no host
-    sync. One Triton launch on CUDA, torch ops elsewhere."""
+    """The blocks of the received rows from the counts; fixed shapes, no host sync."""
     if counts.is_cuda and triton is not None:
         return triton_row_blocks(counts, rows_per_expert, block_m, num_blocks)
     return torch_row_blocks(counts, rows_per_expert, block_m, num_blocks)
@@ -153,9 +146,7 @@ if triton is not None:
 
     @triton.jit
     def block_tile(sorted_ids_ptr, rows, d, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The rows of block program_id(0) (flat ids; the sentinel `rows` where it has
-        none) and the columns of chunk program_id(1): (ids, cols, the mask of received
-        rows x columns below d). What every kernel over the blocks reads."""
+        """(row ids of block program_id(0), columns of chunk program_id(1), their mask)."""
         ids = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
         ids = ids.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,19 +1,9 @@
-"""Every vLLM 0.33.0 touch point of the package, and how to remove it: the table below.
+"""Every vLLM 0.33.0 touch point of the package, and how to remove it: `PATCHES`.
 
-vLLM 0.33.0 has no registry for all2all backends. Each row of `PATCHES` is the index
-entry of one patch (what / why / how / upstream fix / removal) and the input of the one
-mechanism in `_helper.py`, which checks the target (exists, expected parameters or
-shape) before replacing it, remembers the original and can undo it. The replacements
-live in `platform.py` (matter before workers start: CLI parsing, engine config) and
-`worker.py` (matter in workers: communicator, model load, FT sentinel).
-
-`register()` applies all of them in every vLLM process; `status()` says which are in
-place; `index()` renders the table as text.
-
-The FlashInfer internals the package reads (runtime/flashinfer_internals.py `INTERNALS`)
-are listed by `index()` beside them, each with the public accessor that would remove it.
-No patch replaces anything on one vLLM object: the LL experts are the wing's own classes,
-built in place of vLLM's by the `experts_selection` row.
+vLLM 0.33.0 has no all2all backend registry. Each row is one patch's index entry and the
+input of `_helper.py`, which checks the target before replacing it and can undo it; the
+replacements live in `platform.py` (before workers start) and `worker.py` (in workers).
+`index()` also lists the FlashInfer internals read (runtime/flashinfer_internals.py).
 """
 
 from __future__ import annotations
