@@ -146,11 +146,13 @@ def test_the_manager_refuses_ranks_that_differ_over_a_real_cpu_group(case):
 
 # ---------------------------------------- the exchange's deadline over a real gloo group
 def _late_rank(rank: int, world: int, port: int, late_s: float, results) -> None:
-    """Rank 1 reaches the exchange `late_s` after rank 0 (rank 0's deadline: 2 s)."""
+    """Rank 1 reaches the exchange `late_s` after rank 0 (the deadline: 2 s, from the
+    package variable, as the managers build their exchange)."""
     import time
 
-    from vllm_flashinfer_ep.runtime.exchange import ExchangeTimeoutError, GlooExchange
+    from vllm_flashinfer_ep.runtime.exchange import ExchangeTimeoutError, cpu_exchange
 
+    os.environ["VLLM_FLASHINFER_EP_EXCHANGE_TIMEOUT_S"] = "2"
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -158,7 +160,7 @@ def _late_rank(rank: int, world: int, port: int, late_s: float, results) -> None
         time.sleep(late_s)
     start = time.monotonic()
     try:
-        got = GlooExchange(dist.group.WORLD, 2)({"rank": rank}, "test items")
+        got = cpu_exchange(dist.group.WORLD)({"rank": rank}, "test items")
         results[rank] = ("ok", got, time.monotonic() - start)
     except ExchangeTimeoutError as exc:
         results[rank] = ("timeout", str(exc), time.monotonic() - start)
