@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from tests.fakes.managers import manager_world
-from tests.unit.test_rank_disagreement import (  # noqa: F401 - fixtures
+from tests.fakes.rank_configs import (
     LL,
     SIZES,
-    _env,
     assert_named_everywhere,
-    base_config,
+    clean_env,
     configs,
     load,
+    make_base_config,
     speculate,
 )
 from vllm_flashinfer_ep import envs
@@ -39,6 +39,16 @@ from vllm_flashinfer_ep.vllm import capture_plan, rank_checks
 pytestmark = pytest.mark.usefixtures("fake")
 
 PLAN = "capture plan (capture phase opening)"
+
+
+@pytest.fixture(scope="module")
+def base_config():
+    return make_base_config()
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    clean_env(monkeypatch)
 
 
 def warm_up(pf, tokens: int, seed: int = 0) -> None:

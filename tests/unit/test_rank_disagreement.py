@@ -11,93 +11,41 @@ leaves its peers with a named error within the deadline.
 
 from __future__ import annotations
 
-import copy
 import time
 from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tests.fakes.managers import manager_world, this_rank
-from vllm_flashinfer_ep import backends, envs
+from tests.fakes.rank_configs import (
+    LL,
+    SIZES,
+    assert_named_everywhere,
+    block_fp8,
+    clean_env,
+    configs,
+    load,
+    make_base_config,
+    moe,
+    speculate,
+)
+from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.runtime import rank_agreement
 from vllm_flashinfer_ep.runtime.exchange import ExchangeTimeoutError
-from vllm_flashinfer_ep.runtime.rank_agreement import RankMismatchError
 from vllm_flashinfer_ep.vllm import managers, rank_checks
 
 pytestmark = pytest.mark.usefixtures("fake")
 
-LL = backends.LOW_LATENCY
-SIZES = [1, 2, 4, 8, 16]
-
 
 @pytest.fixture(scope="module")
 def base_config():
-    from vllm.config import CUDAGraphMode, SchedulerConfig, VllmConfig
-
-    config = VllmConfig(
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16, max_num_batched_tokens=32, max_model_len=32, is_encoder_decoder=False
-        )
-    )
-    comp = config.compilation_config  # the CPU platform turns graphs off: a GPU host's
-    comp.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    comp.cudagraph_capture_sizes = list(SIZES)
-    comp.max_cudagraph_capture_size = max(SIZES)
-    return config
+    return make_base_config()
 
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
-    for var in envs.VARIABLES:
-        monkeypatch.delenv(var.name, raising=False)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the default runner on GPUs
-    monkeypatch.setenv(envs.EXCHANGE_TIMEOUT_S, "5")
-
-
-def configs(base, world: int, change=None, rank: int | None = None) -> list:
-    """`world` copies of `base`; `change(config)` applied to `rank`'s (default: the last)."""
-    out = [copy.deepcopy(base) for _ in range(world)]
-    if change is not None:
-        change(out[world - 1 if rank is None else rank])
-    return out
-
-
-def speculate(num: int):
-    def change(config):
-        config.speculative_config = SimpleNamespace(
-            num_speculative_tokens=num, uses_dynamic_speculative_decoding=lambda: False
-        )
-
-    return change
-
-
-def moe(hidden: int = 2048, tokens: int = 32):
-    return SimpleNamespace(
-        num_experts=8, max_num_tokens=tokens, hidden_dim=hidden, experts_per_token=2
-    )
-
-
-def block_fp8():
-    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
-
-    one = torch.ones(8, dtype=torch.float32)
-    return fp8_w8a8_moe_quant_config(one, one, block_shape=[128, 128])
-
-
-def load(rank, manager, layer=None, quant=None):
-    return manager.make_prepare_finalize(layer or moe(), quant)
-
-
-def assert_named_everywhere(outcomes, item: str, fix: str) -> None:
-    """Every rank raised the same RankMismatchError naming `item` and what sets it."""
-    assert all(isinstance(o, RankMismatchError) for o in outcomes), outcomes
-    messages = {str(o) for o in outcomes}
-    assert len(messages) == 1, messages
-    message = messages.pop()
-    assert f"disagree on the {item} (" in message, message
-    assert fix in message, message
+    clean_env(monkeypatch)
 
 
 # ------------------------------------------------------------------ the load check
