@@ -47,6 +47,16 @@ CASES = {
     "dual-batch overlap": ((*EP, "--enable-dbo"), {}),
     "an unknown backend": ((*EP[:3], "--all2all-backend", "no_such_backend"), {}),
     "an fp16 model's dtype": ((*EP, "--dtype", "float16"), {}),
+    "another backend with round-robin placement": (
+        (
+            *EP[:3],
+            "--all2all-backend",
+            "allgather_reducescatter",
+            "--expert-placement-strategy",
+            "round_robin",
+        ),
+        {},
+    ),
     "round-robin placement": ((*EP, "--expert-placement-strategy", "round_robin"), {}),
 }
 
@@ -145,6 +155,19 @@ def test_without_a_backend_doctor_builds_the_config_with_the_one_it_checks(tiny,
         )
         for line in failures
     ), failures
+
+
+def test_without_a_model_a_bad_package_variable_fails_only_where_the_engine_reads_it(
+    monkeypatch, capsys
+):
+    """No model: no engine config to build, doctor's variables line is the verdict."""
+    monkeypatch.setenv(envs.HANDLE_POOL, "maybe")
+    for backend, fails in (("allgather_reducescatter", False), (LOW_LATENCY, True)):
+        capsys.readouterr()
+        cli.main(["doctor", "--all2all-backend", backend, "-dp", "2", "-ep"])
+        out = capsys.readouterr().out
+        assert ("[FAIL] VLLM_FLASHINFER_EP_* variables" in out) is fails, out
+        assert ("[warn] VLLM_FLASHINFER_EP_* variables" in out) is not fails, out
 
 
 def test_doctor_without_a_model_still_refuses_what_vllm_s_parser_refuses(capsys):
