@@ -175,7 +175,7 @@ def test_the_outermost_graph_capture_opens_the_phase_once(monkeypatch):
             events.append(("open", capture.in_capture_phase()))
 
     group = SimpleNamespace(device_communicator=SimpleNamespace(all2all_manager=Manager()))
-    monkeypatch.setattr(parallel_state, "_EP", group, raising=False)
+    monkeypatch.setattr(parallel_state, "get_ep_group", lambda: group)
 
     from contextlib import contextmanager
 

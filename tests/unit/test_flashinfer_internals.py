@@ -55,6 +55,13 @@ NOT_FLASHINFER: dict[tuple[str, str, str], str] = {
         "apply",
         "_flashinfer_ep_compact",
     ): "the package's own marker on its wrapper (tests/kernels/test_vllm_join_gpu.py reads it)",
+    **{
+        ("vllm_flashinfer_ep.vllm.capture_plan", "manager", name): (
+            "vLLM: the V2 runner's capture descriptors, computed by its own code on a "
+            "config-only CudaGraphManager (capture_plan.py says why)"
+        )
+        for name in ("_candidates", "_capture_descs", "_init_candidates")
+    },
 }
 PUBLIC_MODULES = {"flashinfer", "flashinfer.moe_ep", "nccl", "nccl.ep"}
 MODULE_PATH = re.compile(r"^(flashinfer|nccl)(\.[A-Za-z_]\w*)*$")

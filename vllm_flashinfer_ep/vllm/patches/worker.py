@@ -138,8 +138,11 @@ def make_graph_capture(original):
 
 def ep_managers() -> list:
     """This process's flashinfer_ep all2all manager (its EP group's), if any."""
-    from vllm.distributed import parallel_state
+    from vllm.distributed.parallel_state import get_ep_group
 
-    group = getattr(parallel_state, "_EP", None)
+    try:
+        group = get_ep_group()
+    except AssertionError:  # no EP group in this process (a dense model, a test)
+        return []
     manager = getattr(getattr(group, "device_communicator", None), "all2all_manager", None)
     return [manager] if hasattr(manager, "open_capture_phase") else []
