@@ -60,8 +60,8 @@ def supports_fault_tolerance(backend: str | None) -> bool:
 
 
 # vLLM 0.33.0's own `--all2all-backend` names (`ParallelConfig.all2all_backend`'s Literal),
-# for callers that must not import vLLM to check a name: importing it takes tens of
-# seconds on a loaded host (the eval CLI). tests/unit/test_gsm8k_configs.py keeps it equal
+# for callers that must not import vLLM to check a name (the eval CLI: importing vLLM
+# makes a process slow to start and to exit). tests/unit/test_gsm8k_configs.py keeps it equal
 # to vLLM's.
 VLLM_BACKENDS: tuple[str, ...] = (
     "naive",

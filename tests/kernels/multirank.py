@@ -7,8 +7,8 @@ check, and a teardown that waits on a dead peer would read as a hang. The
 parent waits on one deadline for all ranks, and once a rank has failed it gives the others
 a short grace before it kills them (a peer left waiting in a collective never returns).
 The deadline counts from the moment every rank joined the process group: starting a
-rank (an interpreter importing torch) takes seconds, and tens of them on a loaded host,
-which no test's deadline is about; start-up has its own, generous limit.
+rank (an interpreter importing torch) is slow wherever the CPUs are busy, which no
+test's deadline is about; start-up has its own, generous limit.
 """
 
 from __future__ import annotations

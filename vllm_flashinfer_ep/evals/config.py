@@ -213,8 +213,9 @@ def parse_config(data: Any, path: Path) -> Gsm8kConfig:
 
 
 def known_backends() -> tuple[str, ...]:
-    """vLLM 0.33.0's `--all2all-backend` names plus this package's (without importing
-    vLLM: the eval CLI starts and stops in a second on a loaded host)."""
+    """vLLM 0.33.0's `--all2all-backend` names plus this package's, without importing
+    vLLM: the eval CLI only starts `vllm serve` and lm-eval, and importing vLLM (torch,
+    transformers) would make its start and its exit slow wherever the CPUs are busy."""
     return tuple(dict.fromkeys((*VLLM_BACKENDS, *BACKENDS)))
 
 
