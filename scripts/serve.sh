@@ -65,12 +65,21 @@ for pair in "tensor-parallel-size:${tp:-1}" "pipeline-parallel-size:${pp:-1}" "d
   positive "${pair#*:}" || fail "--${pair%%:*} ${pair#*:} is not a positive integer. Nothing was installed."
 done
 per_rank=$((${tp:-1} * ${pp:-1}))
+# The sizes the user passed, as the messages below name them (never a flag not given).
+given=()
+[ -n "$tp" ] && given+=("--tensor-parallel-size $tp")
+[ -n "$pp" ] && given+=("--pipeline-parallel-size $pp")
+given_text="$(printf '%s x ' "${given[@]}")"
+given_text="${given_text% x }"
 if [ -z "$dp" ]; then
   if [ $((gpus % per_rank)) -ne 0 ]; then
-    fail "$gpus GPUs do not divide into data-parallel ranks of --tensor-parallel-size ${tp:-1} x --pipeline-parallel-size ${pp:-1}; pass sizes whose product divides $gpus, or --data-parallel-size. Nothing was installed."
+    fail "$gpus GPUs do not divide into data-parallel ranks of $given_text; pass sizes whose product divides $gpus, or --data-parallel-size. Nothing was installed."
   fi
   dp=$((gpus / per_rank))
   dp_args=(--data-parallel-size "$dp")
+  if [ "$dp" -lt 2 ]; then
+    fail "$gpus GPUs over $given_text leave $dp data-parallel rank: expert parallelism over NCCL-EP needs 2 or more (with one, the backend is idle); pass smaller sizes or use more GPUs. Nothing was installed."
+  fi
 else
   dp_args=()  # the user's own, among the extra arguments
 fi

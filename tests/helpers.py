@@ -12,8 +12,10 @@ import signal
 import socket
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: scripts that only start servers need no torch
+    import torch
 
 
 def free_port() -> int:
@@ -48,6 +50,15 @@ def forget_group(pgid: int) -> None:
     if path and os.path.exists(path):
         kept = [g for g in Path(path).read_text().split() if g != str(pgid)]
         Path(path).write_text("".join(f"{g}\n" for g in kept))
+
+
+def default_sigint() -> None:
+    """`preexec_fn` of a child a test interrupts with SIGINT as Ctrl-C at a terminal would:
+    SIGINT back to its default. A suite started in the background of a non-interactive
+    shell (`cmd &`, as CI runners and `nohup` do) runs with SIGINT ignored; children
+    inherit that, Python then installs no KeyboardInterrupt handler, and the test's
+    interrupt is lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -132,6 +143,8 @@ def scale_expert_rows(
     expert_x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Batched-layout expert op: expert_x[e] * scales[e] (rows past the count are ignored by combine)."""
+    import torch
+
     factor = scales.to(expert_x.dtype).view(-1, 1, 1)
     if out is None:
         return expert_x * factor
@@ -165,6 +178,7 @@ def moe_config(
     with `backend` as its all2all backend, or without EP (None)."""
     import dataclasses
 
+    import torch
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (
         FusedMoEConfig,

@@ -55,3 +55,25 @@ def is_ours(backend: str | None) -> bool:
 def supports_fault_tolerance(backend: str | None) -> bool:
     algorithm = Algorithm.of(backend)
     return algorithm is not None and algorithm.supports_fault_tolerance
+
+
+# vLLM 0.33.0's own `--all2all-backend` names (`ParallelConfig.all2all_backend`'s Literal),
+# for callers that must not import vLLM to check a name (the eval CLI: importing vLLM
+# makes a process slow to start and to exit). tests/unit/test_gsm8k_configs.py keeps it equal
+# to vLLM's.
+VLLM_BACKENDS: tuple[str, ...] = (
+    "naive",
+    "pplx",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "moonep",
+    "nixl_ep",
+    "allgather_reducescatter",
+    "flashinfer_all2allv",
+    "flashinfer_nvlink_two_sided",
+    "flashinfer_nvlink_one_sided",
+    "passthrough",
+)

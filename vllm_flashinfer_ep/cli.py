@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
+    args.argv = argv  # doctor builds the engine config from the serve arguments as given
     if unknown:
         if not getattr(args, "accepts_serve_args", False):
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -41,6 +41,10 @@ NATIVE_EAGER = "VLLM_FLASHINFER_EP_NATIVE_EAGER"
 # Block-FP8 LL layers on DeepGEMM: forwards of at most this many rows per expert run the
 # received-rows Triton experts, larger ones DeepGEMM (experts/deep_gemm.py).
 DEEP_GEMM_RECEIVED_ROWS = "VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS"
+# Seconds one CPU exchange among the EP ranks (the load check, the FP8 wire decision, the
+# capture plan) may wait for the other ranks before every rank still running stops with a
+# named error (runtime/exchange.py). vLLM's gloo groups would wait 1,800 s.
+EXCHANGE_TIMEOUT_S = "VLLM_FLASHINFER_EP_EXCHANGE_TIMEOUT_S"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
@@ -48,6 +52,11 @@ DEFAULT_FT_TIMEOUT_MS = 20_000
 # and well inside the unsigned 64-bit nanoseconds NCCL-EP's GroupConfig takes.
 FT_TIMEOUT_MAX_MS = 3_600_000
 FT_TIMEOUT_ACCEPTED = f"an integer number of milliseconds from 1 to {FT_TIMEOUT_MAX_MS} (one hour)"
+DEFAULT_EXCHANGE_TIMEOUT_S = 30
+EXCHANGE_TIMEOUT_MAX_S = 3600
+EXCHANGE_TIMEOUT_ACCEPTED = (
+    f"an integer number of seconds from 1 to {EXCHANGE_TIMEOUT_MAX_S} (one hour)"
+)
 # flashinfer.moe_ep split-path transports (flashinfer/moe_ep/backends/split/comm/).
 TRANSPORTS: tuple[str, ...] = ("nccl_ep", "nixl_ep")
 _TRUE = ("1", "true", "yes", "on")
@@ -217,6 +226,13 @@ VARIABLES: tuple[EnvVar, ...] = (
         "block-FP8 LL layers on DeepGEMM: forwards of at most this many rows per expert run "
         "the received-rows Triton experts",
     ),
+    EnvVar(
+        EXCHANGE_TIMEOUT_S,
+        str(DEFAULT_EXCHANGE_TIMEOUT_S),
+        EXCHANGE_TIMEOUT_ACCEPTED,
+        _int_parser(1, EXCHANGE_TIMEOUT_ACCEPTED, EXCHANGE_TIMEOUT_MAX_S),
+        "seconds a CPU exchange among the EP ranks waits for the others before it fails",
+    ),
 )
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
 
@@ -285,9 +301,13 @@ def deep_gemm_received_rows() -> float:
     return BY_NAME[DEEP_GEMM_RECEIVED_ROWS].value()
 
 
-# How one rank checks its host, issues its calls and runs its own experts: its peers see
-# the same collectives.
-RANK_LOCAL = (SKIP_ENV_CHECKS, NATIVE_EAGER, DEEP_GEMM_RECEIVED_ROWS)
+def exchange_timeout_s() -> int:
+    return BY_NAME[EXCHANGE_TIMEOUT_S].value()
+
+
+# How one rank checks its host, issues its calls, runs its own experts and how long it
+# waits for its peers: its peers see the same collectives.
+RANK_LOCAL = (SKIP_ENV_CHECKS, NATIVE_EAGER, DEEP_GEMM_RECEIVED_ROWS, EXCHANGE_TIMEOUT_S)
 
 
 def settings() -> dict[str, Any]:

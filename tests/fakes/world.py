@@ -20,10 +20,14 @@ T = TypeVar("T")
 
 
 def run_ranks(
-    world_size: int, fn: Callable[[int, FakeGroup], T], timeout_s: float = 60.0
+    world_size: int,
+    fn: Callable[[int, FakeGroup], T],
+    timeout_s: float = 60.0,
+    group: FakeGroup | None = None,
 ) -> list[T]:
-    """`fn(rank, group)` on `world_size` threads; results in rank order, first error raised."""
-    group = FakeGroup(world_size, timeout_s=timeout_s / 2)
+    """`fn(rank, group)` on `world_size` threads; results in rank order, first error raised.
+    `group`: the ranks' group when it was made first (e.g. for managers built before)."""
+    group = group if group is not None else FakeGroup(world_size, timeout_s=timeout_s / 2)
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 

@@ -6,6 +6,9 @@ NCCL/NCCL-EP teardown with a peer gone (the fault-tolerance tests) is not what t
 check, and a teardown that waits on a dead peer would read as a hang. The
 parent waits on one deadline for all ranks, and once a rank has failed it gives the others
 a short grace before it kills them (a peer left waiting in a collective never returns).
+The deadline counts from the moment every rank joined the process group: starting a
+rank (an interpreter importing torch) is slow wherever the CPUs are busy, which no
+test's deadline is about; start-up has its own, generous limit.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.multiprocessing as mp
 from tests.helpers import NO_MULTICAST, free_port
 
 RENDEZVOUS_TIMEOUT_S = 120  # gloo's default is 30 min when a peer dies before it joins
+JOINED = "joined"  # a rank's first report: it is in the process group
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
@@ -42,6 +46,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results)
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         )
+        results.put((rank, JOINED))
         fn(rank, world, *args)
         results.put((rank, None))
         code = 0
@@ -55,7 +60,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results)
 
 def run_ranks(world: int, fn: Callable, *args, timeout_s: float = 180, grace_s: float = 15):
     """Run fn(rank, world, *args) on `world` GPUs; raise with every failed rank's traceback,
-    and name the ranks that neither reported nor exited (hung)."""
+    and name the ranks that neither reported nor exited (hung). `timeout_s` counts from
+    when every rank joined the process group (start-up: RENDEZVOUS_TIMEOUT_S and a margin)."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()  # put() is written before the rank goes on to os._exit
     port = free_port()
@@ -65,12 +71,17 @@ def run_ranks(world: int, fn: Callable, *args, timeout_s: float = 180, grace_s: 
     for p in procs:
         p.start()
     reports: dict[int, str | None] = {}
-    deadline, failed_at = time.monotonic() + timeout_s, None
+    joined: set[int] = set()
+    deadline, failed_at = time.monotonic() + RENDEZVOUS_TIMEOUT_S + 30, None
+    started = False
 
     def drain() -> None:  # read while waiting: a large traceback must not block its rank
         while not results.empty():
             rank, tb = results.get()
-            reports[rank] = tb
+            if tb == JOINED:
+                joined.add(rank)
+            else:
+                reports[rank] = tb
 
     try:
         while True:
@@ -78,6 +89,8 @@ def run_ranks(world: int, fn: Callable, *args, timeout_s: float = 180, grace_s: 
             if all(not p.is_alive() for p in procs):
                 break
             now = time.monotonic()
+            if not started and len(joined) == world:
+                started, deadline = True, now + timeout_s
             failing = any(tb is not None for tb in reports.values()) or any(
                 p.exitcode not in (None, 0) for p in procs
             )

@@ -166,27 +166,6 @@ def test_capture_outside_the_capture_phase_is_refused(monkeypatch):
         _round(rt, 9, 0)
 
 
-def test_learning_asks_the_ranks_to_agree_first(monkeypatch):
-    """A learned count is offered to `agree` before its (collective) creation; a refusal
-    there creates nothing."""
-    install_capture_switch(monkeypatch)
-    rt, fleet = build_fake_runtime(Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=64, sizes=[8, 16])
-    seen = []
-    rt.pool.agree = lambda item, value: seen.append((item, value))
-    with capture.capture_phase():
-        _round(rt, 9, 0)
-    assert seen == [("token count learned in the capture phase", 9)] and 9 in rt.pool.sizes
-
-    def refuse(item, value):
-        raise RuntimeError(f"ranks disagree on {item}")
-
-    rt.pool.agree = refuse
-    created = fleet.handles_created
-    with capture.capture_phase(), pytest.raises(RuntimeError, match="ranks disagree"):
-        _round(rt, 12, 0)
-    assert fleet.handles_created == created and 12 not in rt.pool.sizes
-
-
 def test_capture_phase_is_reentrant_and_closes():
     assert not capture.in_capture_phase()
     with capture.capture_phase() as outer:

@@ -234,7 +234,9 @@ def test_rdma_buffer_refusal_matches(big, monkeypatch):
 
 
 # --------------------------------------------------------------- serve arguments
-def test_serve_arguments_doctor_does_not_read_are_listed_not_refused(big, monkeypatch, capsys):
+def test_serve_arguments_only_the_engine_config_reads_are_listed_not_refused(
+    big, monkeypatch, capsys
+):
     _gpu(monkeypatch, None)
     _, checks = _doctor(
         monkeypatch,
@@ -256,7 +258,8 @@ def test_serve_arguments_doctor_does_not_read_are_listed_not_refused(big, monkey
     assert checks["expert parallel"].ok and not checks["expert parallel"].warn
     out = capsys.readouterr().out
     assert (
-        "(vllm serve arguments doctor does not check: --port 9000 --served-model-name a b)" in out
+        "(vllm serve arguments only the engine config reads: --port 9000 --served-model-name a b)"
+        in out
     )
 
 

@@ -46,6 +46,7 @@ from tests.unit.test_prepare_finalize_cpu import (
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.vllm import managers
+from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
 HIDDEN = 2048
 INTER = 64
@@ -116,6 +117,7 @@ class MoELayer:
         cls = managers.MANAGERS[backend]
         manager = cls.__new__(cls)  # no vLLM distributed state here
         manager._vllm_config = config
+        manager._checks = RankChecks(None, config)  # every rank driven alike: no exchange
         self.sizes = manager._pool_sizes(CAPACITY)  # what the manager pools for this engine
         self.rt, self.fleet = build_fake_runtime(
             ALGORITHM[backend],

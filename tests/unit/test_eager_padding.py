@@ -261,12 +261,14 @@ def test_ht_ranks_far_apart_in_tokens_all_run_per_forward_handles():
 
 def test_the_ht_prepare_takes_the_spread_bound():
     from vllm_flashinfer_ep.vllm import managers
+    from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
     rt, _ = build_fake_runtime(Algorithm.HIGH_THROUGHPUT, hidden=HIDDEN, capacity=512, sizes=[8])
     mgr = managers.FlashInferEPHighThroughputManager.__new__(
         managers.FlashInferEPHighThroughputManager
     )
     mgr.algorithm, mgr.get_handle = Algorithm.HIGH_THROUGHPUT, lambda kw: rt
+    mgr._checks = RankChecks(None, None)  # one rank: nothing to exchange
     pf = mgr.make_prepare_finalize(
         type(
             "Moe",

@@ -192,6 +192,29 @@ CASES: dict[str, dict] = {
         ],
         "bad": ["-1", "-0.5", "nan", "NaN", "-inf", "1e3", "1_0", "many", "4 rows", "0x4", "."],
     },
+    envs.EXCHANGE_TIMEOUT_S: {
+        "default": envs.DEFAULT_EXCHANGE_TIMEOUT_S,
+        "accepted": [
+            ("1", 1),
+            ("30", 30),
+            (" 45 ", 45),
+            ("+5", 5),
+            (str(envs.EXCHANGE_TIMEOUT_MAX_S), envs.EXCHANGE_TIMEOUT_MAX_S),
+            ("", envs.DEFAULT_EXCHANGE_TIMEOUT_S),
+        ],
+        "bad": [
+            "0",
+            "-1",
+            "0.5",
+            "2.5",
+            "30s",
+            "1e2",
+            "inf",
+            "never",
+            "30_000",
+            str(envs.EXCHANGE_TIMEOUT_MAX_S + 1),
+        ],
+    },
 }
 
 ACCEPTED = [(name, raw, value) for name, c in CASES.items() for raw, value in c["accepted"]]

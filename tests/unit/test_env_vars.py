@@ -41,6 +41,9 @@ BAD = [
     (envs.FT_TIMEOUT_MS, "soon", "from 1 to 3600000"),
     (envs.DEEP_GEMM_RECEIVED_ROWS, "-1", "a number of rows per expert >= 0"),
     (envs.DEEP_GEMM_RECEIVED_ROWS, "nan", "a number of rows per expert >= 0"),
+    (envs.EXCHANGE_TIMEOUT_S, "0", "integer number of seconds from 1 to 3600"),
+    (envs.EXCHANGE_TIMEOUT_S, "2.5", "integer number of seconds from 1 to 3600"),
+    (envs.EXCHANGE_TIMEOUT_S, "3601", "integer number of seconds from 1 to 3600"),
 ]
 
 
@@ -100,6 +103,7 @@ def test_other_backends_ignore_our_variables(tiny_moe, monkeypatch):
         (envs.RDMA_BUFFER_BYTES, "0", 0),
         (envs.TRANSPORT, "nixl_ep", "nixl_ep"),
         (envs.FT_TIMEOUT_MS, "1234", 1234),
+        (envs.EXCHANGE_TIMEOUT_S, " 5 ", 5),
     ],
 )
 def test_accepted_values_parse(monkeypatch, name, raw, value):
@@ -115,6 +119,7 @@ def test_defaults_when_unset():
     assert envs.rdma_buffer_bytes() == 0
     assert envs.skip_env_checks() is False
     assert envs.deep_gemm_received_rows() == 4.0
+    assert envs.exchange_timeout_s() == envs.DEFAULT_EXCHANGE_TIMEOUT_S < 60
 
 
 @pytest.mark.parametrize(("name", "raw", "accepted"), BAD)
@@ -128,6 +133,7 @@ def test_worker_side_readers_refuse_too(monkeypatch, name, raw, accepted):
         envs.SKIP_ENV_CHECKS: envs.skip_env_checks,
         envs.FT_TIMEOUT_MS: envs.ft_timeout_ms,
         envs.DEEP_GEMM_RECEIVED_ROWS: envs.deep_gemm_received_rows,
+        envs.EXCHANGE_TIMEOUT_S: envs.exchange_timeout_s,
     }[name]
     with pytest.raises(FlashInferEPEnvVarError, match=name):
         reader()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import default_sigint, free_port
 from vllm_flashinfer_ep.evals.config import load_config
 from vllm_flashinfer_ep.evals.gsm8k import RunOptions, Status, run_eval
 from vllm_flashinfer_ep.evals.server import ServerProcess
@@ -358,6 +358,7 @@ def test_ctrl_c_of_the_cli_stops_server(
         env=env,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,  # Ctrl-C reaches it even where the suite ignores SIGINT
     )
     err_lines: list[str] = []
     reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)

@@ -55,6 +55,13 @@ NOT_FLASHINFER: dict[tuple[str, str, str], str] = {
         "BatchedTritonExperts",
         "_supports_quant_scheme",
     ): "vLLM's experts contract: the parent class's answer (the device's FP8 support)",
+    **{
+        ("vllm_flashinfer_ep.vllm.capture_plan", "manager", name): (
+            "vLLM: the V2 runner's capture descriptors, computed by its own code on a "
+            "config-only CudaGraphManager (capture_plan.py says why)"
+        )
+        for name in ("_candidates", "_capture_descs", "_init_candidates")
+    },
 }
 PUBLIC_MODULES = {"flashinfer", "flashinfer.moe_ep", "nccl", "nccl.ep"}
 MODULE_PATH = re.compile(r"^(flashinfer|nccl)(\.[A-Za-z_]\w*)*$")

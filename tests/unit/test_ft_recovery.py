@@ -270,6 +270,27 @@ def test_a_rank_its_peers_gave_up_on_reports_the_fault():
     assert run_ranks(WORLD, rank_fn, timeout_s=40) == [(True, [0, 1]), (True, [0, 0])]
 
 
+def test_a_late_peer_that_answers_within_the_ft_timeout_stays_admitted(monkeypatch):
+    """A slow but live peer reaches the retry 7 s after its survivor: later than the
+    agreement's floor (AGREE_MIN_S, 5 s), within the FT timeout (10 s). The survivor's
+    agreement must wait the FT timeout for it: a shorter wait masks it for good."""
+    monkeypatch.setenv(envs.FT_TIMEOUT_MS, "10000")
+    late_s = fault_tolerance.AGREE_MIN_S + 2
+    assert late_s < envs.ft_timeout_ms() / 1000 - 2  # room for a loaded machine
+
+    def rank_fn(rank, group):
+        rt, ft = _rank_with_adapter(rank, group)
+        _step(rt, *_inputs(rank))
+        if rank == 0:
+            rt.fleet.mask_rank(1)  # its kernels timed out on the slow peer
+        else:
+            threading.Event().wait(late_s)
+        ft.clean_buffers()
+        return _healthy(ft)
+
+    assert run_ranks(WORLD, rank_fn, timeout_s=60) == [True, True]
+
+
 def test_fake_readmission_needs_a_handle_and_refuses_capture(monkeypatch):
     bare = fake_moe_ep.create_fleet(
         fake_moe_ep.BootstrapConfig(world_size=1, rank=0),

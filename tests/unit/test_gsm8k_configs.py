@@ -105,6 +105,50 @@ def test_serve_env_carries_config_env(path: Path) -> None:
         assert env[envs.TRANSPORT] == "stale"
 
 
+def test_the_package_s_copy_of_vllm_s_backend_names_is_vllm_s() -> None:
+    from typing import get_args
+
+    from vllm.config.parallel import ParallelConfig
+
+    from vllm_flashinfer_ep.backends import VLLM_BACKENDS
+
+    field = ParallelConfig.__dataclass_fields__["all2all_backend"].type
+    ours = {n for n in get_args(field) if n.startswith("flashinfer_ep_")}  # the plugin's patch
+    assert set(get_args(field)) - ours == set(VLLM_BACKENDS)
+
+
+def test_the_eval_cli_does_not_import_vllm_or_torch(tmp_path) -> None:
+    """The eval CLI only starts `vllm serve` and lm-eval: importing vLLM (and torch) in it,
+    to check the config's --all2all-backend, made it slow to start and to exit on a busy
+    host, past what its Ctrl-C test waits for."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model_name": "tiny/model",
+                "accuracy_threshold": 0.9,
+                "num_questions": 3,
+                "num_fewshot": 2,
+                "server_args": f"--data-parallel-size 2 --all2all-backend {LOW_LATENCY}",
+            }
+        )
+    )
+    code = (
+        "import sys; from vllm_flashinfer_ep.evals.cli import main; "
+        f"rc = main(['gsm8k', '--config', {str(cfg)!r}, '--port', '8000', '--dry-run']); "
+        "print(rc, sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
+
+
 def test_vllm_parser_still_rejects_unknown_backends() -> None:
     """Guards the check above: the parser really validates --all2all-backend."""
     with pytest.raises(ValueError, match="all2all-backend"):

@@ -310,25 +310,27 @@ def test_the_wire_needs_the_pool(build, monkeypatch):
     assert not mgr.make_prepare_finalize(_moe(), _block_qc())._fp8
 
 
-def test_every_ep_rank_takes_the_wire_or_none_does(build, monkeypatch, caplog):
-    """A dispatch is collective: when another rank cannot send FP8 (say another node set
-    VLLM_FLASHINFER_EP_FP8_DISPATCH=0), this one keeps BF16 too."""
+def test_every_ep_rank_takes_the_wire_or_none_does(build, caplog):
+    """A dispatch is collective: when another rank cannot send FP8 (say its FlashInfer lacks
+    the recipe), this one keeps BF16 too."""
     import logging
 
-    import torch.distributed as dist
+    from vllm_flashinfer_ep.vllm import rank_checks
 
     mgr = build(backends.LOW_LATENCY, _vllm_config())
     seen = []
 
-    def all_reduce(t, op=None, group=None):
-        seen.append((int(t.item()), op))
-        t.fill_(0)  # the other rank's "no"
+    def exchange(payload, what):
+        seen.append((what, payload))
+        if rank_checks.FP8_WIRE not in payload:
+            return [payload, payload]
+        return [payload, {**payload, rank_checks.FP8_WIRE: False}]  # the other rank's "no"
 
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    mgr.world_size, mgr._cpu_group = 2, object()
+    mgr._checks.exchange = exchange
     with caplog.at_level(logging.INFO):
         pf = mgr.make_prepare_finalize(_moe(), _block_qc())
-    assert seen == [(1, dist.ReduceOp.MIN)] and not pf._fp8
+    wire = [p for w, p in seen if w == "FP8 wire decision of a MoE layer"]
+    assert [p[rank_checks.FP8_WIRE] for p in wire] == [True] and not pf._fp8
     assert any("another EP rank" in r.getMessage() for r in caplog.records)
 
 

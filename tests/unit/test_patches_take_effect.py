@@ -114,10 +114,12 @@ def test_prepare_finalize_patched_in_place_for_every_importer():
 def _manager(backend: str = LOW_LATENCY):
     """A real manager class without its GPU constructor; get_handle records and fakes."""
     from vllm_flashinfer_ep.vllm.managers import MANAGERS
+    from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
     class _Manager(MANAGERS[backend]):
         def __init__(self):
             self.calls = []
+            self._checks = RankChecks(None, None)  # one rank: nothing to exchange
 
         def get_handle(self, kwargs):
             self.calls.append(kwargs)

@@ -29,7 +29,7 @@ def _thread_exchange(world: int):
     barrier = threading.Barrier(world, timeout=20)
 
     def make(rank: int):
-        def exchange(payload):
+        def exchange(payload, what):
             slots[rank] = payload
             barrier.wait()
             got = list(slots)
@@ -92,12 +92,14 @@ def _manager_rank(rank: int, world: int, port: int, case: str, results) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        from vllm_flashinfer_ep.runtime import rank_agreement
+        from vllm_flashinfer_ep.runtime.exchange import cpu_exchange
         from vllm_flashinfer_ep.runtime.fleet import FleetSpec
         from vllm_flashinfer_ep.vllm.managers import FlashInferEPLowLatencyManager
+        from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
         manager = FlashInferEPLowLatencyManager.__new__(FlashInferEPLowLatencyManager)
-        manager._exchange = rank_agreement.torch_exchange(dist.group.WORLD)
+        manager._vllm_config = None
+        manager._checks = RankChecks(cpu_exchange(dist.group.WORLD), None)
         capacity = 128 if (case == "capacity" and rank == 1) else 256
         spec = FleetSpec(Algorithm.LOW_LATENCY, 8, capacity, 2048)
         try:
@@ -140,6 +142,58 @@ def test_the_manager_refuses_ranks_that_differ_over_a_real_cpu_group(case):
     assert want in results[0] and "rank 0:" in results[0] and "rank 1:" in results[0]
     if case == "variable":
         assert "'VLLM_FLASHINFER_EP_FP8_DISPATCH': False" in results[0]
+
+
+# ---------------------------------------- the exchange's deadline over a real gloo group
+def _late_rank(rank: int, world: int, port: int, late_s: float, results) -> None:
+    """Rank 1 reaches the exchange `late_s` after rank 0 (the deadline: 2 s, from the
+    package variable, as the managers build their exchange)."""
+    import time
+
+    from vllm_flashinfer_ep.runtime.exchange import ExchangeTimeoutError, cpu_exchange
+
+    os.environ["VLLM_FLASHINFER_EP_EXCHANGE_TIMEOUT_S"] = "2"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    if rank == 1:
+        time.sleep(late_s)
+    start = time.monotonic()
+    try:
+        got = cpu_exchange(dist.group.WORLD)({"rank": rank}, "test items")
+        results[rank] = ("ok", got, time.monotonic() - start)
+    except ExchangeTimeoutError as exc:
+        results[rank] = ("timeout", str(exc), time.monotonic() - start)
+    os._exit(0)  # a rank left with a pending gloo op must not wait for it at exit
+
+
+@pytest.mark.parametrize("late_s", [0.0, 6.0], ids=["in-time", "late"])
+def test_a_gloo_exchange_waits_no_longer_than_its_deadline(late_s):
+    """A peer that never comes in time leaves rank 0 a named error after its 2 s deadline,
+    not gloo's 1,800 s; the late peer, arriving after rank 0 gave up, ends named too."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as m:
+        results = m.list([None, None])
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_late_rank, args=(r, 2, port, late_s, results)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        results = list(results)
+    if late_s == 0.0:
+        assert [r[0] for r in results] == ["ok", "ok"], results
+        assert results[0][1] == [{"rank": 0}, {"rank": 1}] == results[1][1]
+        return
+    status, message, waited = results[0]
+    assert status == "timeout" and 1.5 < waited < 5, results
+    assert "EP rank 0 of 2 gave up on the exchange of the test items" in message
+    assert "VLLM_FLASHINFER_EP_EXCHANGE_TIMEOUT_S" in message
+    status, message, waited = results[1]
+    assert status == "timeout" and waited < 5, results  # its peer is gone: no long wait
+    assert "EP rank 1 of 2 gave up" in message
 
 
 # --------------------------------------------- a refusal every rank makes before a collective

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 import serve_process  # noqa: E402
 
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers import default_sigint, free_port  # noqa: E402
 from vllm_flashinfer_ep.evals.server import http_ok  # noqa: E402
 
 # A stand-in for `vllm serve`: answers /health on the port it is given.
@@ -142,7 +142,11 @@ except KeyboardInterrupt:
     print("interrupted")
 """
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=default_sigint,  # its SIGINTs count even where the suite ignores SIGINT
     )
     child = int(pidfile.read_text())
     deadline = time.monotonic() + 10

@@ -36,6 +36,7 @@ from vllm_flashinfer_ep.doctor.cli_args import (
     switch,
     tokens,
 )
+from vllm_flashinfer_ep.doctor.engine_config import NAME, accepted, engine_check, serve_args_of
 from vllm_flashinfer_ep.doctor.host import driver_consequences, package_checks, variables_check
 from vllm_flashinfer_ep.doctor.model_config import load_model_config
 from vllm_flashinfer_ep.doctor.model_verdicts import draft_check, model_checks
@@ -56,6 +57,10 @@ __all__ = [
 ]
 
 
+# What the engine config does not check (the worker does, on its GPU).
+HOST = ("GPU stack", "packages", "image (no GPU needed)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.link_runtime is not None:
         for line in env_checks.link_runtime_paths(args.link_runtime):
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"vllm-flashinfer-ep {__version__}")
     ignored = getattr(args, "ignored_serve_args", None)
     if ignored:
-        print(f"(vllm serve arguments doctor does not check: {' '.join(ignored)})")
+        print(f"(vllm serve arguments only the engine config reads: {' '.join(ignored)})")
     if args.no_gpu:
         sections = [
             ("packages", package_checks()),
@@ -76,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
             ("GPU stack", driver_consequences(env_checks.runtime_checks())),
             ("packages", package_checks()),
         ]
-    sections.append(("package settings", [variables_check()]))
     settings = ServeSettings.from_args(args)
+    sections.append(("package settings", [variables_check(settings.backend)]))
     if args.model or settings != ServeSettings():
         try:
             serve = serve_checks(settings)
@@ -92,11 +97,24 @@ def run(args: argparse.Namespace) -> int:
                 )
             ]
         sections.append(("vllm serve arguments", serve))
+    serve_args = serve_args_of(getattr(args, "argv", None) or [])
+    engine = None
+    if args.model or serve_args:
+        try:
+            engine = engine_check(args.model, serve_args, settings.backend)
+        except ImportError as exc:  # vLLM missing or broken: the packages section says so
+            engine = Check(NAME, True, f"not built: vLLM does not import ({exc})", "", warn=True)
+        sections.append(("engine config", [engine]))
     if args.model:
         sections.append((f"model {args.model}", model_checks(args.model, settings=settings)))
     draft = draft_check(getattr(args, "speculative_config", None), settings)
     if draft is not None:
         sections.append(("speculative draft", [draft]))
+    if engine is not None and engine.ok and not engine.warn:  # the engine built its config
+        sections = [
+            (title, checks if title in HOST else [accepted(c, settings.backend) for c in checks])
+            for title, checks in sections
+        ]
     failed = []
     for title, checks in sections:
         print(f"\n{title}:")

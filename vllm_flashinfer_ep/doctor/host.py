@@ -99,17 +99,31 @@ def driver_consequences(checks: list[Check]) -> list[Check]:
     ]
 
 
-def variables_check() -> Check:
-    """The package's VLLM_FLASHINFER_EP_* variables, as config time parses them."""
+def variables_check(backend: str | None = None) -> Check:
+    """The package's VLLM_FLASHINFER_EP_* variables, as config time parses them. With
+    another `--all2all-backend` the engine reads none of them and accepts bad values: a
+    warning then, not a failure."""
+    from vllm_flashinfer_ep.backends import is_ours
+
+    name = "VLLM_FLASHINFER_EP_* variables"
     try:
         envs.validate_all()
+        problem = None
+        transport = rules.transport_reason()  # the engine's check, FlashInfer asked as there
+        if transport is not None:
+            problem = (f"{envs.TRANSPORT}=nixl_ep", transport)
     except Exception as exc:  # noqa: BLE001 - FlashInferEPEnvVarError: one line naming each
-        return Check("VLLM_FLASHINFER_EP_* variables", False, str(exc), "fix or unset them")
-    transport = rules.transport_reason()  # the engine's check, FlashInfer asked as there
-    if transport is not None:
+        problem = (str(exc), "fix or unset them")
+    if problem is not None and backend is not None and not is_ours(backend):
         return Check(
-            "VLLM_FLASHINFER_EP_* variables", False, f"{envs.TRANSPORT}=nixl_ep", transport
+            name,
+            True,
+            f"{problem[0]} (not read with --all2all-backend {backend})",
+            f"{problem[1]} before serving with a flashinfer_ep backend",
+            warn=True,
         )
+    if problem is not None:
+        return Check(name, False, *problem)
     set_ = sorted(k for k in os.environ if k.startswith(envs.PREFIX))
     return Check(
         "VLLM_FLASHINFER_EP_* variables", True, ", ".join(set_) if set_ else "none set (defaults)"

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from vllm_flashinfer_ep.backends import BACKENDS
+from vllm_flashinfer_ep.backends import BACKENDS, VLLM_BACKENDS
 from vllm_flashinfer_ep.envs import validate_env
 
 # Keys of vLLM's gsm8k eval config and the type each must have.
@@ -205,13 +205,10 @@ def parse_config(data: Any, path: Path) -> Gsm8kConfig:
 
 
 def known_backends() -> tuple[str, ...]:
-    """vLLM 0.33.0's `--all2all-backend` names plus this package's."""
-    from typing import get_args
-
-    from vllm.config.parallel import ParallelConfig
-
-    names = get_args(ParallelConfig.__dataclass_fields__["all2all_backend"].type)
-    return tuple(dict.fromkeys((*names, *BACKENDS)))
+    """vLLM 0.33.0's `--all2all-backend` names plus this package's, without importing
+    vLLM: the eval CLI only starts `vllm serve` and lm-eval, and importing vLLM (torch,
+    transformers) would make its start and its exit slow wherever the CPUs are busy."""
+    return tuple(dict.fromkeys((*VLLM_BACKENDS, *BACKENDS)))
 
 
 def _env_str(value: str | int | float | bool) -> str:

@@ -2,11 +2,12 @@
 engine's capture phase.
 
 The capture phase is the span in which the engine captures its CUDA graphs (vLLM: its
-`graph_capture` context). Before each capture the engine runs one eager warm-up forward
-of the same token count on every rank; a handle pool seeing a count it lacks there
-learns it (runtime/round_plan.py), so the pool holds exactly what the engine
-captures, whatever the engine's sizing rules (speculative decoding, sequence-parallel
-MoE, drafter graphs) made of the configured sizes.
+`graph_capture` context). When it opens, the EP ranks agree on the capture plan and pool
+the counts it adds (vllm/rank_checks.py). Before each capture the engine runs one eager
+warm-up forward of the same token count on every rank; a handle pool seeing a count it
+still lacks there learns it (runtime/round_plan.py), so the pool holds exactly what the
+engine captures, whatever the engine's sizing rules (speculative decoding,
+sequence-parallel MoE, drafter graphs) made of the configured sizes.
 """
 
 from __future__ import annotations

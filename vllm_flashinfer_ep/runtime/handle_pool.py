@@ -15,7 +15,7 @@ it decides nothing about a round: runtime/round_plan.py does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +101,9 @@ class HandlePool:
         self.warm_before: tuple[int, int] | None = None
         self.warm_after: tuple[int, int] | None = None
         self.handles: dict[int, Any] = {}
-        # Called with (item, value) before a size learned in the capture phase is created:
-        # every EP rank must learn the same size at the same round, and a rank that would
-        # not is refused there, before the collective creation (runtime/rank_agreement.py).
-        # None: a single rank, or callers that drive every rank alike (benchmarks, tests).
-        self.agree: Callable[[str, Any], None] | None = None
-        self.learned: list[int] = []  # sizes learned in the engine's capture phase
+        # Sizes learned in the engine's capture phase: those its capture plan adds (pooled
+        # when the phase opens) and those a warm-up forward ran beyond the plan.
+        self.learned: list[int] = []
 
     # --------------------------------------------------------------- contents
     @property
@@ -164,13 +161,23 @@ class HandlePool:
         self.warm_after = memory_snapshot(self.device)
         return self.sizes
 
+    def learn_planned(self, sizes: list[int]) -> None:
+        """Pool the counts the engine's capture plan adds, in the plan's order, when the
+        capture phase opens (the EP ranks agreed on the plan, vllm/rank_checks.py)."""
+        for size in sizes:
+            self.warm([size])
+            self.learned.append(size)
+        logger.info(
+            "flashinfer_ep: pooled handles for %s tokens, counts the engine captures beyond "
+            "its configured capture sizes (speculative decoding, sequence-parallel MoE)",
+            sizes,
+        )
+
     def learn(self, size: int) -> None:
         """Pool `size`, the agreed count of an eager warm-up forward in the engine's capture
-        phase: the engine captures that count next, and a handle cannot be created inside
-        the capture. Every rank runs the same warm-ups, so every rank learns alike; `agree`
-        checks that before the collective creation."""
-        if self.agree is not None:
-            self.agree("token count learned in the capture phase", size)
+        phase that its plan lacked: the engine captures that count next, and a handle
+        cannot be created inside the capture. The EP ranks compared the warm-up's count
+        first (vllm/rank_checks.py), so every rank learns alike."""
         self.warm([size])
         self.learned.append(size)
         logger.info(

@@ -5,26 +5,30 @@ external load balancer or across nodes each from its own command line and enviro
 and the LL capacity depends on each GPU's memory. Ranks that built different capacities,
 pool sizes or library versions would pair collectives that do not match: garbage or a
 hang inside NCCL-EP. `require_same` exchanges each rank's view once, over the EP CPU
-group, and every rank raises the same error naming the item and the ranks.
+group (runtime/exchange.py: bounded by the package's deadline), and every rank raises the
+same error naming the item, the ranks and the flag or variable that sets it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from importlib import metadata
 from typing import Any
 
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-
-# This rank's payload in, every rank's payload out (rank order): one collective.
-Exchange = Callable[[Any], list[Any]]
+from vllm_flashinfer_ep.runtime.exchange import Exchange
 
 LIBRARIES = (
     "vllm",
     "flashinfer-python",
     "nccl-extensions",
+    "nccl4py",
     "nvidia-nccl-cu13",
     "vllm-flashinfer-ep",
+)
+GENERIC_FIX = (
+    "Every EP rank must run the same vLLM arguments, the same VLLM_FLASHINFER_EP_* variables "
+    "and the same library versions on GPUs with the same memory"
 )
 
 
@@ -32,10 +36,33 @@ class RankMismatchError(FlashInferEPConfigError):
     """EP ranks would pair collectives built from different settings."""
 
 
-def require_same(exchange: Exchange, items: Mapping[str, Any]) -> None:
-    """Raise RankMismatchError on every rank unless every rank holds equal `items`."""
-    everyone = exchange(dict(items))
-    keys = list(dict.fromkeys(k for rank_items in everyone for k in rank_items))
+def require_same(
+    exchange: Exchange,
+    items: Mapping[str, Any],
+    *,
+    what: str = "load check",
+    fixes: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Raise RankMismatchError on every rank unless every rank holds equal `items`;
+    returns every rank's items (rank order).
+
+    `fixes[item]`: what sets the item (a flag or variable), named in the error."""
+    everyone = exchange(dict(items), what)
+    check_same(everyone, what=what, fixes=fixes)
+    return everyone
+
+
+def check_same(
+    everyone: list[Mapping[str, Any]],
+    *,
+    what: str,
+    fixes: Mapping[str, str] | None = None,
+    keys: Iterable[str] | None = None,
+) -> None:
+    """The comparison of `require_same` on payloads already exchanged (`keys`: only
+    these items; default: every item any rank sent)."""
+    if keys is None:
+        keys = dict.fromkeys(k for rank_items in everyone for k in rank_items)
     for key in keys:
         values = [rank_items.get(key, "<not set on this rank>") for rank_items in everyone]
         if all(v == values[0] for v in values[1:]):
@@ -44,10 +71,11 @@ def require_same(exchange: Exchange, items: Mapping[str, Any]) -> None:
         for rank, value in enumerate(values):
             by_value.setdefault(repr(value), []).append(rank)
         views = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
+        fix = (fixes or {}).get(key)
+        set_by = f" It is set by {fix}." if fix else ""
         raise RankMismatchError(
-            f"flashinfer_ep: the EP ranks disagree on the {key} ({views}). Every EP rank must "
-            "run the same vLLM arguments, the same VLLM_FLASHINFER_EP_* variables and the "
-            "same library versions on GPUs with the same memory; make the listed ranks agree."
+            f"flashinfer_ep: the EP ranks disagree on the {key} ({views}), found at the "
+            f"{what}.{set_by} {GENERIC_FIX}; make the listed ranks agree."
         )
 
 
@@ -60,19 +88,6 @@ def library_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
-def torch_exchange(cpu_group: Any) -> Exchange:
-    """An Exchange over a torch.distributed (gloo) group."""
-
-    def exchange(payload: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * dist.get_world_size(cpu_group)
-        dist.all_gather_object(out, payload, group=cpu_group)
-        return out
-
-    return exchange
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -20,10 +20,12 @@ from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.backends import Algorithm
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.log import get_logger
-from vllm_flashinfer_ep.runtime import env_checks, pool_sizes, rank_agreement
+from vllm_flashinfer_ep.runtime import env_checks, pool_sizes
 from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime, build_runtime
+from vllm_flashinfer_ep.runtime.exchange import cpu_exchange
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
+from vllm_flashinfer_ep.vllm import rank_checks
 
 logger = get_logger(__name__)
 
@@ -66,11 +68,11 @@ class _FlashInferEPManager(All2AllManagerBase):
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._cpu_group = cpu_group
         self._fleets = FleetCache(self.rank, self.world_size, cpu_group)
-        # Cross-rank checks before collectives (runtime/rank_agreement.py); None: one rank.
-        self._exchange = (
-            rank_agreement.torch_exchange(cpu_group)
-            if self.world_size > 1 and cpu_group is not None
-            else None
+        # Cross-rank checks before collectives (vllm/rank_checks.py), over one bounded
+        # exchange; None: one rank.
+        self._checks = rank_checks.RankChecks(
+            cpu_exchange(cpu_group) if self.world_size > 1 and cpu_group is not None else None,
+            self._vllm_config,
         )
         self._runtimes: dict[tuple, EPRuntime] = {}
         self._ft: FaultToleranceAdapter | None = None
@@ -92,8 +94,6 @@ class _FlashInferEPManager(All2AllManagerBase):
             sizes = self._pool_sizes(spec.effective_max_tokens_per_rank)
             self._require_ranks_agree(spec, top_k, sizes)
             runtime = build_runtime(self._fleets, spec, top_k, self._device, sizes)
-            if self._exchange is not None:
-                runtime.pool.agree = self._agree_on
             self._runtimes[key] = runtime
             if self._fault_tolerance and self._ft is None:  # reads the cache's fleets at each call
                 self._ft = FaultToleranceAdapter(self._fleets.fleets, self._device)
@@ -102,23 +102,21 @@ class _FlashInferEPManager(All2AllManagerBase):
     def _require_ranks_agree(self, spec: FleetSpec, top_k: int, sizes: list[int]) -> None:
         """Every EP rank builds this runtime alike, or every rank refuses, naming what
         differs (before the fleet and handle creations pair up)."""
-        if self._exchange is None:
-            return
-        rank_agreement.require_same(
-            self._exchange,
-            {
-                "fleet shape": (spec.algorithm.value, spec.num_experts, spec.hidden_size, top_k),
-                "fleet capacity (tokens per rank)": spec.effective_max_tokens_per_rank,
-                "fault tolerance": spec.fault_tolerance,
-                "pooled token counts": sizes,
-                "package variables": envs.settings(),
-                "library versions": rank_agreement.library_versions(),
-            },
+        shape = (spec.algorithm.value, spec.num_experts, spec.hidden_size, top_k)
+        self._checks.load(
+            rank_checks.load_items(
+                self._vllm_config,
+                shape,
+                spec.effective_max_tokens_per_rank,
+                spec.fault_tolerance,
+                sizes,
+            )
         )
 
-    def _agree_on(self, item: str, value: Any) -> None:
-        assert self._exchange is not None
-        rank_agreement.require_same(self._exchange, {item: value})
+    def open_capture_phase(self) -> None:
+        """vLLM opens its outermost graph capture (patches/worker.py): the EP ranks agree
+        on the capture plan, then every rank pools the counts it adds."""
+        self._checks.open_capture_phase(rt.pool for rt in self._runtimes.values())
 
     @property
     def backend_name(self) -> str:
@@ -157,6 +155,7 @@ class _FlashInferEPManager(All2AllManagerBase):
             agreement = partial(
                 agreed_token_count, max_spread=pool_sizes.HT_MAX_PAD, capacity=runtime.capacity
             )
+        agreement = self._checks.capture_checked(agreement)
         prepare_finalize = cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
         # The runtime's first layer: its first round now if that layer dispatches BF16
         # (FlashInfer's receive buffer; FP8 layers never allocate it), then the memory log.
@@ -166,15 +165,18 @@ class _FlashInferEPManager(All2AllManagerBase):
     def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:
         """Whether this layer sends FP8 on the wire (runtime/fp8_wire.py), decided at
         model load and agreed by every EP rank (a dispatch is collective: ranks mixing FP8
-        and BF16 rows for one layer would corrupt or hang it). Logged once per reason."""
+        and BF16 rows for one layer would corrupt or hang it). Every rank takes part in
+        the exchange for every layer, BF16 ones too, and the layer's quantization must
+        match (vllm/rank_checks.py). Logged once per reason."""
         from vllm_flashinfer_ep.vllm.receive_quant import fp8_dispatch_reason
 
-        if quant_config is None or quant_config.quant_dtype is None:
-            return False  # BF16 layers: nothing to decide (nor to log)
-        why = fp8_dispatch_reason(quant_config, int(moe.hidden_dim))
-        if why is None:
+        bf16 = quant_config is None or quant_config.quant_dtype is None
+        why = None if bf16 else fp8_dispatch_reason(quant_config, int(moe.hidden_dim))
+        if why is None and not bf16:
             why = runtime.fp8_wire_reason()
-        everyone = self._all_ranks_agree(why is None)
+        everyone = self._checks.fp8_wire(quant_config, not bf16 and why is None)
+        if bf16:
+            return False  # nothing to log
         if why is None and not everyone:
             why = "another EP rank cannot (its log says why)"
         if why is not None and why not in self._logged:  # once per reason, not per layer
@@ -185,16 +187,6 @@ class _FlashInferEPManager(All2AllManagerBase):
                 why,
             )
         return why is None
-
-    def _all_ranks_agree(self, flag: bool) -> bool:
-        """True on every EP rank iff `flag` is true on every EP rank (CPU group, model load)."""
-        if self.world_size == 1 or self._cpu_group is None:
-            return flag
-        import torch.distributed as dist
-
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
-        return bool(t.item())
 
     def _pool_sizes(self, capacity: int) -> list[int]:
         """vLLM's capture sizes, plus buckets that cover every eager step up to the fleet

@@ -119,13 +119,19 @@ def make_gate_forward(original):
 
 
 def make_graph_capture(original):
-    """The engine's capture phase (runtime/capture.py) spans vLLM's graph_capture: the
-    handle pools learn the token counts vLLM warms up before capturing them."""
+    """The engine's capture phase (runtime/capture.py) spans vLLM's graph_capture: when
+    the outermost one opens, the EP ranks agree on the capture plan and pool what it adds
+    (`open_capture_phase`), before any handle is created in it; inside, the pools learn
+    the token counts vLLM warms up beyond the plan."""
 
     @contextlib.contextmanager
     def graph_capture(self, *args, **kwargs):
-        with capture_phase(), original(self, *args, **kwargs) as context:
-            yield context
+        with capture_phase() as outermost:
+            if outermost:
+                for manager in ep_managers():
+                    manager.open_capture_phase()
+            with original(self, *args, **kwargs) as context:
+                yield context
 
     return graph_capture
 
@@ -151,3 +157,15 @@ def make_kernel_init(original):
         original(self, prepare_finalize, fused_experts, *args, **kwargs)
 
     return __init__
+
+
+def ep_managers() -> list:
+    """This process's flashinfer_ep all2all manager (its EP group's), if any."""
+    from vllm.distributed.parallel_state import get_ep_group
+
+    try:
+        group = get_ep_group()
+    except AssertionError:  # no EP group in this process (a dense model, a test)
+        return []
+    manager = getattr(getattr(group, "device_communicator", None), "all2all_manager", None)
+    return [manager] if hasattr(manager, "open_capture_phase") else []
