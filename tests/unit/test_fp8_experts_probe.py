@@ -1,5 +1,5 @@
 """The FP8 experts probe's reading of its table (tests/engine/fp8_experts_probe.py): the
-bound of vllm/deep_gemm_per_batch.py that the measured rows give."""
+bound of ReceivedRowsOrDeepGemmExperts (experts/deep_gemm.py) that the measured rows give."""
 
 from __future__ import annotations
 
