@@ -84,7 +84,7 @@ def triton_row_blocks(
         raise RuntimeError("triton_row_blocks needs Triton")
     experts = counts.numel()
     if experts * rows_per_expert >= 2**31:
-        raise ValueError("the block list's row ids are int32")
+        raise ValueError("the row blocks' ids are int32")
     dev = counts.device
     out = RowBlocks(
         torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),
