@@ -15,6 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from multirank import run_ranks  # noqa: E402
 
+# A rank slow to start (a busy host): the spawned ranks import this module, and sleep here.
+SLOW_START = "FLASHINFER_EP_TEST_SLOW_RANK_START_S"
+_SPAWNED = __import__("multiprocessing").current_process().name != "MainProcess"
+if os.environ.get(SLOW_START) and _SPAWNED:
+    time.sleep(float(os.environ[SLOW_START]))
+
 
 def _ok(rank: int, world: int) -> None:
     import torch.distributed as dist
@@ -74,6 +80,14 @@ def test_a_failure_ends_the_wait_after_the_grace():
 def test_a_hang_is_named_at_the_deadline():
     with pytest.raises(AssertionError, match=r"ranks hung: \[1\]"):
         run_ranks(2, _one_hangs, timeout_s=15)  # counted from the join: start-up is apart
+
+
+def test_a_slow_start_does_not_count_against_the_deadline(monkeypatch):
+    """Ranks that take longer to start than the deadline still get the whole deadline for
+    their work: only the rank that hangs after the join is named."""
+    monkeypatch.setenv(SLOW_START, "6")
+    with pytest.raises(AssertionError, match=r"ranks hung: \[1\]"):
+        run_ranks(2, _one_hangs, timeout_s=4)
 
 
 def test_a_huge_traceback_does_not_block_its_rank():
