@@ -1,7 +1,7 @@
 """doctor's verdict on `vllm serve` arguments is the engine's, case by case, tried as a new
 user would: doctor with `--model MODEL ARGS` against `vllm serve MODEL ARGS`'s own route
-to its engine config (vLLM's parser, then `AsyncEngineArgs.create_engine_config`, the
-plugin's validation inside). doctor fails a config check exactly where the engine
+to its engine config (vLLM's parser and its argument checks, then
+`AsyncEngineArgs.create_engine_config`, the plugin's validation inside). doctor fails a config check exactly where the engine
 refuses, and then names the engine's reason; the host checks (GPU stack, packages) are
 left out, a CPU host fails them whatever the arguments.
 """
@@ -58,6 +58,8 @@ CASES = {
         {},
     ),
     "round-robin placement": ((*EP, "--expert-placement-strategy", "round_robin"), {}),
+    # refused by `vllm serve`'s own argument checks, before any engine config
+    "auto tool choice without a parser": (("--enable-auto-tool-choice", *EP), {}),
 }
 
 
@@ -76,10 +78,12 @@ def tiny(tmp_path_factory):
 def engine_verdict(model: str, serve_args: tuple[str, ...]) -> str | None:
     """None where `vllm serve MODEL ARGS` builds its engine config, else why it stops."""
     import vllm
+    from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
     from vllm.usage.usage_lib import UsageContext
 
     try:
         args = parse_serve_args([model, *serve_args])
+        validate_parsed_serve_args(args)  # what `vllm serve` checks first
         args.model = args.model_tag
         vllm.AsyncEngineArgs.from_cli_args(args).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER, headless=bool(args.headless)

@@ -326,6 +326,7 @@ def test_the_data_parallel_size_leaves_room_for_tp_and_pp(host, gpus, extra, dp_
         (2, ["-tp", "2"], "2 GPUs over --tensor-parallel-size 2 leave 1 data-parallel rank"),
         (4, ["-tp", "2", "-dp", "1"], "--data-parallel-size 1: expert parallelism over"),
         (4, ["-tp", "two"], "--tensor-parallel-size two is not a positive integer"),
+        (4, ["-pp", "3"], "4 GPUs do not divide into data-parallel ranks of --pipeline"),
     ],
 )
 def test_sizes_that_leave_no_two_ranks_stop_before_any_install(host, gpus, extra, said):
@@ -334,8 +335,11 @@ def test_sizes_that_leave_no_two_ranks_stop_before_any_install(host, gpus, extra
     assert result.returncode == 1 and said in _one_message(result)
     assert "Nothing was installed" in _one_message(result)
     # A size is named with its value only where the user passed it.
-    for flag, short in (("--data-parallel-size", "-dp"), ("--tensor-parallel-size", "-tp")):
+    for flag, short in (
+        ("--data-parallel-size", "-dp"),
+        ("--tensor-parallel-size", "-tp"),
+        ("--pipeline-parallel-size", "-pp"),
+    ):
         if flag not in extra and short not in extra:
             assert not re.search(rf"{flag} \d", _one_message(result)), flag
-    assert "--pipeline-parallel-size" not in _one_message(result)
     assert host.calls() == ["nvidia-smi -L"] and not host.venv.exists()
