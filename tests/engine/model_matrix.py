@@ -194,8 +194,9 @@ def llama4_scout(layers: int = 4) -> dict[str, Any]:
         "attention_chunk_size": 8192,
         "attention_dropout": 0.0,
         "attn_scale": 0.1,
-        # Published: 4. transformers 5 (vLLM 0.33.0's) types it bool and refuses an int;
-        # vLLM's Llama4 attention reads it as a truth value, so True is the same model.
+        # 4 in Scout's config as transformers 4.51 saved and loads it; transformers 5
+        # (vLLM 0.33.0's) types it bool and refuses the int (test_model_matrix_configs).
+        # vLLM's Llama4 attention reads it as a truth value: True is the same model.
         "attn_temperature_tuning": True,
         "bos_token_id": 200000,
         "eos_token_id": [200001, 200007, 200008],

@@ -10,7 +10,9 @@ Two routes, each in a subprocess (the harness patches vLLM classes for the whole
 "world1", with the engine tests' world-1 harness (tests/engine/world1_harness.py), the
 configs the GPU session serves at EP world 1, where every rule runs (LL capacity, HT step
 budget, FP8 experts). The one stand-in: GPU memory reads as an H100's 80 GiB, what the
-LL memory rule checks against on the GPU (on CPU it would skip that rule).
+LL memory rule checks against on the GPU (on CPU it would skip that rule). CUDA graphs:
+the platform has none on CPU, so what is checked is the plugin's policy (LL keeps the
+mode, HT turns it off).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from vllm_flashinfer_ep import envs
+from vllm_flashinfer_ep.vllm import cudagraph_policy
 
 REPO = Path(__file__).resolve().parents[2]
 LL, HT = "flashinfer_ep_low_latency", "flashinfer_ep_high_throughput"
@@ -45,13 +48,14 @@ from vllm.usage.usage_lib import UsageContext
 from engine_models import write_config_only
 from model_matrix import MODELS, llama4_scout, write_model
 from vllm_flashinfer_ep.doctor.engine_config import parse_serve_args, refusal_text
-from vllm_flashinfer_ep.vllm import config_rules
+from vllm_flashinfer_ep.vllm import config_rules, cudagraph_policy
 
 config_rules.device_memory_bytes = lambda: int(sys.argv[3])
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
 def build(path, args):
+    cudagraph_policy.LAST_DECISION = None
     try:
         parsed = parse_serve_args(path, [*args, "--load-format", "dummy"])
         parsed.model = parsed.model_tag
@@ -66,6 +70,7 @@ def build(path, args):
         "use_all2all": cfg.parallel_config.use_all2all,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "moe_backend": cfg.kernel_config.moe_backend,
+        "cudagraphs": getattr(cudagraph_policy.LAST_DECISION, "reason", None),
     }
 
 
@@ -138,8 +143,10 @@ def test_accepted(request, route, name, backend):
         assert verdict["use_all2all"]
         if backend == LL:  # the LL capacity (batched DP MoE's default), not lowered
             assert verdict["max_num_batched_tokens"] == 256, verdict
+            assert verdict["cudagraphs"] == cudagraph_policy.KEEP_REASON, verdict
         else:  # within NCCL-EP HT's tokens per rank
             assert verdict["max_num_batched_tokens"] <= 8192, verdict
+            assert verdict["cudagraphs"] == cudagraph_policy.HT_REASON, verdict
 
 
 def test_deepseek_v3_is_served_block_fp8_as_published(world1):
