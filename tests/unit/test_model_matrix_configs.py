@@ -124,13 +124,48 @@ ACCEPTED = ("deepseek-v3", "qwen3-235b-a22b", "llama-4-scout", "mixtral-8x7b")
 REFUSED = {"gpt-oss-120b": ("quantized with gpt_oss_mxfp4", "Serve a BF16 or FP8 checkpoint")}
 
 
-def test_the_matrix_covers_every_model():
+# name -> (hidden size, routed experts, top_k, LL fleet hidden size) of the published model
+SHAPES = {
+    "deepseek-v3": (7168, 256, 8, 7168),
+    "qwen3-235b-a22b": (4096, 128, 8, 4096),
+    "gpt-oss-120b": (2880, 128, 4, 4096),
+    "llama-4-scout": (5120, 16, 1, 5120),
+    "mixtral-8x7b": (4096, 8, 2, 4096),
+}
+PER_LAYER = ("layer_types", "moe_layers", "no_rope_layers")  # lists cut with the layers
+
+
+@pytest.fixture(scope="module")
+def matrix():
     sys.path.insert(0, str(REPO / "tests" / "engine"))
     try:
-        from model_matrix import MODELS
+        import model_matrix
     finally:
         sys.path.remove(str(REPO / "tests" / "engine"))
-    assert set(MODELS) == set(ACCEPTED) | set(REFUSED)
+    return model_matrix
+
+
+def test_the_matrix_covers_every_model(matrix):
+    assert set(matrix.MODELS) == set(ACCEPTED) | set(REFUSED) == set(SHAPES)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_plugin_reads_each_published_shape(matrix, name):
+    """The shape every rule works on, read from the written config.json as doctor and the
+    engine read it (model_shape), with its layers reduced consistently."""
+    from vllm_flashinfer_ep.model_shape import read_shape
+
+    entry = matrix.MODELS[name]
+    config = entry.writer()
+    shape = read_shape(config)
+    hidden, experts, top_k, ll_hidden = SHAPES[name]
+    assert (shape.hidden_size, shape.routed_experts, shape.top_k) == (hidden, experts, top_k)
+    assert shape.ll_fleet_shape() == (ll_hidden, experts, top_k)
+    assert shape.quant_method == entry.quantization
+    layers = config["num_hidden_layers"]
+    assert 2 <= layers <= 4
+    for key in PER_LAYER:
+        assert len(config.get(key, [None] * layers)) == layers, key
 
 
 @pytest.mark.parametrize("backend", [LL, HT])
