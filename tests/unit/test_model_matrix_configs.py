@@ -6,7 +6,8 @@ validation), and the verdict the product gives today: accepted, or a refusal nam
 model's property, the flag and what to use instead.
 
 Two routes, each in a subprocess (the harness patches vLLM classes for the whole process):
-"serve", stock `vllm serve` at dp=1 (vLLM runs no all2all, only the model rules apply), and
+"serve", stock `vllm serve` at dp=1 (vLLM runs no all2all, only the model rules apply; also
+without EP, the baseline vLLM must build for a refusal to be the plugin's), and
 "world1", with the engine tests' world-1 harness (tests/engine/world1_harness.py), the
 configs the GPU session serves at EP world 1, where every rule runs (LL capacity, HT step
 budget, FP8 experts). The one stand-in: GPU memory reads as an H100's 80 GiB, what the
@@ -80,6 +81,8 @@ for name in MODELS:
     for backend in sys.argv[4:]:
         args = ["--enable-expert-parallel", "--all2all-backend", backend]
         result[f"{name} {backend}"] = build(path, args)
+    if mode == "serve":  # the baseline the GPU session compares against
+        result[f"{name} no EP"] = build(path, [])
 if mode == "serve":  # Llama-4-Scout's published attn_temperature_tuning, no backend named
     published = llama4_scout() | {"attn_temperature_tuning": 4}
     result["scout as published"] = build(write_config_only(out / "scout-4", published), [])
@@ -182,6 +185,12 @@ def test_accepted(request, route, name, backend):
         else:  # within NCCL-EP HT's tokens per rank
             assert verdict["max_num_batched_tokens"] <= 8192, verdict
             assert verdict["cudagraphs"] == cudagraph_policy.HT_REASON, verdict
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_vllm_builds_every_model_without_ep(serve, name):
+    """The no-EP baseline exists for every model: a refusal above is the plugin's."""
+    assert serve[f"{name} no EP"]["accepted"], serve[f"{name} no EP"]
 
 
 def test_deepseek_v3_is_served_block_fp8_as_published(world1):
