@@ -1,7 +1,8 @@
 """Issue 48's model matrix at config time: each published architecture
 (tests/engine/model_matrix.py) x {LL, HT}, built as `vllm serve DIR --enable-expert-parallel
 --all2all-backend B --load-format dummy` builds it (vLLM's serve parser, then
-`AsyncEngineArgs.create_engine_config`, whose `VllmConfig.__post_init__` runs the plugin's
+`validate_parsed_serve_args` and `AsyncEngineArgs.create_engine_config`, as
+doctor/engine_config.py does, whose `VllmConfig.__post_init__` runs the plugin's
 validation), and the verdict the product gives today: accepted, or a refusal naming the
 model's property, the flag and what to use instead.
 
@@ -45,6 +46,7 @@ else:
     import vllm_flashinfer_ep
     vllm_flashinfer_ep.register()
 import vllm
+from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
 from vllm.usage.usage_lib import UsageContext
 from engine_models import write_config_only
 from model_matrix import MODELS, llama4_scout, write_model
@@ -59,9 +61,10 @@ def build(path, args):
     cudagraph_policy.LAST_DECISION = None
     try:
         parsed = parse_serve_args(path, [*args, "--load-format", "dummy"])
+        validate_parsed_serve_args(parsed)
         parsed.model = parsed.model_tag
         cfg = vllm.AsyncEngineArgs.from_cli_args(parsed).create_engine_config(
-            usage_context=UsageContext.OPENAI_API_SERVER
+            usage_context=UsageContext.OPENAI_API_SERVER, headless=bool(parsed.headless)
         )
     except Exception as exc:
         return {"accepted": False, "error": type(exc).__name__, "message": refusal_text(exc)}
