@@ -262,11 +262,11 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
         return (
             f"{flag} runs BF16 and FP8 MoE weights; this model's expert weights are MXFP4 "
             "(quant_method mxfp4, as gpt-oss checkpoints ship them). vLLM 0.33.0's only "
-            "MXFP4 experts for the expert-major layout LL hands over (BatchedMarlinExperts) "
-            "compute every row of the buffer and have not been validated with this backend. "
-            "Serve a BF16 checkpoint of the model (gpt-oss's expert biases and clamped SwiGLU "
-            "run on the received rows), or pick another --all2all-backend (e.g. "
-            "deepep_low_latency)."
+            "MXFP4 experts for LL's expert-major layout (BatchedMarlinExperts) compute every "
+            "row of the buffer and have not been validated with these backends. Serve a "
+            "BF16 checkpoint of the model (gpt-oss at hidden 2880: with --all2all-backend "
+            "flashinfer_ep_high_throughput, which does not pad), or pick another "
+            "--all2all-backend (e.g. deepep_low_latency)."
         )
     if method not in FP8_METHODS:
         return (
