@@ -60,6 +60,8 @@ def test_mxfp4_weights_are_refused_with_the_reason_and_what_to_serve(method):
     assert "expert weights are MXFP4" in reason and "BatchedMarlinExperts" in reason
     assert "Serve a BF16 checkpoint" in reason and "--all2all-backend" in reason
     assert "\n" not in reason and method not in reason.replace("mxfp4, as", "")
+    ht = rules.quantization_reason("--all2all-backend flashinfer_ep_high_throughput", method, None)
+    assert "expert weights are MXFP4" in ht and "expert-major" not in ht  # LL's layout only
 
 
 def test_gpt_oss_at_a_padded_hidden_size_is_refused_under_ll_only():

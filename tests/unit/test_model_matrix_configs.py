@@ -127,7 +127,7 @@ def world1(tmp_path_factory):
 
 ACCEPTED = ("deepseek-v3", "qwen3-235b-a22b", "llama-4-scout", "mixtral-8x7b")
 # name -> (the model's property, what to use instead), as the refusal words them
-REFUSED = {"gpt-oss-120b": ("quantized with gpt_oss_mxfp4", "Serve a BF16 or FP8 checkpoint")}
+REFUSED = {"gpt-oss-120b": ("expert weights are MXFP4", "Serve a BF16 checkpoint")}
 
 
 # name -> (hidden size, routed experts, top_k, LL fleet hidden size) of the published model

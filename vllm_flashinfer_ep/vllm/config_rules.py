@@ -259,14 +259,18 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
     if not method:
         return None
     if method in MXFP4_METHODS:
+        experts = (
+            "vLLM 0.33.0's only MXFP4 experts for the expert-major layout "
+            "(BatchedMarlinExperts) compute every row of the buffer and have"
+            if "low_latency" in flag
+            else "vLLM's MXFP4 experts have"
+        )
         return (
             f"{flag} runs BF16 and FP8 MoE weights; this model's expert weights are MXFP4 "
-            "(quant_method mxfp4, as gpt-oss checkpoints ship them). vLLM 0.33.0's only "
-            "MXFP4 experts for LL's expert-major layout (BatchedMarlinExperts) compute every "
-            "row of the buffer and have not been validated with these backends. Serve a "
-            "BF16 checkpoint of the model (gpt-oss at hidden 2880: with --all2all-backend "
-            "flashinfer_ep_high_throughput, which does not pad), or pick another "
-            "--all2all-backend (e.g. deepep_low_latency)."
+            f"(quant_method mxfp4, as gpt-oss checkpoints ship them). {experts} not been "
+            "validated with this backend. Serve a BF16 checkpoint of the model (gpt-oss at "
+            "hidden 2880: with --all2all-backend flashinfer_ep_high_throughput, which does "
+            "not pad), or pick another --all2all-backend (e.g. deepep_low_latency)."
         )
     if method not in FP8_METHODS:
         return (
