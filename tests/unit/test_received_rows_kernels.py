@@ -472,7 +472,7 @@ def test_only_plain_silu_and_mul_takes_the_fused_activation():
     )
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from vllm_flashinfer_ep.experts.received_rows import plain_silu_and_mul
+    from vllm_flashinfer_ep.experts.activations import plain_silu_and_mul
 
     assert plain_silu_and_mul(MoEActivation.SILU, Config())
     assert plain_silu_and_mul("silu", Config())

@@ -30,7 +30,7 @@ from vllm.model_executor.layers.fused_moe.utils import _resize_cache
 from vllm_flashinfer_ep import fp8_numerics as num
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
 from vllm_flashinfer_ep.experts import activations, schemes
-from vllm_flashinfer_ep.experts.activations import Kind, plain_silu_and_mul  # noqa: F401
+from vllm_flashinfer_ep.experts.activations import Kind
 from vllm_flashinfer_ep.experts.kernels import activation as act_kernel
 from vllm_flashinfer_ep.experts.kernels import quantize
 from vllm_flashinfer_ep.experts.kernels.row_blocks import RowBlocks, max_blocks, row_blocks
