@@ -332,3 +332,111 @@ def test_captured_experts_follow_new_counts_and_rows(vllm_env, kind, arrival):  
         torch.cuda.synchronize()
         assert _rel(counts, got, want, f"{kind} {arrival} graph replay {seed}") < BOUND
     del our_graph, their_graph
+
+
+# ------------------------------------------------------------------ gpt-oss: biases, SwiGLU-OAI
+# vLLM's batched experts drop expert biases, so the reference here is vLLM's no-EP Triton
+# path (`fused_experts`: the same fused-MoE kernel with B_bias, its unmasked
+# `swigluoai_and_mul` op), each received row one token routed to its expert with weight 1.
+GPT_OSS_KINDS = [("bf16", "bf16"), ("block", "bf16"), ("block", "wire"), ("token-channel", "bf16")]
+
+
+def _with_biases(p: Layer, seed: int) -> None:
+    """gpt-oss's expert biases on `p`'s layer (BF16; GEMM1's loud enough that the SwiGLU's
+    clamp at 7 bites)."""
+    from vllm.model_executor.layers.fused_moe.config import (
+        biased_moe_quant_config,
+        fp8_w8a8_moe_quant_config,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b1 = (torch.randn(EXPERTS, 2 * INTER, device="cuda", generator=gen) * 6).bfloat16()
+    b2 = torch.randn(EXPERTS, HIDDEN, device="cuda", generator=gen).bfloat16()
+    if p.kind == "bf16":
+        p.qc = biased_moe_quant_config(b1, b2)
+        return
+    p.qc = fp8_w8a8_moe_quant_config(
+        p.qc.w1_scale,
+        p.qc.w2_scale,
+        per_act_token_quant=p.kind.startswith("token"),
+        per_out_ch_quant=p.kind == "token-channel",
+        block_shape=[G, G] if p.kind == "block" else None,
+        w1_bias=b1,
+        w2_bias=b2,
+    )
+
+
+def _vllm_no_ep(p: Layer, counts: torch.Tensor, activation: str) -> torch.Tensor:
+    """vLLM's fused_experts over the received rows as tokens (top_k 1, weight 1), NaN
+    elsewhere."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+    _, _, act, *_ = _modules()
+    valid = _received(counts)
+    owner = torch.arange(EXPERTS, device="cuda")[:, None].expand(EXPERTS, ROWS)[valid]
+    rows = fused_experts(
+        p.x[valid].contiguous(),
+        p.w1,
+        p.w2,
+        torch.ones(owner.numel(), 1, device="cuda"),
+        owner[:, None].to(torch.int32),
+        activation=act(activation),
+        global_num_experts=EXPERTS,
+        quant_config=p.qc,
+    )
+    out = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out[valid] = rows
+    return out
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+@pytest.mark.parametrize(("kind", "arrival"), GPT_OSS_KINDS)
+@pytest.mark.parametrize(("tokens", "counts", "sent"), CASES[:4])
+def test_gpt_oss_biases_and_swiglu_match_vllm_s_fused_experts(
+    vllm_env,  # noqa: F811
+    kind,
+    arrival,
+    activation,
+    tokens,
+    counts,
+    sent,
+):
+    """Expert biases (w1's after GEMM1, w2's after GEMM2) and vLLM's swigluoai
+    (interleaved gate/up, alpha 1.702, limit 7) over the received rows, against vLLM's own
+    no-EP Triton experts on the same rows; the biases must matter (vLLM's batched experts,
+    which drop them, are far off) and nothing past the counts is written."""
+    p = Layer(kind, seed=tokens + 3)
+    _with_biases(p, seed=tokens + 5)
+    p.load(counts, seed=7 * tokens + 2)
+    ours = _experts(
+        p.qc, True, activation, sent, quantizes_input=kind != "bf16" and arrival == "bf16"
+    )
+    got = torch.full((EXPERTS, ROWS, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
+    p.run(ours, tokens, got, arrival)
+    want = _vllm_no_ep(p, counts, activation)
+    dropped = torch.full_like(got, float("nan"))
+    p.run(
+        _experts(p.qc, False, activation), tokens, dropped, "bf16" if kind == "bf16" else "prepared"
+    )
+    torch.cuda.synchronize()
+    bound = BOUND if kind == "bf16" else 5e-2  # FP8: the wire's or vLLM's quantization
+    assert _rel(counts, got, want, f"{kind} {arrival} {activation} biased T={tokens}") < bound
+    assert torch.isnan(got[~_received(counts)].float()).all()
+    assert _rel(counts, dropped, want, "vLLM batched (no biases)") > 0.1
+
+
+def test_captured_gpt_oss_experts_follow_new_counts_and_rows(vllm_env):  # noqa: F811
+    """Biases and swigluoai captured in a graph, replayed with new rows and counts."""
+    p = Layer("bf16", seed=9)
+    _with_biases(p, seed=10)
+    ours = _experts(p.qc, True, "swigluoai")
+    got = torch.zeros(EXPERTS, ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    p.load(_routed_counts(32, 20), seed=20)
+    graph = capture_graph(lambda: p.run(ours, ROWS, got, "bf16"))
+    for seed, counts in ((21, _routed_counts(32, 21)), (22, _edge_counts())):
+        p.load(counts, seed=seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _vllm_no_ep(p, counts, "swigluoai")
+        assert _rel(counts, got, want, f"gpt-oss graph replay {seed}") < BOUND
+    del graph

@@ -593,6 +593,14 @@ def test_gpus_that_want_packed_ue8m0_scales_are_refused(monkeypatch):
         build(4.0)
 
 
+def test_a_layer_with_expert_biases_is_refused():
+    """vLLM's DeepGEMM experts drop expert biases; the received rows apply them, so the
+    pair would be right only below the bound: refused whole, with the flag that serves it."""
+    biased = make_layer("block", 0, biased=True)
+    with pytest.raises(FlashInferEPConfigError, match="expert biases.*--moe-backend triton"):
+        ReceivedRowsOrDeepGemmExperts(moe_cfg(TOP_K, ROWS), biased.qc, ROWS, 1)
+
+
 @pytest.mark.usefixtures("selection")
 def test_vllm_s_kernel_build_raises_the_refusal(monkeypatch):
     rt, fleet = build_fake_runtime(

@@ -21,6 +21,7 @@ tests) and on the GPU (tests/kernels/test_received_rows_experts_gpu.py).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import types
 from typing import NamedTuple
@@ -78,6 +79,7 @@ class Recorder:
         self.gemms: list[dict] = []
         self.quants: list[dict] = []
         self.fused_acts = 0
+        self.swiglu_oai: list[dict] = []
         self.masked: list[dict] = []
 
     def clear(self) -> None:
@@ -197,8 +199,32 @@ def silu_and_mul_standin(out, x, blocks):
     rec.fused_acts += 1
 
 
+def swiglu_oai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """vLLM's `swigluoai` of rows [n, 2d] in FP32: gate x[2j], up x[2j + 1] (interleaved),
+    gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha *
+    gate); vLLM's masked batched activation fixes alpha 1.702 and limit 7.0."""
+    x = x if x.dtype == torch.float64 else x.float()
+    gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def swiglu_oai_standin(out, x, blocks, alpha, limit):
+    """kernels/activation.py `swiglu_oai`: the listed rows, FP32, rounded once; the others
+    come back NaN."""
+    reason = act_kernel.buffers_reason(out, x)
+    if reason is not None:
+        raise ValueError(f"swiglu_oai: {reason}")
+    ids, _ = _listed(blocks, x.shape[0])
+    y = swiglu_oai(x[ids], alpha, limit).to(out.dtype)
+    out.fill_(float("nan"))
+    out[ids] = y
+    rec.swiglu_oai.append({"alpha": alpha, "limit": limit, "rows": ids.numel()})
+
+
 def masked_activation(activation, x: torch.Tensor, config) -> torch.Tensor:
     """What vLLM's masked activation computes for rows [n, 2d] (FP32 in, FP32 out)."""
+    if activation == MoEActivation.SWIGLUOAI:  # whatever the config (activation.py l.267)
+        return swiglu_oai(x)
     d = x.shape[-1] // 2
     gate, up = x[..., :d], x[..., d:]
     if activation == MoEActivation.SILU:
@@ -277,7 +303,8 @@ def fused_moe_kernel_standin(
         assert A_scale is None and B_scale is None
     # What this stand-in emulates (the received rows' calls), and tl.dot's operand rule.
     assert sorted_token_ids is not None and sorted_token_ids.dtype == torch.int32
-    assert top_k == 1 and not mul_routed_weight and B_bias is None
+    assert top_k == 1 and not mul_routed_weight
+    assert B_bias is None or (B_bias.dim() == 2 and tuple(B_bias.shape) == (B.shape[0], B.shape[1]))
     assert not (use_int8_w8a8 or use_int8_w8a16 or use_int4_w4a16)
     assert A.dim() == 2 and B.dim() == 3 and C.dim() == 3 and A.shape[1] == B.shape[2]
     assert A.dtype == B.dtype, (A.dtype, B.dtype)
@@ -339,7 +366,10 @@ def fused_moe_kernel_standin(
             a = a * _strided(A_scale, (m,), (s_am,))[ids].double()[:, None]
         else:  # tensor-wise: A's first scale
             a = a * A_scale.reshape(-1)[0].double()
-        out[ids] = (a @ weights[ex].T).to(compute).to(C.dtype)
+        acc = a @ weights[ex].T
+        if B_bias is not None:  # after the dequantization, before the cast
+            acc = acc + B_bias[ex].double()
+        out[ids] = acc.to(compute).to(C.dtype)
     rec.gemms.append(
         {
             "A": A,
@@ -352,6 +382,7 @@ def fused_moe_kernel_standin(
             "per_channel": per_channel_quant,
             "block_shape": block_shape,
             "listed": torch.cat(listed) if listed else torch.zeros(0, dtype=torch.long),
+            "bias": B_bias,
         }
     )
 
@@ -375,6 +406,7 @@ def standins(monkeypatch, fake):
     monkeypatch.setattr(quantize, "quantize_rows", quantize_rows_standin)
     monkeypatch.setattr(quantize, "tensor_quant", tensor_quant_standin)
     monkeypatch.setattr(act_kernel, "silu_and_mul", silu_and_mul_standin)
+    monkeypatch.setattr(act_kernel, "swiglu_oai", swiglu_oai_standin)
     monkeypatch.setattr(mk, "apply_moe_activation", apply_moe_activation_standin)
     rec.clear()
     return switch
@@ -402,6 +434,8 @@ class Layer(NamedTuple):
     qc: FusedMoEQuantConfig
     d1: torch.Tensor  # what the weights stand for, FP64
     d2: torch.Tensor
+    b1: torch.Tensor | None = None  # expert biases [E, N], [E, H] (gpt-oss), FP64
+    b2: torch.Tensor | None = None
 
 
 def _quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -422,15 +456,23 @@ def _quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Te
     return q, s.contiguous(), q.double() * s.double()[:, None, None]
 
 
-def make_layer(kind: str, seed: int) -> Layer:
+def make_layer(kind: str, seed: int, biased: bool = False) -> Layer:
     """The weights of one MoE layer and vLLM's quant config for `kind` ("bf16" or one of
-    FP8_SCHEMES, the received-rows scheme table's rows)."""
+    FP8_SCHEMES, the received-rows scheme table's rows); `biased`: with expert biases as
+    gpt-oss has them (BF16), GEMM1's loud enough that SwiGLU-OAI's clamp at 7 bites."""
     gen = torch.Generator().manual_seed(seed)
     w1 = torch.randn(EXPERTS, N, HIDDEN, generator=gen) / HIDDEN**0.5
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5
+    bias = {}
+    if biased:
+        bias1 = (torch.randn(EXPERTS, N, generator=gen) * 6).bfloat16()
+        bias2 = torch.randn(EXPERTS, HIDDEN, generator=gen).bfloat16()
+        bias = {"w1_bias": bias1, "w2_bias": bias2}
+    deq = {f"b{i}": b.double() for i, b in enumerate(bias.values(), 1)}
     if kind == "bf16":
         b1, b2 = w1.bfloat16(), w2.bfloat16()
-        return Layer(kind, b1, b2, FUSED_MOE_UNQUANTIZED_CONFIG, b1.double(), b2.double())
+        qc = biased_moe_quant_config(**bias) if biased else FUSED_MOE_UNQUANTIZED_CONFIG
+        return Layer(kind, b1, b2, qc, b1.double(), b2.double(), **deq)
     weights = {"block": "block", "channel": "channel"}.get(kind, "tensor")
     (q1, s1, d1), (q2, s2, d2) = _quantize_weight(w1, weights), _quantize_weight(w2, weights)
     static = kind == "tensor_static"
@@ -442,8 +484,9 @@ def make_layer(kind: str, seed: int) -> Layer:
         per_act_token_quant=kind in ("channel", "tensor_weights_token_activations"),
         per_out_ch_quant=kind == "channel",
         block_shape=[G, G] if kind == "block" else None,
+        **bias,
     )
-    return Layer(kind, q1, q2, qc, d1, d2)
+    return Layer(kind, q1, q2, qc, d1, d2, **deq)
 
 
 def moe_cfg(top_k: int = 2, capacity: int = CAP, **changes):
@@ -545,7 +588,7 @@ def vllm_rows(
             q, s = _quantize_rows(kind, x.float(), owner, layer.qc.a1_scale, "input", captured)
         a1 = q.double() * (s.double().repeat_interleave(G, 1) if s.shape[1] > 1 else s.double())
     dtype = hidden.dtype if hidden.dtype != FP8 else torch.bfloat16  # the 16-bit type
-    h1 = _per_expert(a1, layer.d1, owner).to(dtype)
+    h1 = _per_expert(a1, layer.d1, owner, layer.b1).to(dtype)
     if activation == MoEActivation.SILU and (config is None or config.clamp_limit is None):
         y = silu_mul(h1)
     else:
@@ -555,16 +598,16 @@ def vllm_rows(
     else:
         q2, s2 = _quantize_rows(kind, y, owner, layer.qc.a2_scale, "intermediate", captured)
         a2 = q2.double() * (s2.double().repeat_interleave(G, 1) if s2.shape[1] > 1 else s2.double())
-    out.view(-1, h)[flat] = _per_expert(a2, layer.d2, owner).to(dtype).float()
+    out.view(-1, h)[flat] = _per_expert(a2, layer.d2, owner, layer.b2).to(dtype).float()
     return out
 
 
-def _per_expert(a: torch.Tensor, w: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """a[r] @ w[owner[r]].T for each row, FP64."""
+def _per_expert(a: torch.Tensor, w: torch.Tensor, owner: torch.Tensor, bias=None) -> torch.Tensor:
+    """a[r] @ w[owner[r]].T (+ bias[owner[r]]) for each row, FP64."""
     out = torch.empty(a.shape[0], w.shape[1], dtype=torch.float64)
     for e in owner.unique().tolist():
         rows = owner == e
-        out[rows] = a[rows] @ w[e].T
+        out[rows] = a[rows] @ w[e].T + (0 if bias is None else bias[e])
     return out
 
 
@@ -844,6 +887,107 @@ def test_plain_silu_runs_the_wing_s_activation(kind):
         assert rec.fused_acts == 0 and rec.quants[-1]["act"] is True
 
 
+# ------------------------------------------------------------------ gpt-oss: biases, SwiGLU-OAI
+SWIGLU = MoEActivation.SWIGLUOAI
+SWIGLUOAI_UNINTERLEAVE = MoEActivation.SWIGLUOAI_UNINTERLEAVE
+GPT_OSS_CASES = [
+    pytest.param(kind, act, arrival, id=f"{kind}-{arrival}-{act.value}")
+    for kind, arrival in [("bf16", "bf16"), ("block", "bf16"), ("block", "fp8")]
+    + [(k, "bf16") for k in FP8_SCHEMES[1:]]
+    for act in (SWIGLU, MoEActivation.SILU)
+]
+
+
+@pytest.mark.parametrize(("kind", "activation", "arrival"), GPT_OSS_CASES)
+def test_expert_biases_and_swiglu_oai_compute_what_vllm_computes(
+    monkeypatch, kind, activation, arrival
+):
+    """A gpt-oss layer (expert biases; vLLM's `swigluoai`: interleaved gate/up, clamped at
+    7, alpha 1.702) in every scheme row: each received row is its expert's (x @ w1.T + b1,
+    the activation, @ w2.T + b2), nothing else is written, the wing's kernel runs the
+    SwiGLU over the received rows only, and biases and clamp both change the numbers."""
+    layer = make_layer(kind, seed=31, biased=True)
+    counts = [2, 0, 1, 0, 3, 0, CAP, 1]
+    x, c = bf16_buffer(counts, seed=31)
+    hidden, scales = (x, None) if arrival == "bf16" else fp8_arrivals(kind, x, c)
+    experts = experts_for(
+        layer, quantizes_input=kind != "bf16" and arrival == "bf16", activation=activation
+    )
+    out = call(experts, hidden, scales, layer, c, CAP + 7, activation=activation)
+    received = received_mask(c, CAP)
+    config = experts.activation_config
+    want = vllm_rows(layer, hidden, scales, c, activation=activation, config=config)
+    assert torch.isnan(out[~received].float()).all()  # nothing else written
+    assert torch.isfinite(out[received].float()).all()
+    assert rel(out[received], want[received]) < 1e-3
+    assert [g["bias"] is layer.qc.w1_bias for g in rec.gemms[:1]] == [True]
+    assert [g["bias"] is layer.qc.w2_bias for g in rec.gemms[1:]] == [True]
+    assert rec.masked == []
+    if activation == SWIGLU:
+        assert [(a["alpha"], a["limit"], a["rows"]) for a in rec.swiglu_oai] == [
+            (1.702, 7.0, int(c.sum()))
+        ]
+        quantized = (kind != "bf16") * (1 + (arrival == "bf16"))  # the input, the intermediate
+        assert [q["act"] for q in rec.quants] == [False] * quantized
+    # Each piece bites here: without either bias, or without the clamp, the rows differ.
+    for name, other in (
+        ("no w1 bias", layer._replace(b1=None)),
+        ("no w2 bias", layer._replace(b2=None)),
+    ):
+        unbiased = vllm_rows(other, hidden, scales, c, activation=activation, config=config)
+        assert rel(out[received], unbiased[received]) > 1e-2, name
+    if activation == SWIGLU:  # vLLM's SwiGLU without its clamp: other rows
+        clamped = swiglu_oai
+        monkeypatch.setitem(globals(), "swiglu_oai", lambda y: clamped(y, limit=float("inf")))
+        unclamped = vllm_rows(layer, hidden, scales, c, activation=activation, config=config)
+        assert rel(out[received], unclamped[received]) > 1e-2
+
+
+@pytest.mark.parametrize("activation", [SWIGLU, MoEActivation.SILU])
+def test_padding_rows_with_biases_stay_finite_and_unlisted_rows_are_untouched(activation):
+    """Zero rows (a padded round's) map to the biases' outputs, finite: the combine's zero
+    weight drops them; experts without rows write nothing."""
+    layer = make_layer("bf16", seed=33, biased=True)
+    x, c = bf16_buffer([3, 0, 0, 0, 0, 0, 0, 1], seed=33)
+    x[0, :3] = 0
+    experts = experts_for(layer, activation=activation)
+    out = call(experts, x, None, layer, c, 4, activation=activation)
+    received = received_mask(c, CAP)
+    want = vllm_rows(layer, x, None, c, activation=activation, config=experts.activation_config)
+    assert torch.isfinite(out[received].float()).all() and out[0, :3].abs().amax() > 0
+    assert rel(out[received], want[received]) < 1e-3
+    assert torch.isnan(out[~received].float()).all()
+
+
+def test_swiglu_oai_is_decided_once_with_vllm_s_constants():
+    """vLLM 0.33.0's batched experts run `swigluoai` at alpha 1.702, limit 7.0 whatever the
+    activation config holds (its masked activation fixes them); the layer decides the
+    kernel at construction."""
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig
+
+    from vllm_flashinfer_ep.experts import activations
+
+    for config in (ApplyMoEActivationConfig(), ApplyMoEActivationConfig(clamp_limit=3.0)):
+        row = activations.for_layer(SWIGLU, config)
+        assert (row.kind, row.alpha, row.limit) == (activations.Kind.SWIGLU_OAI, 1.702, 7.0)
+    assert activations.for_layer("swigluoai", None).kind is activations.Kind.SWIGLU_OAI
+    assert activations.for_layer(MoEActivation.SILU, ApplyMoEActivationConfig()).kind is (
+        activations.Kind.SILU
+    )
+    # the unmasked op's defaults are the same constants
+    from vllm.model_executor.layers.activation import SwigluOAIAndMul
+
+    defaults = inspect.signature(SwigluOAIAndMul.__init__).parameters
+    assert (defaults["alpha"].default, defaults["limit"].default) == (1.702, 7.0)
+    for act in (SWIGLUOAI_UNINTERLEAVE, MoEActivation.GELU):
+        assert activations.for_layer(act, ApplyMoEActivationConfig(clamp_limit=7.0)).kind is (
+            activations.Kind.VLLM_MASKED
+        )
+    experts = experts_for(make_layer("bf16", 0, biased=True), activation=SWIGLU)
+    assert experts._row_activation.kind is activations.Kind.SWIGLU_OAI
+    assert not experts._fused_activation
+
+
 def test_a_float16_layer_computes_in_float16():
     """16-bit GEMMs run in the activations' type (--dtype float16 models too)."""
     bf16 = make_layer("bf16", seed=16)
@@ -958,18 +1102,21 @@ def test_vllm_s_override_config_sets_the_tile():
 
 
 # ------------------------------------------------------------------ through vLLM's kernel
-def torch_moe(x, d1, d2, ids, weights, activation=MoEActivation.SILU, config=None):
-    """A plain MoE of the dequantized weights (FP64), routing weights applied after."""
+def torch_moe(
+    x, d1, d2, ids, weights, activation=MoEActivation.SILU, config=None, b1=None, b2=None
+):
+    """A plain MoE of the dequantized weights (FP64) and expert biases, routing weights
+    applied after."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
-            h = x[t].double() @ d1[e].T
+            h = x[t].double() @ d1[e].T + (0 if b1 is None else b1[e])
             if activation == MoEActivation.SILU and (config is None or config.clamp_limit is None):
                 y = F.silu(h[:INTER]) * h[INTER:]
             else:
                 y = masked_activation(activation, h, config)
-            out[t] += float(weights[t, k]) * (y @ d2[e].T)
+            out[t] += float(weights[t, k]) * (y @ d2[e].T + (0 if b2 is None else b2[e]))
     return out
 
 
@@ -1117,6 +1264,27 @@ def test_gelu_through_the_ll_kernel_matches_a_torch_moe():
     assert rel(out, want) < 1e-2 and len(rec.masked) == 1 and rec.fused_acts == 0
 
 
+@pytest.mark.usefixtures("selection")
+@pytest.mark.parametrize("agreed", [None, 64], ids=["exact", "padded-round"])
+def test_a_gpt_oss_layer_through_the_ll_kernel_matches_a_torch_moe(agreed):
+    """Expert biases and SwiGLU-OAI through vLLM's kernel and the LL prepare/finalize, as
+    vLLM builds it for a BF16 gpt-oss layer (its BatchedTritonExperts, made the wing's);
+    a padded round's zero rows get the biases and are dropped by the combine."""
+    layer = make_layer("bf16", seed=41, biased=True)
+    sizes = [5] if agreed is None else [64]
+    rt, _, kernel = ll_kernel(layer, 2, sizes=sizes, agreed=agreed, activation=SWIGLU)
+    x, ids, weights = tokens_for(5, 2, seed=41)
+    out = kernel_apply(kernel, layer, x, ids, weights, activation=SWIGLU)
+    want = torch_moe(x, layer.d1, layer.d2, ids, weights, SWIGLU, b1=layer.b1, b2=layer.b2)
+    assert rel(out, want) < 1e-2
+    assert len(rec.swiglu_oai) == 1 and rec.masked == [] and rec.fused_acts == 0
+    assert all(g["bias"] is not None for g in rec.gemms)
+    if agreed is not None:
+        assert rt.pool.counters.padded_rounds == 1 and rec.swiglu_oai[0]["rows"] == 64 * 2
+    unbiased = torch_moe(x, layer.d1, layer.d2, ids, weights, SWIGLU)
+    assert rel(out, unbiased) > 1e-2
+
+
 # ------------------------------------------------------------------ what the prepare asks
 @pytest.mark.parametrize("kind", ["bf16", *FP8_SCHEMES])
 @pytest.mark.parametrize("wire", [True, False], ids=["fp8-wire", "bf16-wire"])
@@ -1164,16 +1332,18 @@ def _refused(case: str):
     block = make_layer("block", 0).qc
     tensor = make_layer("tensor_dynamic", 0).qc
     channel = make_layer("channel", 0).qc
-    if case == "expert-biases":
+    if case == "bias-of-every-expert":  # a global [E, N] bias on an EP rank of 4 experts
         bias1, bias2 = torch.zeros(EXPERTS, N), torch.zeros(EXPERTS, HIDDEN)
-        return {}, biased_moe_quant_config(bias1.bfloat16(), bias2.bfloat16())
-    if case == "fp8-expert-biases":
+        return {"num_local_experts": EXPERTS // 2}, biased_moe_quant_config(
+            bias1.bfloat16(), bias2.bfloat16()
+        )
+    if case == "fp8-bias-one-row":
         return {}, fp8_w8a8_moe_quant_config(
             block.w1_scale,
             block.w2_scale,
             block_shape=[G, G],
             w1_bias=torch.zeros(EXPERTS, N),
-            w2_bias=torch.zeros(EXPERTS, HIDDEN),
+            w2_bias=torch.zeros(HIDDEN),
         )
     if case == "static-scale-per-expert":
         per_expert = torch.full((EXPERTS,), STATIC_A1)
@@ -1196,8 +1366,8 @@ def _refused(case: str):
 
 
 REFUSALS = [
-    ("expert-biases", "--all2all-backend"),
-    ("fp8-expert-biases", "--all2all-backend"),
+    ("bias-of-every-expert", "w1_bias as [local experts (4), N]"),
+    ("fp8-bias-one-row", "w2_bias as [local experts (8), N]"),
     ("static-scale-per-expert", "one static activation scale per layer"),
     ("fp32-activations", "--dtype bfloat16"),
     ("channel-weights-tensor-activations", "--all2all-backend"),
@@ -1224,7 +1394,9 @@ def test_each_refusal_names_what_to_change(case):
 
 
 @pytest.mark.usefixtures("selection")
-@pytest.mark.parametrize("case", ["expert-biases", "static-scale-per-expert", "fp32-activations"])
+@pytest.mark.parametrize(
+    "case", ["bias-of-every-expert", "static-scale-per-expert", "fp32-activations"]
+)
 def test_vllm_s_kernel_build_raises_the_same_error(case):
     """vLLM builds the kernel at load: the refusal surfaces there, before any round."""
     changes, qc = _refused(case)

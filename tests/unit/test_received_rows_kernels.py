@@ -99,11 +99,13 @@ def _cases() -> list[dict]:
         for counts in count_kinds(experts, rows, gen):
             for nb in (1, 3, whole):
                 cases.append(_case("silu", experts, rows, d, bm, dtype, counts, nb, act=True))
+                cases.append(_case("swiglu", experts, rows, d, bm, dtype, counts, nb, act=True))
     return cases
 
 
 CASES = _cases()
-KINDS = ["group", "group-act", "token", "token-act", "tensor", "static", "silu"]
+KINDS = ["group", "group-act", "token", "token-act", "tensor", "static", "silu", "swiglu"]
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # vLLM 0.33.0's swigluoai
 
 
 # ------------------------------------------------------------------ the child's side
@@ -203,6 +205,8 @@ def check(case: dict) -> str | None:
     """One case in the interpreter's child: None, or what differs."""
     if case["kind"] == "silu":
         return _check_silu(case)
+    if case["kind"] == "swiglu":
+        return _check_swiglu(case)
     if case["kind"] in ("tensor", "static"):
         return _check_tensor(case)
     return _check_rows(case)
@@ -291,6 +295,34 @@ def _check_silu(case: dict) -> str | None:
     return None
 
 
+def swiglu_oai_reference(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """vLLM's `swigluoai` of rows [n, 2d] as its CUDA kernel computes it: gate x[2j] and up
+    x[2j + 1] (interleaved) in FP32, gate <= limit, -limit <= up <= limit,
+    (up + 1) * gate * sigmoid(alpha * gate), FP32 (rounded once by the caller)."""
+    gate = x[:, 0::2].float().clamp(max=limit)
+    up = x[:, 1::2].float().clamp(-limit, limit)
+    return (up + 1) * (gate / (1 + torch.exp(-gate * alpha)))
+
+
+def _check_swiglu(case: dict) -> str | None:
+    """`swiglu_oai`: every received row gets gpt-oss's clamped SwiGLU, FP32 throughout and
+    rounded once to 16 bits; no other row is written. Inputs loud enough (|x| up to ~40)
+    that both clamps bite on many elements."""
+    x, blocks, listed, dtype = _problem(case, 3)
+    x = (x.float() * 3).to(dtype)
+    d = case["d"]
+    out = torch.full((len(x), d), float("nan"), dtype=dtype)
+    activation.swiglu_oai(out, x, blocks, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    want = rounded(swiglu_oai_reference(x, SWIGLU_ALPHA, SWIGLU_LIMIT), dtype)
+    if not torch.isnan(out[~listed].float()).all():
+        return "wrote a row that was not received"
+    got, ref = out[listed].float(), want[listed]
+    close = torch.allclose(got, ref, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+    if not close or (got != ref).float().mean().item() > 0.01:
+        return f"values differ by up to {(got - ref).abs().max().item()}"
+    return None
+
+
 # ------------------------------------------------------------------ the tests
 @pytest.fixture(scope="module")
 def outcomes() -> list:
@@ -304,7 +336,7 @@ def test_received_rows_get_vllm_s_numbers_and_no_other_row_is_written(outcomes, 
     over every received row (an expert of zeros gets the floor, a row that did not arrive
     never reaches the max; a NaN counts as zero, which only the GPU can show: the
     interpreter's max skips NaN either way); static: the checkpoint's scale, the dynamic
-    max skipped; silu: the activation alone."""
+    max skipped; silu: the activation alone; swiglu: gpt-oss's clamped SwiGLU alone."""
     assert failures(CASES, outcomes, kind) == []
 
 
@@ -375,6 +407,36 @@ def test_buffers_the_activation_kernel_does_not_compute_are_refused():
     assert activation.buffers_reason(torch.zeros(4, 4, dtype=bf16), x) is None
 
 
+def test_the_swiglu_reference_is_vllm_s_own():
+    """The torch statement the swiglu cases check against is vLLM 0.33.0's
+    `SwigluOAIAndMul.forward_native` (its reference, which runs on CPU) on FP32 rows, with
+    its default alpha and limit; on loud rows where the clamp bites."""
+    from vllm.model_executor.layers.activation import SwigluOAIAndMul
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 2 * 96, generator=gen) * 9
+    defaults = inspect.signature(SwigluOAIAndMul.__init__).parameters
+    assert (defaults["alpha"].default, defaults["limit"].default) == (SWIGLU_ALPHA, SWIGLU_LIMIT)
+    # its method on the defaults (the op itself needs a vLLM config to be built)
+    op = SimpleNamespace(alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT)
+    want = SwigluOAIAndMul.forward_native(op, x)
+    got = swiglu_oai_reference(x, SWIGLU_ALPHA, SWIGLU_LIMIT)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The clamps bite: without them the numbers differ; swapped halves differ too.
+    assert not torch.allclose(swiglu_oai_reference(x, SWIGLU_ALPHA, float("inf")), want)
+    swapped = torch.stack([x[:, 1::2], x[:, 0::2]], dim=-1).reshape(x.shape)
+    assert not torch.allclose(swiglu_oai_reference(swapped, SWIGLU_ALPHA, SWIGLU_LIMIT), want)
+
+
+def test_buffers_the_swiglu_kernel_does_not_compute_are_refused():
+    bf16 = torch.bfloat16
+    blocks, x = _blocks(), torch.zeros(4, 8, dtype=bf16)
+    with pytest.raises(ValueError, match="swiglu_oai: .*out"):
+        activation.swiglu_oai(torch.zeros(4, 3, dtype=bf16), x, blocks, 1.702, 7.0)
+    with pytest.raises(ValueError, match="swiglu_oai: 16-bit"):
+        activation.swiglu_oai(torch.zeros(4, 4), x.float(), blocks, 1.702, 7.0)
+
+
 def test_an_empty_list_launches_nothing_and_keeps_the_output_shapes():
     """No block (a list of length 0): no launch, which a CPU tensor would refuse."""
     blocks = torch_row_blocks(torch.zeros(2, dtype=torch.int32), 4, 16, 0)
@@ -410,7 +472,7 @@ def test_only_plain_silu_and_mul_takes_the_fused_activation():
     )
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from vllm_flashinfer_ep.experts.received_rows import plain_silu_and_mul
+    from vllm_flashinfer_ep.experts.activations import plain_silu_and_mul
 
     assert plain_silu_and_mul(MoEActivation.SILU, Config())
     assert plain_silu_and_mul("silu", Config())
@@ -423,16 +485,23 @@ def test_only_plain_silu_and_mul_takes_the_fused_activation():
 
 
 def test_the_activation_kernel_runs_only_where_it_computes_vllm_s(monkeypatch):
-    """The received-rows experts launch `silu_and_mul` for plain SiLU on buffers it takes;
-    anything else keeps vLLM's masked activation with the received counts."""
+    """The received-rows experts launch `silu_and_mul` for plain SiLU on buffers it takes,
+    `swiglu_oai` for vLLM's swigluoai (with the layer's constants); anything else keeps
+    vLLM's masked activation with the received counts."""
+    from vllm_flashinfer_ep.experts.activations import Kind, RowActivation
     from vllm_flashinfer_ep.experts.received_rows import ReceivedRowsExperts
 
-    launched, masked = [], []
+    launched, masked, swiglu = [], [], []
     monkeypatch.setattr(activation, "silu_and_mul", lambda out, x, b: launched.append(b))
+    monkeypatch.setattr(
+        activation, "swiglu_oai", lambda out, x, b, alpha, limit: swiglu.append((alpha, limit))
+    )
     counts, blocks = torch.tensor([1, 0], dtype=torch.int32), _blocks()
 
-    def run(fused: bool, dtype=torch.bfloat16) -> None:
+    def run(fused: bool, dtype=torch.bfloat16, row=None) -> None:
+        row = row or RowActivation(Kind.SILU if fused else Kind.VLLM_MASKED)
         experts = SimpleNamespace(
+            _row_activation=row,
             _fused_activation=fused,
             activation=lambda name, out, x, valid_token_counts: masked.append(
                 (out.shape, x.shape, valid_token_counts)
@@ -447,3 +516,5 @@ def test_the_activation_kernel_runs_only_where_it_computes_vllm_s(monkeypatch):
     run(True, torch.float32)  # a buffer the kernel refuses
     assert len(launched) == 1
     assert masked == [((2, 4, 8), (2, 4, 16), counts)] * 2
+    run(False, row=RowActivation(Kind.SWIGLU_OAI, 1.702, 7.0))
+    assert swiglu == [(1.702, 7.0)] and len(masked) == 2 and len(launched) == 1

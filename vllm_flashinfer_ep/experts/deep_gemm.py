@@ -186,6 +186,12 @@ class ReceivedRowsOrDeepGemmExperts(FallbackExperts):
         mk.FusedMoEExpertsModular.__init__(
             self, moe_config, quant_config, max_num_tokens, num_dispatchers
         )
+        if quant_config.w1_bias is not None or quant_config.w2_bias is not None:
+            raise FlashInferEPConfigError(
+                f"--moe-backend {MOE_BACKEND}: this layer has MoE expert biases, which vLLM's "
+                "DeepGEMM experts drop. Pass --moe-backend triton (the received-rows experts "
+                "apply them)."
+            )
         reason = rows_reason(f"--moe-backend {MOE_BACKEND}", max_num_tokens, num_dispatchers)
         if reason is not None:
             raise FlashInferEPConfigError(reason)

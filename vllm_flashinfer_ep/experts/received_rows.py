@@ -4,6 +4,9 @@ vLLM 0.33.0's `BatchedTritonExperts` launches programs over every row of the exp
 LL buffer, and those empty programs set a decode step's time. These run vLLM's fused-MoE
 kernel over the blocks of received rows (kernels/row_blocks.py): fixed shapes, so CUDA
 graphs replay them for any routing. Per-layer decisions are made at construction.
+Expert biases (gpt-oss) go where vLLM's no-EP Triton experts add them: w1's to GEMM1's
+FP32 accumulator and w2's to GEMM2's, after the dequantization, in the fused kernel, so
+only received rows get them (vLLM's batched experts drop them).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from vllm.model_executor.layers.fused_moe.utils import _resize_cache
 
 from vllm_flashinfer_ep import fp8_numerics as num
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError
-from vllm_flashinfer_ep.experts import schemes
+from vllm_flashinfer_ep.experts import activations, schemes
+from vllm_flashinfer_ep.experts.activations import Kind
 from vllm_flashinfer_ep.experts.kernels import activation as act_kernel
 from vllm_flashinfer_ep.experts.kernels import quantize
 from vllm_flashinfer_ep.experts.kernels.row_blocks import RowBlocks, max_blocks, row_blocks
@@ -52,17 +56,6 @@ def senders_tokens(local: int, senders: int, capacity: int, sent_per_rank: int |
     return capacity
 
 
-def plain_silu_and_mul(activation: Any, config: Any) -> bool:
-    """SiLU(gate) x up with vLLM's defaults: what the fused activation kernels compute."""
-    return (
-        getattr(activation, "value", activation) == "silu"
-        and config is not None
-        and config.clamp_limit is None
-        and config.alpha == 1.0
-        and config.beta == 0.0
-    )
-
-
 class ReceivedRowsExperts(BatchedTritonExperts):
     """`BatchedTritonExperts` over the received rows. `quantizes_input`: an FP8 layer's
     BF16 arrivals (no FP8 wire) are quantized here, received rows only. `sent_per_rank()`:
@@ -86,12 +79,8 @@ class ReceivedRowsExperts(BatchedTritonExperts):
                 f"Triton experts; this layer has no row ({schemes.describe(quant_config)}). "
                 "Serve it with --all2all-backend flashinfer_ep_high_throughput."
             )
-        if quant_config.w1_bias is not None or quant_config.w2_bias is not None:
-            raise FlashInferEPConfigError(
-                "the received-rows experts do not apply MoE expert biases (nor do vLLM's "
-                "batched experts): serve this model with another --all2all-backend or "
-                "without --enable-expert-parallel"
-            )
+        self._w1_bias = _bias(quant_config.w1_bias, "w1", moe_config)
+        self._w2_bias = _bias(quant_config.w2_bias, "w2", moe_config)
         if moe_config.in_dtype not in (torch.bfloat16, torch.float16):
             raise FlashInferEPConfigError(
                 f"the received-rows experts take 16-bit activations, got {moe_config.in_dtype}"
@@ -108,7 +97,8 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         self.scheme = scheme
         self._quantizes_input = quantizes_input and scheme.fp8
         self._sent_per_rank = sent_per_rank
-        self._fused_activation = plain_silu_and_mul(moe_config.activation, self.activation_config)
+        self._row_activation = activations.for_layer(moe_config.activation, self.activation_config)
+        self._fused_activation = self._row_activation.kind is Kind.SILU
         self._ue8m0 = scheme.input is Quantizer.GROUP and _e8m0_scales()
 
     @classmethod
@@ -182,19 +172,21 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         x, out = hidden_states.view(total, k), output.view(total, k)
         if not self.scheme.fp8:
             ctype = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
-            _gemm(x, w1, cache1, blocks, config, ctype)
+            _gemm(x, w1, cache1, blocks, config, ctype, bias=self._w1_bias)
             self._activation(activation, cache2, cache1, counts, blocks, experts)
-            _gemm(cache2, w2, out, blocks, config, ctype)
+            _gemm(cache2, w2, out, blocks, config, ctype, bias=self._w2_bias)
             return
         a1, a1_scale = self._gemm1_input(x, a1q_scale, blocks, rows, experts)
-        _gemm(a1, w1, cache1, blocks, config, tl.bfloat16, self._fp8(a1_scale, self.w1_scale))
+        fp8 = self._fp8(a1_scale, self.w1_scale)
+        _gemm(a1, w1, cache1, blocks, config, tl.bfloat16, fp8, self._w1_bias)
         how = self.scheme.intermediate
         if self._fused_activation:  # activation and quantization in one launch
             a2, a2_scale = self._quantize(how, cache1, blocks, rows, True, a2_scale, True)
         else:
             self._activation(activation, cache2, cache1, counts, blocks, experts)
             a2, a2_scale = self._quantize(how, cache2, blocks, rows, False, a2_scale, True)
-        _gemm(a2, w2, out, blocks, config, tl.bfloat16, self._fp8(a2_scale, self.w2_scale))
+        fp8 = self._fp8(a2_scale, self.w2_scale)
+        _gemm(a2, w2, out, blocks, config, tl.bfloat16, fp8, self._w2_bias)
 
     def _gemm1_input(
         self, x: torch.Tensor, scales: Any, blocks: RowBlocks, rows: int, experts: int
@@ -235,9 +227,13 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         return quantize.tensor_quant(x, blocks, rows, per_expert, act)
 
     def _activation(self, activation, out, x, counts, blocks, experts) -> None:
-        """SiLU-and-mul over the received rows, or vLLM's masked activation for others."""
+        """SiLU-and-mul or gpt-oss's clamped SwiGLU over the received rows, or vLLM's masked
+        activation for others."""
+        row = self._row_activation
         if self._fused_activation and act_kernel.buffers_reason(out, x) is None:
             act_kernel.silu_and_mul(out, x, blocks)
+        elif row.kind is Kind.SWIGLU_OAI:
+            act_kernel.swiglu_oai(out, x, blocks, row.alpha, row.limit)
         else:
             shape = (experts, x.shape[0] // experts, -1)
             self.activation(activation, out.view(shape), x.view(shape), valid_token_counts=counts)
@@ -247,9 +243,12 @@ class ReceivedRowsExperts(BatchedTritonExperts):
         return a_scale, w_scale, self.scheme.per_channel, block
 
 
-def _gemm(a, w, c, blocks: RowBlocks, config: dict, compute_type, fp8: tuple | None = None):
-    """c[row] = a[row] @ w[expert].T for the received rows: vLLM's fused-MoE kernel with the
-    blocks as its sorted ids. `fp8`: (A scales, B scales, per_channel, block_shape)."""
+def _gemm(
+    a, w, c, blocks: RowBlocks, config: dict, compute_type, fp8: tuple | None = None, bias=None
+):
+    """c[row] = a[row] @ w[expert].T (+ bias[expert]) for the received rows: vLLM's fused-MoE
+    kernel with the blocks as its sorted ids. `fp8`: (A scales, B scales, per_channel,
+    block_shape); `bias` [experts, N], added in FP32 after the dequantization."""
     a_scale, w_scale, per_channel, block_shape = fp8 if fp8 is not None else (None,) * 4
     invoke_fused_moe_triton_kernel(
         a,
@@ -271,7 +270,22 @@ def _gemm(a, w, c, blocks: RowBlocks, config: dict, compute_type, fp8: tuple | N
         use_int4_w4a16=False,
         per_channel_quant=bool(per_channel),
         block_shape=block_shape,
+        B_bias=bias,
     )
+
+
+def _bias(bias: torch.Tensor | None, which: str, moe_config: Any) -> torch.Tensor | None:
+    """A layer's expert bias as the fused kernel reads it: [local experts, N]."""
+    if bias is None:
+        return None
+    experts = moe_config.num_local_experts
+    if bias.dim() != 2 or bias.shape[0] != experts:
+        raise FlashInferEPConfigError(
+            f"the received-rows experts take {which}_bias as [local experts ({experts}), N]; "
+            f"this layer's is {tuple(bias.shape)}. Serve it with --all2all-backend "
+            "flashinfer_ep_high_throughput."
+        )
+    return bias
 
 
 def _e8m0_scales() -> bool:

@@ -14,6 +14,7 @@ from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
     max_top_k,
+    round_up_ll_hidden_size,
 )
 
 GIB = float(1 << 30)
@@ -248,12 +249,29 @@ def _unchunked_reason(
 CHECKPOINT_FP8 = ("fp8",)
 ONLINE_FP8 = ("fp8_per_tensor", "fp8_per_block", "fp8_per_channel")
 FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
+# vLLM 0.33.0's MXFP4 MoE methods (gpt-oss checkpoints ship quant_method mxfp4, which
+# vLLM serves as gpt_oss_mxfp4).
+MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 
 
 def quantization_reason(flag: str, method: str | None, block: Any) -> str | None:
     """Why the model's quantization (FP8_METHODS; `block`: weight_block_size) is refused."""
     if not method:
         return None
+    if method in MXFP4_METHODS:
+        experts = (
+            "vLLM 0.33.0's only MXFP4 experts for the expert-major layout "
+            "(BatchedMarlinExperts) compute every row of the buffer and have"
+            if "low_latency" in flag
+            else "vLLM's MXFP4 experts have"
+        )
+        return (
+            f"{flag} runs BF16 and FP8 MoE weights; this model's expert weights are MXFP4 "
+            f"(quant_method mxfp4, as gpt-oss checkpoints ship them). {experts} not been "
+            "validated with this backend. Serve a BF16 checkpoint of the model (gpt-oss at "
+            "hidden 2880: with --all2all-backend flashinfer_ep_high_throughput, which does "
+            "not pad), or pick another --all2all-backend (e.g. deepep_low_latency)."
+        )
     if method not in FP8_METHODS:
         return (
             f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "
@@ -269,6 +287,22 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
             f"this checkpoint's weight_block_size is {block}. Pick another --all2all-backend."
         )
     return None
+
+
+def padded_loading_reason(flag: str, hidden: int, model_type: str | None) -> str | None:
+    """Why LL's padding of the hidden size breaks this model's weight loading (None: it
+    does not: a native LL size, or a model whose loader narrows into the padded weights)."""
+    name = WHOLE_TENSOR_EXPERT_LOADERS.get(model_type or "")
+    rounded = round_up_ll_hidden_size(hidden)
+    if name is None or rounded == hidden:
+        return None
+    return (
+        f"{flag}: {name}'s hidden size {hidden} is not an NCCL-EP low-latency size, so its "
+        f"MoE weights are padded to {rounded}, and vLLM 0.33.0's {name} loader copies each "
+        "expert tensor of an unquantized checkpoint whole into them "
+        "(vllm/model_executor/models/gpt_oss.py _load_weights_other), which fails. Use "
+        "--all2all-backend flashinfer_ep_high_throughput (it does not pad)."
+    )
 
 
 def dtype_reason(flag: str, dtype: str | None) -> str | None:
@@ -342,7 +376,16 @@ def expert_split_reason(flag: str, experts: int | None, redundant: int, ranks: i
     )
 
 
-def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
+# vLLM 0.33.0 models whose loader copies each expert tensor of an unquantized checkpoint
+# whole into the MoE parameters (models/gpt_oss.py `_load_weights_other`: `param.copy_`),
+# which fails once LL pads those to its hidden size (created at the padded size:
+# fused_moe/routed_experts.py l.171-212).
+WHOLE_TENSOR_EXPERT_LOADERS = {"gpt_oss": "gpt-oss"}
+
+
+def hidden_reason(
+    flag: str, backend: str, hidden: int | None, model_type: str | None = None
+) -> str | None:
     if hidden is None:
         return None
     if backend != backends.LOW_LATENCY:
@@ -355,7 +398,7 @@ def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
             "Use --all2all-backend flashinfer_ep_low_latency (it pads the hidden size)."
         )
     if hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
-        return None
+        return padded_loading_reason(flag, hidden, model_type)
     return (
         f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
         f"{SUPPORTED_HIDDEN_SIZES[-1]}. Use --all2all-backend flashinfer_ep_high_throughput."

@@ -1,5 +1,8 @@
-"""SiLU-and-mul over the received rows only (vLLM's masked activation covers every expert's
-whole slot). Rounds as vLLM's kernels do: the SiLU to the 16-bit type, then the product.
+"""Gated activations over the received rows only (vLLM's masked activation covers every
+expert's whole slot), rounded as vLLM's kernels round:
+- SiLU-and-mul: the SiLU to the 16-bit type, then the product;
+- gpt-oss's clamped SwiGLU (vLLM's `swigluoai`, gate and up interleaved): FP32 throughout,
+  one rounding at the end.
 """
 
 from __future__ import annotations
@@ -47,7 +50,70 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: RowBlocks) -> None:
     )
 
 
+def swiglu_oai(
+    out: torch.Tensor, x: torch.Tensor, blocks: RowBlocks, alpha: float, limit: float
+) -> None:
+    """out[row, j] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit), gate = x[row, 2j], up = x[row, 2j + 1], for the received rows;
+    others untouched."""
+    if triton is None:
+        raise RuntimeError("swiglu_oai needs Triton")
+    reason = buffers_reason(out, x)
+    if reason is not None:
+        raise ValueError(f"swiglu_oai: {reason}")
+    rows, d = out.shape
+    num_blocks = blocks.expert_ids.numel()
+    if num_blocks == 0 or d == 0:
+        return
+    block_m = blocks.block_m
+    block_n = max(16, min(triton.next_power_of_2(d), TILE // block_m))
+    grid = (num_blocks, triton.cdiv(d, block_n))
+    _swiglu_oai_kernel[grid](
+        x,
+        out,
+        blocks.sorted_ids,
+        blocks.blocks_rows,
+        rows,
+        d,
+        float(alpha),
+        float(limit),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+
+
 if triton is not None:
+
+    @triton.jit
+    def swiglu_oai_rows(x_ptr, ids, cols, mask, d, alpha, limit):
+        """gpt-oss's clamped SwiGLU of x [rows, 2d] (gate, up interleaved), FP32."""
+        gate_at = x_ptr + ids[:, None] * (2 * d) + 2 * cols[None, :]
+        gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_at + 1, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate / (1.0 + tl.exp(-gate * alpha)))
+
+    @triton.jit
+    def _swiglu_oai_kernel(
+        x_ptr,
+        out_ptr,
+        sorted_ids_ptr,
+        blocks_rows_ptr,
+        rows,
+        d,
+        alpha,
+        limit,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        if tl.program_id(0) * BLOCK_M >= tl.load(blocks_rows_ptr):
+            return
+        ids, cols, mask = block_tile(sorted_ids_ptr, rows, d, BLOCK_M, BLOCK_N)
+        y = swiglu_oai_rows(x_ptr, ids, cols, mask, d, alpha, limit)
+        tl.store(
+            out_ptr + ids[:, None] * d + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
+        )
 
     @triton.jit
     def silu_mul_rows(x_ptr, ids, cols, mask, d):
