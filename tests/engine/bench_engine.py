@@ -1,7 +1,7 @@
 """End-to-end decode throughput of the engine at EP world size 1, three configurations side by side.
 
-    python tests/engine/bench_engine.py --shape tiny|qwen3-30b-a3b --out results.json
-        [--quantization fp8_per_block --configs no_ep,ll_graph,ll_graph_triton]
+    python tests/engine/bench_engine.py --shape tiny|qwen3-30b-a3b|deepseek-v3|qwen3-235b-a22b
+        --out results.json [--quantization fp8_per_block --configs no_ep,ll_graph,ll_graph_triton]
 
 Configurations (one engine process each, run one after the other in this command):
   no_ep     : the same engine without expert parallelism (vLLM's default MoE path)
@@ -12,7 +12,15 @@ All three run with cudagraph_mode FULL_DECODE_ONLY and no torch.compile (decode 
 full CUDA graphs where the configuration allows graphs at all). Decode throughput per batch size B: B * output_len / (t(prefill + output_len tokens) -
 t(prefill + 1 token)), the best of two runs each. `tiny` is the 4-layer test model with
 random weights; `qwen3-30b-a3b` is Qwen3-30B-A3B's architecture (48 layers, hidden 2048,
-128 experts, top_k 8) with vLLM's dummy weights, so no checkpoint is needed.
+128 experts, top_k 8) with vLLM's dummy weights, so no checkpoint is needed. Two published
+shapes of the model matrix (model_matrix.py: published config, layers reduced to fit one
+80 GB GPU at --gpu-memory-utilization 0.85, dummy weights):
+  deepseek-v3     : hidden 7168, 256 experts, top_k 8, moe intermediate 2048, MLA (128 heads,
+                    q_lora 1536, kv_lora 512), block FP8 as published (the FP8 start-up
+                    switches below); 5 layers, 1 dense + 4 MoE (published: 3 dense + 58 MoE,
+                    so MoE layers dominate the step as there) ~ 50 GB
+  qwen3-235b-a22b : hidden 4096, 128 experts, top_k 8, moe intermediate 1536, 64 query /
+                    4 KV heads of 128; BF16; 10 of 94 layers ~ 52 GB
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ sys.path.insert(0, str(HERE))
 from engine_models import QWEN3_30B_A3B, qwen3_moe_config, write_config_only, write_tiny_model  # noqa: E402
 from engine_run import bench_rows_from_log  # noqa: E402
 from engine_runner import EngineRunner  # noqa: E402
+from model_matrix import deepseek_v3, moe_layer_count, qwen3_235b_a22b  # noqa: E402
 
 LL = "flashinfer_ep_low_latency"
 CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -75,20 +84,74 @@ def startup_switches() -> dict:
     return {**FP8_STARTUP_ENV, **FP8_STARTUP_SPEC, **kernel}
 
 
+# The config.json of each dummy-weight shape (tiny: generated weights, tiny_config()).
+SHAPES = {
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "deepseek-v3": deepseek_v3(layers=5) | {"first_k_dense_replace": 1},
+    "qwen3-235b-a22b": qwen3_235b_a22b(layers=10),
+}
+
+
+def shape_config(shape: str) -> dict:
+    return qwen3_moe_config(2048) if shape == "tiny" else SHAPES[shape]
+
+
+def checkpoint_fp8(shape: str) -> bool:
+    """The shape's config is an FP8 checkpoint's (DeepSeek-V3's block FP8)."""
+    quant = shape_config(shape).get("quantization_config") or {}
+    return quant.get("quant_method") == "fp8"
+
+
 def _model(shape: str, work: Path) -> tuple[str, dict]:
     if shape == "tiny":
         return write_tiny_model(work / "tiny-h2048", 2048), {"vocab": 4096}
-    path = write_config_only(work / "qwen3-30b-a3b-shape", QWEN3_30B_A3B)
+    config = SHAPES[shape]
+    path = write_config_only(work / f"{shape}-shape", config)
     return path, {
-        "vocab": QWEN3_30B_A3B["vocab_size"],
+        "vocab": config["vocab_size"],
         "load_format": "dummy",
         "gpu_memory_utilization": 0.85,
     }
 
 
+def engine_spec(args, name: str, model: str, extra: dict) -> tuple[dict, dict]:
+    """The engine spec and environment of configuration `name` for this command."""
+    base, env = CONFIGS[name]
+    spec = {
+        "model": model,
+        "max_model_len": 512,
+        "compilation_config": COMPILATION,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        **extra,
+        **base,
+    }
+    if args.quantization:
+        spec["quantization"] = args.quantization
+    if args.quantization or checkpoint_fp8(args.shape):
+        spec.update(FP8_STARTUP_SPEC)
+        env = {**FP8_STARTUP_ENV, **env}
+    if not args.no_bench:
+        spec["bench"] = {
+            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
+            "output_len": args.output_len,
+            "prompt_len": args.prompt_len,
+        }
+    if args.profile_batch:
+        # The prompts' prefill in one step (batch x prompt_len within the budget), so the
+        # profiled steps past it are decode steps only, not prefill chunks mixed with them.
+        fit = max(1, min(args.prompt_len, args.max_num_batched_tokens // args.profile_batch))
+        spec["profile"] = {
+            "batch": args.profile_batch,
+            "prompt_len": fit,
+            "output_len": 8,
+            "moe_layers": moe_layer_count(shape_config(args.shape)),
+        }
+    return spec, env
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default="tiny")
+    ap.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny")
     ap.add_argument("--batch-sizes", default="1,8,32,128")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=8)
@@ -131,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         "and quantization) into --out and print the table",
     )
     args = ap.parse_args(argv)
+    if args.quantization and checkpoint_fp8(args.shape):
+        ap.error(f"--shape {args.shape} is an FP8 checkpoint already: no --quantization")
     if args.merge:
         return merge(args.merge, args.out)
     # Generated weights and engine logs are scratch: a tiny model is 0.5 GB, so every run
@@ -148,37 +213,7 @@ def _run(args, work: Path) -> int:
     meta: dict[str, dict] = {}
     failed: list[str] = []
     for name in args.configs.split(","):
-        base, env = CONFIGS[name]
-        spec = {
-            "model": model,
-            "max_model_len": 512,
-            "compilation_config": COMPILATION,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            **extra,
-            **base,
-        }
-        if args.quantization:
-            spec.update(quantization=args.quantization, **FP8_STARTUP_SPEC)
-            env = {**FP8_STARTUP_ENV, **env}
-        if not args.no_bench:
-            spec["bench"] = {
-                "batch_sizes": batches,
-                "output_len": args.output_len,
-                "prompt_len": args.prompt_len,
-            }
-        if args.profile_batch:
-            layers = (QWEN3_30B_A3B if args.shape != "tiny" else qwen3_moe_config(2048))[
-                "num_hidden_layers"
-            ]
-            # The prompts' prefill in one step (batch x prompt_len within the budget), so the
-            # profiled steps past it are decode steps only, not prefill chunks mixed with them.
-            fit = max(1, min(args.prompt_len, args.max_num_batched_tokens // args.profile_batch))
-            spec["profile"] = {
-                "batch": args.profile_batch,
-                "prompt_len": fit,
-                "output_len": 8,
-                "moe_layers": layers,
-            }
+        spec, env = engine_spec(args, name, model, extra)
         try:
             res = runner.run(
                 f"bench-{args.shape}-{name}", spec, env=env, timeout=args.engine_timeout
@@ -211,8 +246,8 @@ def _run(args, work: Path) -> int:
         print(f"{name}: {meta[name]} {results[name]}", flush=True)
         if args.out:  # after each engine, so a cut-short run keeps what it measured
             doc = {"shape": args.shape, "meta": meta, "results": results}
-            if args.quantization:
-                doc["quantization"] = args.quantization
+            if args.quantization or checkpoint_fp8(args.shape):
+                doc["quantization"] = args.quantization or "fp8 (checkpoint)"
                 doc["startup_switches"] = startup_switches()
             args.out.write_text(json.dumps(doc, indent=1))
     if not args.no_bench and all(len(r) == len(batches) for r in results.values()):

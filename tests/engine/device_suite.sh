@@ -16,6 +16,13 @@
 #          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
+#          models-deepseek-v3 models-qwen3-235b-a22b models-llama-4-scout models-mixtral-8x7b
+#          (issue 48's model matrix, tests/engine/test_engine_models_world1.py: LL with graphs
+#          and HT against no EP; models-NAME-ll = the no-EP engines and LL, models-NAME-ht = HT
+#          with -ll's no-EP engines from the engine cache: one call each, models-NAME both)
+#          bench-shape-deepseek-v3 bench-shape-qwen3-235b-a22b (decode throughput at the
+#          published shapes, BENCH_CONFIGS default no_ep,ll_graph; one configuration per call:
+#          BENCH_CONFIGS=no_ep, then ll_graph, then bench_engine.py --merge the two JSON files)
 # `received-rows` = the GPU tests of the LL experts alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations (PROFILE_CONFIGS the
 # profile's, e.g. no_ep,ll_graph; PROFILE_ARGS adds arguments to it,
@@ -86,6 +93,8 @@ for step in "${steps[@]}"; do
       select+=(--ignore tests/engine/test_engine_fp8_world1.py)
       # Speculative decoding (~7 engines, ~100 s each) has its own step too.
       select+=(--ignore tests/engine/test_engine_spec_decode_world1.py)
+      # So has the model matrix (models-*: four engines per architecture).
+      select+=(--ignore tests/engine/test_engine_models_world1.py)
       timeout -k 15 -s INT "$(left)" python3 -m pytest "${dirs[@]}" "${select[@]}" -p no:cacheprovider -rs -s \
         -o addopts="" -q > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "passed|failed|error" "$out/pytest-$step.txt" | tail -3 ;;
@@ -96,6 +105,30 @@ for step in "${steps[@]}"; do
         -k "${ENGINE_K:?ENGINE_K=<pytest -k expression>}" -m "not multigpu" -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "vs no EP|floor|kept from|passed|failed|Error" "$out/pytest-$step.txt" | tail -12 ;;
+    models-*)  # issue 48's model matrix: one architecture's LL and HT cases against no EP
+      part=${step#models-}; sel="low_latency or high_throughput or not_flat"
+      case $part in
+        *-ll) part=${part%-ll}; sel="low_latency or not_flat" ;;
+        *-ht) part=${part%-ht}; sel="high_throughput" ;;
+      esac
+      case $part in  # test_engine_models_world1.GPU_MODELS (gpt-oss-120b: refused at config time)
+        deepseek-v3|qwen3-235b-a22b|llama-4-scout|mixtral-8x7b) ;;
+        *) echo "unknown step $step (models-NAME[-ll|-ht], NAME: deepseek-v3 qwen3-235b-a22b llama-4-scout mixtral-8x7b)"; rc=2; continue ;;
+      esac
+      # -ht reads -ll's no-EP engines from /tmp (keyed by spec and code)
+      export FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models
+      timeout -k 15 -s INT "$(left)" python3 -m pytest tests/engine/test_engine_models_world1.py \
+        -k "$part and ($sel)" -p no:cacheprovider -rs -s -q -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
+      grep -E "floor|vs no EP|logprobs: mean|kept from|passed|failed|Error" "$out/pytest-$step.txt" | tail -12 ;;
+    bench-shape-*)  # decode throughput at a published shape (bench_engine.SHAPES), LL and no EP
+      shape=${step#bench-shape-}; cfg=${BENCH_CONFIGS:-no_ep,ll_graph}; tag=${cfg//,/-}
+      case $shape in
+        deepseek-v3|qwen3-235b-a22b) ;;
+        *) echo "unknown step $step (bench-shape-deepseek-v3 bench-shape-qwen3-235b-a22b)"; rc=2; continue ;;
+      esac
+      python3 tests/engine/bench_engine.py --shape "$shape" --configs "$cfg" \
+        --out "$out/engine_${shape}_$tag.json" 2>&1 \
+        | tee "$out/bench-$shape-$tag.txt" | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1 ;;
     spec-decode|spec-decode-2|spec-decode-4)  # ngram speculation under LL graphs (the pool learns vLLM's captured counts)
       sel=(-k "agree and 2")
       [ "$step" = spec-decode-4 ] && sel=(-k "agree and 4 or v1_runner")
@@ -233,7 +266,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME)"; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -285,6 +285,15 @@ MODELS: dict[str, MatrixModel] = {
 }
 
 
+def moe_layer_count(config: dict[str, Any]) -> int:
+    """MoE layers of a written config: DeepSeek-V3's first `first_k_dense_replace` are
+    dense, Llama-4's MoE layers are listed, the others are MoE in every layer."""
+    layers = config["num_hidden_layers"]
+    if "moe_layers" in config:
+        return len(config["moe_layers"])
+    return layers - config.get("first_k_dense_replace", 0)
+
+
 def write_model(root: Path, name: str) -> str:
     """config.json and a word-level tokenizer of the published vocabulary for `name` under
     root/name (serve it with `--load-format dummy`)."""

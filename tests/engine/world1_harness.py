@@ -23,6 +23,10 @@ same objects a dp=2 engine builds on each rank:
    package's CUDA-graph policy decides as for a dp=2 engine (LL keeps the mode, HT gets
    NONE), logging its reason.
 
+Another, off unless `FLASHINFER_EP_TEST_DUMMY_SCALE=1` (the model-matrix tests, every
+engine of a comparison, EP or not): `--load-format dummy` weights rescaled to a usual
+initialisation (scale_dummy_weights), so that a wrong MoE output moves prompt logprobs.
+
 One more, off unless `FLASHINFER_EP_TEST_DP_EXPECTED_M=1` (a measurement switch):
 vLLM's batched DeepGEMM experts, which without DP metadata hand DeepGEMM `expected_m` =
 the buffer's rows per expert at every forward, get vLLM's DP estimate instead (its
@@ -48,14 +52,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 
 _installed = False
 FAULT_ENV = "FLASHINFER_EP_TEST_FAULT"
 DP_EXPECTED_M_ENV = "FLASHINFER_EP_TEST_DP_EXPECTED_M"
+DUMMY_SCALE_ENV = "FLASHINFER_EP_TEST_DUMMY_SCALE"
 # Every switch above: each changes what an engine computes (engine_runner keys kept
 # results by them).
-SWITCHES = (FAULT_ENV, DP_EXPECTED_M_ENV)
+SWITCHES = (FAULT_ENV, DP_EXPECTED_M_ENV, DUMMY_SCALE_ENV)
 # Switches of earlier versions, whose paths are gone (one path each now, or the package's
 # variable): a copied old command would measure the default silently, so they are refused.
 REMOVED_ENVS = {
@@ -96,6 +102,9 @@ def install() -> None:
     dp_expected_m = os.environ.get(DP_EXPECTED_M_ENV)  # checked before anything is patched
     if dp_expected_m not in (None, "", "0", "1"):
         raise ValueError(f"{DP_EXPECTED_M_ENV}: 0 or 1, got {dp_expected_m!r}")
+    dummy_scale = os.environ.get(DUMMY_SCALE_ENV)
+    if dummy_scale not in (None, "", "0", "1"):
+        raise ValueError(f"{DUMMY_SCALE_ENV}: 0 or 1, got {dummy_scale!r}")
     import vllm_flashinfer_ep
 
     if not vllm_flashinfer_ep.register():
@@ -107,6 +116,8 @@ def install() -> None:
     _maybe_plant_fault()
     if dp_expected_m == "1":
         patch_deep_gemm_expected_m()
+    if dummy_scale == "1":
+        patch_dummy_loader()
     _installed = True
 
 
@@ -277,3 +288,55 @@ def _maybe_plant_fault() -> None:
         return original(self, a1, uniform, topk_ids, *args, **kwargs)
 
     cls.prepare = prepare
+
+
+# vLLM 0.33.0's dummy floats: uniform in +-1e-3 (8-bit floats: +-1), seeded per tensor.
+DUMMY_RANGE, DUMMY_FP8_RANGE = 1e-3, 1.0
+DUMMY_SCALE_TAG = "_flashinfer_ep_test_dummy_scale"
+
+
+def _power_of_two(x: float) -> float:
+    return 2.0 ** round(math.log2(x))
+
+
+def scale_dummy_weights(model) -> None:
+    """vLLM's dummy weights (every float tensor uniform in +-1e-3, norms 1) leave each
+    sublayer's output ~1e-3 of its input: the MoE block would move prompt logprobs by less
+    than 1e-3 nats, under any tolerance. Rescaled here to std 1/sqrt(fan_in) (fan_in: the
+    last dimension, as every vLLM linear, embedding and fused-experts weight is laid out
+    before process_weights_after_loading), so every block's output is of its input's order.
+    FP8 weights keep their dummy codes; their scales (`<name>_scale_inv` or `<name>_scale`)
+    become one power of two, exact under DeepGEMM's E8M0 scales too. 1-D tensors (norms,
+    biases, routing bias) are left as vLLM set them. Deterministic: the same weights in
+    every engine whose parameters have the same shapes (EP at world 1 keeps every expert)."""
+    import torch
+
+    for module in model.modules():
+        params = dict(module.named_parameters(recurse=False))
+        for name, param in params.items():
+            if param.dim() < 2 or not torch.is_floating_point(param) or "scale" in name:
+                continue
+            target = param.shape[-1] ** -0.5
+            if torch.finfo(param.dtype).bits < 16:
+                scale = params.get(f"{name}_scale_inv", params.get(f"{name}_scale"))
+                if scale is not None:
+                    scale.data.fill_(_power_of_two(target * 3**0.5 / DUMMY_FP8_RANGE))
+            else:
+                param.data.mul_(target * 3**0.5 / DUMMY_RANGE)
+
+
+def patch_dummy_loader() -> None:
+    """vLLM's DummyModelLoader.load_weights followed by scale_dummy_weights (before
+    vLLM's process_weights_after_loading, which runs after load_weights)."""
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    original = DummyModelLoader.load_weights
+    if getattr(original, DUMMY_SCALE_TAG, False):
+        return
+
+    def load_weights(self, model, model_config) -> None:
+        original(self, model, model_config)
+        scale_dummy_weights(model)
+
+    setattr(load_weights, DUMMY_SCALE_TAG, True)
+    DummyModelLoader.load_weights = load_weights
