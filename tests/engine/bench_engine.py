@@ -149,7 +149,7 @@ def engine_spec(args, name: str, model: str, extra: dict) -> tuple[dict, dict]:
     return spec, env
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=["tiny", *SHAPES], default="tiny")
     ap.add_argument("--batch-sizes", default="1,8,32,128")
@@ -193,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: join these results files (one engine per device call, same shape "
         "and quantization) into --out and print the table",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.quantization and checkpoint_fp8(args.shape):
         ap.error(f"--shape {args.shape} is an FP8 checkpoint already: no --quantization")

@@ -126,6 +126,11 @@ def _counters(llm: Any) -> dict[str, Any]:
 def _build(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
+    return LLM(**engine_kwargs(spec))
+
+
+def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """`vllm.LLM`'s keyword arguments for a spec (the CPU tests build configs from them)."""
     kwargs: dict[str, Any] = dict(
         model=spec["model"],
         dtype="bfloat16",
@@ -149,7 +154,7 @@ def _build(spec: dict[str, Any]) -> Any:
         kwargs["enable_flashinfer_autotune"] = bool(spec["enable_flashinfer_autotune"])
     if spec.get("backend"):
         kwargs.update(enable_expert_parallel=True, all2all_backend=spec["backend"])
-    return LLM(**kwargs)
+    return kwargs
 
 
 def _prompt_logprobs(llm: Any, sequences: list[list[int]]) -> list[list[float]]:

@@ -99,7 +99,11 @@ def test_harness_changes_nothing_without_ep_or_for_other_backends(harness_result
         assert not r["decided"], name
 
 
-SWITCHES = ("FLASHINFER_EP_TEST_FAULT", "FLASHINFER_EP_TEST_DP_EXPECTED_M")
+SWITCHES = (
+    "FLASHINFER_EP_TEST_FAULT",
+    "FLASHINFER_EP_TEST_DP_EXPECTED_M",
+    "FLASHINFER_EP_TEST_DUMMY_SCALE",
+)
 
 
 def _after_install(name: str, value: str | None, shown: str) -> str:
@@ -283,3 +287,80 @@ def test_a_deep_gemm_apply_of_another_shape_is_refused(harness, monkeypatch):
     monkeypatch.setattr(BatchedDeepGemmExperts, "apply", lambda self, *args, **kwargs: None)
     with pytest.raises(RuntimeError, match="is not vLLM 0.33.0's"):
         harness.patch_deep_gemm_expected_m()
+
+
+DUMMY_LOADER = (
+    "getattr(__import__('vllm.model_executor.model_loader.dummy_loader', fromlist=['x'])"
+    ".DummyModelLoader.load_weights, '_flashinfer_ep_test_dummy_scale', False)"
+)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, "False"), ("", "False"), ("0", "False"), ("1", "True"), ("yes", "error")],
+)
+def test_the_dummy_scale_switch_reaches_vllm_s_dummy_loader(value, expected):
+    """FLASHINFER_EP_TEST_DUMMY_SCALE=1 wraps vLLM's DummyModelLoader.load_weights;
+    unset, empty or 0 leaves vLLM's; anything else is refused by name."""
+    name = "FLASHINFER_EP_TEST_DUMMY_SCALE"
+    got = _after_install(name, value, DUMMY_LOADER)
+    assert got.split()[0] == expected, got
+    if expected == "error":
+        assert name in got
+
+
+def _dummy_model():
+    """A module tree as vLLM's dummy loader leaves it: every float tensor uniform in
+    +-1e-3 (FP8: +-1) from a generator seeded 1234, norms 1, FP8 weights with scales."""
+    import torch
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n, dtype=torch.bfloat16), requires_grad=False)
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            fp8, f32 = torch.float8_e4m3fn, torch.float32
+            self.w13_weight = nn.Parameter(torch.empty(4, 512, 256, dtype=fp8), False)
+            self.w13_weight_scale_inv = nn.Parameter(torch.empty(4, 4, 2, dtype=f32), False)
+            self.w2_weight = nn.Parameter(torch.empty(4, 256, 256, dtype=fp8), False)
+            self.w2_weight_scale_inv = nn.Parameter(torch.empty(4, 2, 2, dtype=f32), False)
+
+    model = nn.Module()
+    model.norm = RMSNorm(256)
+    model.proj = nn.Linear(1024, 256, bias=True, dtype=torch.bfloat16).requires_grad_(False)
+    model.experts = Experts()
+    for name, tensor in model.named_parameters():
+        if "norm" in name:
+            continue
+        g = torch.Generator().manual_seed(1234)
+        r = 1.0 if tensor.dtype == torch.float8_e4m3fn else 1e-3
+        tensor.data.copy_(torch.empty(tensor.shape).uniform_(-r, r, generator=g))
+    return model
+
+
+def test_dummy_weights_are_rescaled_to_their_fan_in(harness):
+    """std 1/sqrt(fan_in) for BF16 weights, FP8 codes kept with a power-of-two scale of the
+    same effect, 1-D tensors (norms, biases) untouched, the same result every time."""
+    import torch
+
+    model, again = _dummy_model(), _dummy_model()
+    fp8_before = model.experts.w13_weight.float().clone()
+    bias = model.proj.bias.clone()
+    harness.scale_dummy_weights(model)
+    harness.scale_dummy_weights(again)
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a.float(), b.float())
+    assert abs(model.proj.weight.float().std().item() * 1024**0.5 - 1) < 0.05
+    assert torch.equal(model.proj.bias, bias) and torch.equal(model.norm.weight, torch.ones(256))
+    assert torch.equal(model.experts.w13_weight.float(), fp8_before)
+    for name, fan_in in (("w13", 256), ("w2", 256)):
+        weight = getattr(model.experts, f"{name}_weight").float()
+        scale = getattr(model.experts, f"{name}_weight_scale_inv")
+        assert torch.all(scale == scale.flatten()[0])  # one value, a power of two
+        assert torch.log2(scale).frac().abs().max() == 0
+        effective = weight.std().item() * scale.flatten()[0].item() * fan_in**0.5
+        assert 0.6 < effective < 1.5, effective
