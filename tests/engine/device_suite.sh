@@ -23,6 +23,8 @@
 #          bench-shape-deepseek-v3 bench-shape-qwen3-235b-a22b (decode throughput at the
 #          published shapes, BENCH_CONFIGS default no_ep,ll_graph; one configuration per call:
 #          BENCH_CONFIGS=no_ep, then ll_graph, then bench_engine.py --merge the two JSON files)
+#          kbench-shapes (the LL transport step at those shapes' MoE layers, for the
+#          transport-bound share of their engine decode step)
 # `received-rows` = the GPU tests of the LL experts alone (a quick first check);
 # BENCH_CONFIGS overrides the engine benchmark's configurations (PROFILE_CONFIGS the
 # profile's, e.g. no_ep,ll_graph; PROFILE_ARGS adds arguments to it,
@@ -239,6 +241,15 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
           --configs "${BENCH_CONFIGS:-no_ep,ll_graph,ll_pooloff}" 2>&1 \
           | tee "$out/bench-$shape.txt" | grep -v "^INFO\|^(EngineCore" | tail -8 || rc=1
       done ;;
+    kbench-shapes)  # LL transport alone at bench_engine's deepseek-v3 and qwen3-235b-a22b shapes
+      # (hidden, experts, top_k, MoE layers as the engines of bench-shape-*), batches 1-128
+      for shape in "7168 256 8 4 deepseek-v3" "4096 128 8 10 qwen3-235b-a22b"; do
+        read -r hidden experts top_k layers name <<< "$shape"
+        vllm-flashinfer-ep bench --hidden "$hidden" --experts "$experts" --top-k "$top_k" \
+          --layers "$layers" --tokens 1,8,32,128 --no-progress --json "$out/bench_world1_$name.json" \
+          > "$out/kbench_$name.txt" 2>&1 || rc=1
+        tail -8 "$out/kbench_$name.txt"
+      done ;;
     kbench)  # transport-level benchmark: package modes vs raw FlashInfer (eager, fresh, graph)
       for hidden in 2048 7168; do
         prof=(); [ "$hidden" = 2048 ] && prof=(--host-profile)  # where the eager host time goes
@@ -266,7 +277,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME kbench-shapes)"; rc=2 ;;
   esac
 done
 exit "$rc"

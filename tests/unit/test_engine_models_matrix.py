@@ -313,3 +313,21 @@ def test_each_bench_shape_fits_an_h100(engine_modules, shape):
     weights = _weight_bytes(bench.SHAPES[shape])
     assert abs(weights / 1e9 - BENCH_GB[shape]) < 0.3, weights / 1e9
     assert weights + (8 << 30) < 0.85 * H100_BYTES
+
+
+def test_kbench_shapes_step_times_the_bench_shapes_transport(engine_modules):
+    """kbench-shapes runs the LL transport at each bench shape's hidden size, experts,
+    top_k and MoE layers: its step is the transport share of that engine's decode step."""
+    from vllm_flashinfer_ep.model_shape import read_shape
+
+    matrix, _, bench = engine_modules
+    text = SUITE.read_text()
+    start = text.index("    kbench-shapes)")
+    line = next(x for x in text[start:].splitlines() if x.strip().startswith("for shape in"))
+    rows = [r.split() for r in re.findall(r'"([^"]+)"', line)]
+    assert [r[4] for r in rows] == list(BENCH_SHAPES)
+    for hidden, experts, top_k, layers, name in rows:
+        config = bench.SHAPES[name]
+        shape = read_shape(config)
+        assert (int(hidden), int(experts), int(top_k)) == shape.ll_fleet_shape()
+        assert int(layers) == matrix.moe_layer_count(config)
