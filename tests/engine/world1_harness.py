@@ -311,11 +311,15 @@ def scale_dummy_weights(model) -> None:
     every engine whose parameters have the same shapes (EP at world 1 keeps every expert)."""
     import torch
 
+    seen: set[int] = set()  # a tensor two modules share is rescaled once
     for module in model.modules():
         params = dict(module.named_parameters(recurse=False))
         for name, param in params.items():
             if param.dim() < 2 or not torch.is_floating_point(param) or "scale" in name:
                 continue
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             target = param.shape[-1] ** -0.5
             if torch.finfo(param.dtype).bits < 16:
                 scale = params.get(f"{name}_scale_inv", params.get(f"{name}_scale"))

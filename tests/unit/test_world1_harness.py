@@ -364,3 +364,18 @@ def test_dummy_weights_are_rescaled_to_their_fan_in(harness):
         assert torch.log2(scale).frac().abs().max() == 0
         effective = weight.std().item() * scale.flatten()[0].item() * fan_in**0.5
         assert 0.6 < effective < 1.5, effective
+
+
+def test_a_tensor_two_modules_share_is_rescaled_once(harness):
+    import torch
+    from torch import nn
+
+    one = nn.Linear(64, 64, bias=False).requires_grad_(False)
+    one.weight.data.fill_(1e-3)
+    model = nn.Module()
+    model.a, model.b = nn.Module(), nn.Module()
+    model.a.proj = model.b.proj = one  # the same module (and tensor) under two parents
+    model.c = nn.Linear(64, 64, bias=False).requires_grad_(False)
+    model.c.weight = one.weight  # the same tensor in another module
+    harness.scale_dummy_weights(model)
+    assert torch.allclose(one.weight, torch.full_like(one.weight, 3**0.5 / 8))
