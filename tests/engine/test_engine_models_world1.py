@@ -121,6 +121,7 @@ def _check_layers(load: dict, name: str, backend: str) -> dict:
     algorithm = "low_latency" if backend == LL else "high_throughput"
     prefix = "FlashInferEPLowLatency" if backend == LL else "FlashInferEPHighThroughput"
     assert load["manager"] == f"{prefix}Manager", load["manager"]
+    assert load["kernels"], load
     assert all(k.startswith(f"{prefix}PrepareAndFinalize+") for k in load["kernels"]), load
     assert load["num_kernels"] == moe_layer_count(config)
     assert load["kernel_runtimes"] == 1
