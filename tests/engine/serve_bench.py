@@ -11,9 +11,10 @@ package's backend, `no_ep` without expert parallelism. `--compilation default` p
 compilation argument at all (vLLM's torch.compile and cudagraph mode); `decode-only` is
 bench_engine.py's FULL_DECODE_ONLY graphs without torch.compile. No step budget is passed
 unless --max-num-batched-tokens says so: each engine runs with what vLLM and the package
-resolve, read back from the worker. For each dataset and concurrency, `vllm bench serve`
-sends the random dataset (fixed lengths, --ignore-eos); the row keeps output tok/s, TTFT
-and TPOT median and p99. After load and after every row the worker's handle counters are
+resolve, read back from the worker. For each dataset, one unmeasured wave at its top
+concurrency first (JIT builds out of the figures), then for each concurrency `vllm bench
+serve` sends the random dataset (fixed lengths, --ignore-eos); the row keeps output
+tok/s, TTFT and TPOT median and p99. After load and after every row the worker's handle counters are
 read through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1, the harness's probe method):
 a row during which any handle was created fails, as does a failed request.
 """
@@ -194,6 +195,8 @@ def problems(doc: dict, log_text: str = "") -> list[str]:
                     found.append(f"{where}: {r.get('failed')} of {r['num_prompts']} failed")
                 if r.get("problem"):
                     found.append(f"{where}: {r['problem']}")
+            if (data.get("warm_wave") or {}).get("problem"):
+                found.append(f"{name} {dataset} warm wave: {data['warm_wave']['problem']}")
     return found + [f"server log: {line}" for line in serve_process.off_the_pool(log_text)]
 
 
@@ -242,26 +245,26 @@ def _run(args, work: Path) -> int:
             }
             print(f"{args.config}: up in {record['startup_seconds']} s: {record['resolved']}")
             out.write_text(json.dumps(doc, indent=1))
-            for dataset in args.datasets:
-                input_len, output_len, levels = DATASETS[dataset]
-                if args.warm_only:  # one wave at the largest concurrency: JIT caches filled
-                    top = max(levels)
-                    levels = {top: top}
-                data = {"input_len": input_len, "output_len": output_len, "rows": {}}
-                record["datasets"][dataset] = data
-                for c, prompts in levels.items():
-                    load = bench_args(input_len, output_len, c, prompts)
-                    data.setdefault("bench_args", {})[str(c)] = load
-                    result = work / f"bench-{dataset}-c{c}.json"
-                    why = _drive(model, port, load, result, deadline, server)
-                    if why:
-                        print(f"PROBLEM {dataset} concurrency {c}: {why}")
-                        return 1
-                    before, last = last, probe(port)  # this row's handles: any fails it
-                    row = check_row(keep(json.loads(result.read_text())), before, last)
+            for dataset, c, prompts, warm in plan(args.datasets, args.warm_only, args.warm_wave):
+                input_len, output_len, _ = DATASETS[dataset]
+                data = record["datasets"].setdefault(
+                    dataset, {"input_len": input_len, "output_len": output_len, "rows": {}}
+                )
+                load = bench_args(input_len, output_len, c, prompts)
+                data.setdefault("bench_args", {})["warm_wave" if warm else str(c)] = load
+                result = work / f"bench-{dataset}-c{c}{'-warm' if warm else ''}.json"
+                why = _drive(model, port, load, result, deadline, server)
+                if why:
+                    print(f"PROBLEM {dataset} concurrency {c}: {why}")
+                    return 1
+                before, last = last, probe(port)  # this wave's handles: any fails it
+                row = check_row(keep(json.loads(result.read_text())), before, last)
+                if warm:
+                    data["warm_wave"] = row
+                else:
                     data["rows"][str(c)] = row
-                    print(f"{args.config} {dataset} c={c}: {row}", flush=True)
-                    out.write_text(json.dumps(doc, indent=1))
+                print(f"{args.config} {dataset} c={c}{' warm' if warm else ''}: {row}", flush=True)
+                out.write_text(json.dumps(doc, indent=1))
     except serve_process.ServerError as exc:
         print(f"PROBLEM {exc}")
         return 1
@@ -269,6 +272,18 @@ def _run(args, work: Path) -> int:
     for line in bad:
         print("PROBLEM", line)
     return 1 if bad else 0
+
+
+def plan(datasets: list[str], warm_only: bool, warm_wave: bool) -> list[tuple]:
+    """(dataset, concurrency, requests, unmeasured) in order: first one unmeasured wave per
+    dataset at its top concurrency (Triton's JIT and vLLM's first steps of each shape
+    out of the figures), then the measured levels unless only warming up."""
+    waves = []
+    if warm_wave or warm_only:
+        waves += [(d, max(DATASETS[d][2]), max(DATASETS[d][2]), True) for d in datasets]
+    if not warm_only:
+        waves += [(d, c, n, False) for d in datasets for c, n in DATASETS[d][2].items()]
+    return waves
 
 
 def _drive(model, port, load, result: Path, deadline: float, server) -> str | None:
@@ -407,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start, read the worker, one wave per dataset at its top concurrency, stop: "
         "fills the compile and JIT caches (its JSON is never merged)",
+    )
+    ap.add_argument(
+        "--no-warm-wave",
+        dest="warm_wave",
+        action="store_false",
+        help="measure without the unmeasured wave per dataset first",
     )
     ap.add_argument(
         "--deadline-s",
