@@ -334,3 +334,33 @@ def test_a_config_and_an_out_or_a_merge():
         serve_bench.main(["--config", "ll"])
     with pytest.raises(SystemExit):
         serve_bench.main(["--config", "ll", "--out", "x", "--datasets", "100x1"])
+
+
+def test_the_harness_probe_is_what_vllm_s_rpc_endpoint_runs_by_name(monkeypatch):
+    """The counters' path on the server: vLLM's dev /collective_rpc route exists, and
+    vLLM's `run_method` finds the harness's method by the name serve_bench posts on a
+    worker wrapper, answering JSON-safe (the package's enums as their values)."""
+    import engine_run
+    import world1_harness
+    from vllm.entrypoints.serve.dev.rpc.api_router import router
+    from vllm.v1.serial_utils import run_method
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from vllm_flashinfer_ep.backends import Algorithm
+
+    assert "/collective_rpc" in {route.path for route in router.routes}
+    name = serve_bench.PROBE_METHOD
+    monkeypatch.setattr(WorkerWrapperBase, name, None, raising=False)  # removed after the test
+    world1_harness._add_worker_probe()
+    seen = []
+
+    def probe(worker):
+        seen.append(worker)
+        return {"runtimes": [{"algorithm": Algorithm.LOW_LATENCY, "counters": {}}]}
+
+    monkeypatch.setattr(engine_run, "worker_probe", probe)
+    wrapper = object.__new__(WorkerWrapperBase)
+    wrapper.worker = "the worker"
+    answer = run_method(wrapper, name, (), {})
+    assert seen == ["the worker"]
+    assert json.dumps(answer) == '{"runtimes": [{"algorithm": "low_latency", "counters": {}}]}'
