@@ -13,7 +13,11 @@
 #          fp8-experts (DeepGEMM experts GPU tests + fp8_experts_probe.py)
 #          vllm-combinations (vLLM's own modular-kernel combination test over the experts classes)
 #          bench-30b-fp8-CONFIG (FP8 engines of bench_engine.CONFIGS, comma-separated: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton, ll_graph_deepgemm_only)
-#          serve-bench-ll serve-bench-noep (vllm bench serve; tests/engine/serve_bench.py --table merges them)
+#          serve-bench-ll serve-bench-noep (issue 46's runs: FULL_DECODE_ONLY, no torch.compile, budget 256, 256/64)
+#          serve-CONFIG-DATASET[-decode-only] (vllm serve + vllm bench serve, one call each; CONFIG noep ll ht,
+#          DATASET 256x64 2048x256 all; vLLM's default compilation unless -decode-only), serve-warm-CONFIG[-decode-only]
+#          (start, one unmeasured wave per dataset, stop: compile and JIT caches for later calls);
+#          tests/engine/serve_bench.py --merge joins their serve_*.json into one file and table
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
 #          models-deepseek-v3 models-qwen3-235b-a22b models-llama-4-scout models-mixtral-8x7b
@@ -199,11 +203,32 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         timeout -k 15 -s INT "$left" python3 -m pytest "${files[@]}" "${sel[@]}" -m multigpu -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-$step.txt" 2>&1 || rc=1
       grep -E "vs no EP|floor|kept from|passed|failed|Error" "$out/pytest-$step.txt" | tail -12 ;;
-    serve-bench-ll|serve-bench-noep)  # vllm serve + vllm bench serve, concurrency 1-128 (one call each)
-      cfg=ll; [ "$step" = serve-bench-noep ] && cfg=no_ep
-      python3 tests/engine/serve_bench.py --config "$cfg" --out "$out/serve_$cfg.json" \
-        --log "$out/elogs/serve-bench-$cfg.log" > "$out/serve-bench-$cfg.txt" 2>&1 || rc=1
-      grep -E "server up|c=|PROBLEM|failed" "$out/serve-bench-$cfg.txt" | cut -c1-300 | tail -12 ;;
+    serve-*)  # vllm serve + vllm bench serve (tests/engine/serve_bench.py), one call each
+      # serve-bench-ll|noep: issue 46's runs (decode-only, 256/64, both at budget 256, no warm wave)
+      extra=(--no-warm-wave --max-num-batched-tokens 256); comp=decode-only; ds=256x64; name=${step#serve-bench-}
+      suffix=_budget256
+      if [ "$step" = "${step#serve-bench-}" ]; then  # serve-[warm-]CONFIG[-DATASET][-decode-only]
+        name=${step#serve-}; extra=(); comp=default; suffix=
+        [ "$name" != "${name%-decode-only}" ] && comp=decode-only && name=${name%-decode-only}
+        if [ "$name" != "${name#warm-}" ]; then name=${name#warm-}; ds=all; extra=(--warm-only)
+        else ds=${name#*-}; name=${name%%-*}; fi
+      fi
+      cfg=$name; [ "$cfg" = noep ] && cfg=no_ep
+      [ "$ds" = all ] && ds=256x64,2048x256
+      tag="${cfg}_${ds//,/_}_$comp$suffix"; [ ${#extra[@]} -gt 0 ] && [ "${extra[0]}" = --warm-only ] && tag="warm_$tag"
+      case "$cfg:$ds" in
+        no_ep:256x64|no_ep:2048x256|no_ep:256x64,2048x256|ll:256x64|ll:2048x256|ll:256x64,2048x256) ;;
+        ht:256x64|ht:2048x256|ht:256x64,2048x256) ;;
+        *) echo "unknown step $step (serve-CONFIG-DATASET: CONFIG noep ll ht, DATASET 256x64 2048x256 all)"; rc=2; continue ;;
+      esac
+      # the model at a fixed path and vLLM's cache on /tmp: a later call's server finds the
+      # compile cache an earlier one (serve-warm-*) filled; stop 550 s after the suite started
+      # (the server's stop then fits the call)
+      VLLM_CACHE_ROOT=/tmp/vllm-cache python3 tests/engine/serve_bench.py --config "$cfg" \
+        --compilation "$comp" --datasets "$ds" --model-dir /tmp/ep-models "${extra[@]}" \
+        --deadline-s "$(( SECONDS < 490 ? 550 - SECONDS : 60 ))" --out "$out/serve_$tag.json" \
+        --log "$out/elogs/serve-$tag.log" > "$out/serve-$tag.txt" 2>&1 || rc=1
+      grep -E "up in|c=|PROBLEM|failed" "$out/serve-$tag.txt" | cut -c1-400 | tail -14 ;;
     fp8-kernels)  # FP8 layers through both backends against vLLM without EP (kernel level)
       python3 -m pytest tests/kernels/test_fp8_join_gpu.py -p no:cacheprovider -rs -s -q \
         -o addopts="" > "$out/pytest-fp8-kernels.txt" 2>&1 || rc=1
@@ -277,7 +302,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME kbench-shapes)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep serve-CONFIG-DATASET serve-warm-CONFIG engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME kbench-shapes)"; rc=2 ;;
   esac
 done
 exit "$rc"

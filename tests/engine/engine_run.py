@@ -40,6 +40,7 @@ def worker_probe(worker: Any) -> dict[str, Any]:
     comp = cfg.compilation_config
     out: dict[str, Any] = {
         "cudagraph_mode": comp.cudagraph_mode.name if comp.cudagraph_mode is not None else None,
+        "compilation_mode": getattr(comp.mode, "name", comp.mode),  # NONE: no torch.compile
         "capture_sizes": sorted(int(s) for s in (comp.cudagraph_capture_sizes or [])),
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "data_parallel_size": cfg.parallel_config.data_parallel_size,

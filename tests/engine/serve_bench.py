@@ -1,18 +1,22 @@
 """`vllm serve` under load, measured with vLLM's own `vllm bench serve` (EP world 1).
 
-    python tests/engine/serve_bench.py --config ll|no_ep --out serve_ll.json [--shape ...]
-    python tests/engine/serve_bench.py --table serve_no_ep.json serve_ll.json
+    python tests/engine/serve_bench.py --config no_ep|ll|ht --compilation default|decode-only
+        --datasets 256x64,2048x256 --out run.json [--model-dir DIR] [--warm-only]
+    python tests/engine/serve_bench.py --merge a.json b.json ... [--out all.json]
 
-One configuration per invocation (an engine start at the 30B shape and four load levels fit
-one 600 s device call): the server runs vLLM's real multi-process layout through the
-world-1 harness (tests/engine/world1_harness.py, loaded by entry point in every process),
-with the same compilation settings as tests/engine/bench_engine.py (FULL_DECODE_ONLY
-graphs, no torch.compile). `ll` serves with --all2all-backend flashinfer_ep_low_latency,
-`no_ep` without expert parallelism. For each concurrency, `vllm bench serve` sends the
-random dataset (fixed input and output lengths, --ignore-eos) and saves vLLM's result
-JSON; this script keeps output tok/s, TTFT and TPOT medians and p99, and the request
-counts. It fails when a request failed, or when the server log shows a handle created
-after load (a per-forward handle or a refusal in capture).
+One configuration per invocation (a 30B-shape server and its load levels fit one 600 s
+device call): the server runs vLLM's real multi-process layout through the world-1 harness
+(tests/engine/world1_harness.py). `ll` / `ht` serve with --enable-expert-parallel and the
+package's backend, `no_ep` without expert parallelism. `--compilation default` passes no
+compilation argument at all (vLLM's torch.compile and cudagraph mode); `decode-only` is
+bench_engine.py's FULL_DECODE_ONLY graphs without torch.compile. No step budget is passed
+unless --max-num-batched-tokens says so: each engine runs with what vLLM and the package
+resolve, read back from the worker. For each dataset, one unmeasured wave at its top
+concurrency first (JIT builds out of the figures), then for each concurrency `vllm bench
+serve` sends the random dataset (fixed lengths, --ignore-eos); the row keeps output
+tok/s, TTFT and TPOT median and p99. After load and after every row the worker's handle counters are
+read through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1, the harness's probe method):
+a row during which any handle was created fails, as does a failed request.
 """
 
 from __future__ import annotations
@@ -33,11 +37,30 @@ import serve_process  # noqa: E402
 from bench_engine import COMPILATION, LL  # noqa: E402 - the engine benchmark's settings
 from engine_models import QWEN3_30B_A3B, write_config_only, write_tiny_model  # noqa: E402
 from engine_runner import engine_env, write_plugin_dist  # noqa: E402
+from world1_harness import PROBE_METHOD  # noqa: E402
 
 from tests.helpers import free_port  # noqa: E402
 
-# requests per concurrency: a few hundred where a step is short enough to afford them
-PROMPTS = {1: 64, 8: 256, 32: 384, 128: 512}
+HT = "flashinfer_ep_high_throughput"
+BACKENDS = {"no_ep": None, "ll": LL, "ht": HT}
+CONFIGS = tuple(BACKENDS)  # the table's column order; no_ep is every ratio's reference
+COMPILATIONS = ("default", "decode-only")
+# input tokens, output tokens, {concurrency: requests}: a few hundred requests where a
+# step is short enough to afford them, fewer for the long prompts
+DATASETS = {
+    "256x64": (256, 64, {1: 64, 8: 256, 32: 384, 128: 512}),
+    "2048x256": (2048, 256, {8: 64, 32: 128}),
+}
+# One length for every dataset and configuration: vLLM's compile-cache key includes it,
+# so a warm-up serves every later run of the same configuration.
+MAX_MODEL_LEN = 4096
+# Every server gets these on top of the harness's environment: the multi-process layout,
+# and the /collective_rpc endpoint the counters are read through (127.0.0.1 only).
+SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "1"}
+BUDGET_SOURCE = (
+    "read from the worker after start (scheduler_config.max_num_batched_tokens, after vLLM's "
+    "and the package's config-time changes), through /collective_rpc"
+)
 KEYS = (
     "completed",
     "failed",
@@ -47,32 +70,50 @@ KEYS = (
     "median_tpot_ms",
     "p99_tpot_ms",
 )
+# The pool's counters that count a handle's creation (runtime/handle_pool.PoolCounters).
+CREATED = ("pooled_created", "fresh_created", "created_during_capture")
 
 
-def serve_command(config: str, model: str, port: int, shape: str, tokens: int) -> list[str]:
-    """Both configurations get the same step budget (`tokens`): under LL vLLM's default is
-    the batched-DP 256 and without EP 8192 on this GPU, which would make LL over no-EP a
-    comparison of prefill chunking, not of the transport."""
-    args = [
-        "--served-model-name",
-        "moe",
-        "--max-model-len",
-        "1024",
-        "--max-num-batched-tokens",
-        str(tokens),
-        "--compilation-config",
-        json.dumps(COMPILATION),
-        "--gpu-memory-utilization",
-        "0.85" if shape != "tiny" else "0.4",
-    ]
+def serve_args(config: str, compilation: str, shape: str, tokens: int | None = None) -> list[str]:
+    """vLLM's arguments after the model and port. `default` adds no compilation, eager or
+    -O argument: what vLLM resolves is read back from the worker, not assumed."""
+    if config not in BACKENDS or compilation not in COMPILATIONS:
+        raise ValueError(f"unknown configuration {config!r} / compilation {compilation!r}")
+    args = ["--served-model-name", "moe", "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--gpu-memory-utilization", "0.85" if shape != "tiny" else "0.4"]
     if shape != "tiny":
         args += ["--load-format", "dummy"]
-    if config == "ll":
-        args += ["--enable-expert-parallel", "--all2all-backend", LL]
-    return serve_process.serve_command(model, port, *args)
+    if tokens is not None:
+        args += ["--max-num-batched-tokens", str(tokens)]
+    if compilation == "decode-only":
+        args += ["--compilation-config", json.dumps(COMPILATION)]
+    if BACKENDS[config]:
+        args += ["--enable-expert-parallel", "--all2all-backend", BACKENDS[config]]
+    return args
 
 
-def bench_command(model: str, port: int, concurrency: int, prompts: int, args, out: Path):
+def bench_args(input_len: int, output_len: int, concurrency: int, prompts: int) -> list[str]:
+    """`vllm bench serve`'s load arguments (recorded per dataset)."""
+    return [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--ignore-eos",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--percentile-metrics",
+        "ttft,tpot",
+        "--metric-percentiles",
+        "50,99",
+    ]
+
+
+def bench_command(model: str, port: int, load: list[str], out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -89,21 +130,7 @@ def bench_command(model: str, port: int, concurrency: int, prompts: int, args, o
         "moe",
         "--tokenizer",
         model,
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(args.input_len),
-        "--random-output-len",
-        str(args.output_len),
-        "--ignore-eos",
-        "--num-prompts",
-        str(prompts),
-        "--max-concurrency",
-        str(concurrency),
-        "--percentile-metrics",
-        "ttft,tpot",
-        "--metric-percentiles",
-        "50,99",
+        *load,
         "--disable-tqdm",
         "--save-result",
         "--result-dir",
@@ -118,119 +145,290 @@ def keep(result: dict) -> dict:
     return {k: result.get(k) for k in KEYS} | {"num_prompts": result.get("num_prompts")}
 
 
-def problems(rows: dict[str, dict], log_text: str) -> list[str]:
-    """Why this run does not count: failed requests, or rounds off the handles of load."""
-    found = [
-        f"concurrency {c}: {r['failed']} of {r['num_prompts']} requests failed"
-        for c, r in rows.items()
-        if r.get("failed") or r.get("completed") != r.get("num_prompts")
-    ]
-    found += [f"server log: {line}" for line in serve_process.off_the_pool(log_text)]
-    return found
+def probe(port: int) -> dict:
+    """The worker's probe (engine_run.worker_probe) through vLLM's /collective_rpc."""
+    return serve_process.post(port, "/collective_rpc", {"method": PROBE_METHOD}, timeout=60)[
+        "results"
+    ][0]
+
+
+def handles(probe_doc: dict) -> dict[str, int]:
+    """Handles created so far, summed over the worker's runtimes (none without EP)."""
+    runtimes = probe_doc.get("runtimes") or []
+    return {k: sum(int(rt["counters"][k]) for rt in runtimes) for k in CREATED}
+
+
+def created_after_load(at_load: dict, now: dict) -> dict[str, int]:
+    """The counters that grew between two probes: a handle made while serving."""
+    a, b = handles(at_load), handles(now)
+    return {k: b[k] - a[k] for k in CREATED if b[k] != a[k]}
+
+
+def check_row(row: dict, before: dict, after: dict) -> dict:
+    """Mark `row` with the handles created during it; any makes it a failed row."""
+    grown = created_after_load(before, after)
+    row["handles_created"] = grown
+    if grown:
+        row["problem"] = f"handles created after load: {grown}"
+    return row
+
+
+def resolved(probe_doc: dict) -> dict:
+    """What the engine runs with, as its worker has it (not as the arguments asked)."""
+    keys = ("compilation_mode", "cudagraph_mode", "capture_sizes", "max_num_batched_tokens")
+    out = {k: probe_doc.get(k) for k in (*keys, "manager", "kernels", "device")}
+    out["pool_sizes"] = [rt["pool_sizes"] for rt in probe_doc.get("runtimes") or []]
+    out["handles_at_load"] = handles(probe_doc)
+    return out
+
+
+def problems(doc: dict, log_text: str = "") -> list[str]:
+    """Why a run does not count: failed requests, handles made after load (its rows'
+    marks), a server log line saying a round ran off the pool."""
+    found = []
+    for run in doc["runs"]:
+        name = f"{run['config']}/{run['compilation']}"
+        for dataset, data in run["datasets"].items():
+            for c, r in data["rows"].items():
+                where = f"{name} {dataset} concurrency {c}"
+                if r.get("failed") or r.get("completed") != r.get("num_prompts"):
+                    found.append(f"{where}: {r.get('failed')} of {r['num_prompts']} failed")
+                if r.get("problem"):
+                    found.append(f"{where}: {r['problem']}")
+            if (data.get("warm_wave") or {}).get("problem"):
+                found.append(f"{name} {dataset} warm wave: {data['warm_wave']['problem']}")
+    return found + [f"server log: {line}" for line in serve_process.off_the_pool(log_text)]
 
 
 def run(args) -> int:
-    """Serve one configuration and drive it at each concurrency; scratch removed after."""
-    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:  # a tiny model is 0.5 GB
+    """Serve one configuration and drive it; scratch removed after (a tiny model is 0.5 GB)."""
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         return _run(args, Path(tmp))
 
 
+def _model(shape: str, root: Path) -> str:
+    if shape == "tiny":
+        return write_tiny_model(root / "tiny-h2048", 2048)
+    return write_config_only(root / "qwen3-30b-a3b-shape", QWEN3_30B_A3B)
+
+
 def _run(args, work: Path) -> int:
-    if args.shape == "tiny":
-        model = write_tiny_model(work / "tiny-h2048", 2048)
-    else:
-        model = write_config_only(work / "qwen3-30b-a3b-shape", QWEN3_30B_A3B)
-    plugin = write_plugin_dist(work / "plugin")
-    env = engine_env(plugin, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    started = time.monotonic()
+    deadline = started + args.deadline_s
+    model = _model(args.shape, Path(args.model_dir) if args.model_dir else work)
+    env = engine_env(write_plugin_dist(work / "plugin"), SERVER_ENV)
     port = args.port or free_port()
     log_path = Path(args.log or work / f"serve-{args.config}.log")
-    rows: dict[str, dict] = {}
-    started = time.monotonic()
-    command = serve_command(args.config, model, port, args.shape, args.max_num_batched_tokens)
-    deadline = started + args.deadline_s
+    vllm_args = serve_args(args.config, args.compilation, args.shape, args.max_num_batched_tokens)
+    record = {
+        "config": args.config,
+        "compilation": args.compilation,
+        "shape": args.shape,
+        "vllm_args": vllm_args,
+        "server_env": SERVER_ENV,
+        "warm_up": args.warm_only,
+        "datasets": {},
+    }
+    doc = {"runs": [record]}
+    out = Path(args.out)
+    command = serve_process.serve_command(model, port, *vllm_args)
     try:
-        with serve_process.served(command, env, log_path, port, args.startup_s) as server:
-            print(f"{args.config}: server up in {time.monotonic() - started:.0f} s", flush=True)
-            for c in args.concurrency:
-                out = work / f"bench-{args.config}-c{c}.json"
-                left = deadline - time.monotonic()
-                try:  # the client with the caller's environment (vLLM's path), not the harness
-                    done = subprocess.run(
-                        bench_command(model, port, c, PROMPTS.get(c, 4 * c), args, out),
-                        env=dict(os.environ),
-                        check=False,
-                        timeout=max(left, 1),
-                    )
-                except subprocess.TimeoutExpired:
-                    print(f"PROBLEM concurrency {c} not done by --deadline-s {args.deadline_s}")
+        startup = max(deadline - time.monotonic(), 1)
+        with serve_process.served(command, env, log_path, port, startup) as server:
+            record["startup_seconds"] = round(time.monotonic() - started, 1)
+            last = at_load = probe(port)
+            record["resolved"] = resolved(at_load)
+            record["budget"] = {
+                "max_num_batched_tokens": at_load["max_num_batched_tokens"],
+                "asked": args.max_num_batched_tokens,  # None: vLLM's / the package's default
+                "source": BUDGET_SOURCE,
+            }
+            print(f"{args.config}: up in {record['startup_seconds']} s: {record['resolved']}")
+            out.write_text(json.dumps(doc, indent=1))
+            for dataset, c, prompts, warm in plan(args.datasets, args.warm_only, args.warm_wave):
+                input_len, output_len, _ = DATASETS[dataset]
+                data = record["datasets"].setdefault(
+                    dataset, {"input_len": input_len, "output_len": output_len, "rows": {}}
+                )
+                load = bench_args(input_len, output_len, c, prompts)
+                data.setdefault("bench_args", {})["warm_wave" if warm else str(c)] = load
+                result = work / f"bench-{dataset}-c{c}{'-warm' if warm else ''}.json"
+                why = _drive(model, port, load, result, deadline, server)
+                if why:
+                    print(f"PROBLEM {dataset} concurrency {c}: {why}")
                     return 1
-                if server.poll() is not None:
-                    print(f"PROBLEM the server exited during concurrency {c}")
-                    return 1
-                if done.returncode != 0 or not out.exists():
-                    code = done.returncode
-                    print(f"PROBLEM vllm bench serve failed at concurrency {c} (exit {code})")
-                    return 1
-                rows[str(c)] = keep(json.loads(out.read_text()))
-                print(f"{args.config} c={c}: {rows[str(c)]}", flush=True)
-                doc = {
-                    "config": args.config,
-                    "shape": args.shape,
-                    "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "rows": rows,
-                }
-                Path(args.out).write_text(json.dumps(doc, indent=1))
+                before, last = last, probe(port)  # this wave's handles: any fails it
+                row = check_row(keep(json.loads(result.read_text())), before, last)
+                if warm:
+                    data["warm_wave"] = row
+                else:
+                    data["rows"][str(c)] = row
+                print(f"{args.config} {dataset} c={c}{' warm' if warm else ''}: {row}", flush=True)
+                out.write_text(json.dumps(doc, indent=1))
     except serve_process.ServerError as exc:
         print(f"PROBLEM {exc}")
         return 1
-    bad = problems(rows, log_path.read_text(errors="replace"))
+    bad = problems(doc, log_path.read_text(errors="replace"))
     for line in bad:
         print("PROBLEM", line)
     return 1 if bad else 0
 
 
-def table(no_ep: dict, ll: dict) -> str:
-    """Markdown: each concurrency's figures for both configurations and LL over no-EP."""
-    head = (
-        "| concurrency | requests | no-EP out tok/s | LL out tok/s | LL / no-EP | "
-        "TTFT med / p99 ms (no-EP) | TTFT med / p99 ms (LL) | "
-        "TPOT med / p99 ms (no-EP) | TPOT med / p99 ms (LL) |"
-    )
-    budget = "max_num_batched_tokens"
-    lines = [f"--max-num-batched-tokens: no EP {no_ep.get(budget)}, LL {ll.get(budget)}", ""]
-    lines += [head, "|" + " --- |" * 9]
-    for c in ll["rows"]:
-        a, b = no_ep["rows"].get(c), ll["rows"][c]
-        if a is None:
-            continue
-        lines.append(
-            f"| {c} | {b['num_prompts']} | {a['output_throughput']:.0f} | "
-            f"{b['output_throughput']:.0f} | {b['output_throughput'] / a['output_throughput']:.2f} | "
-            f"{a['median_ttft_ms']:.1f} / {a['p99_ttft_ms']:.1f} | "
-            f"{b['median_ttft_ms']:.1f} / {b['p99_ttft_ms']:.1f} | "
-            f"{a['median_tpot_ms']:.2f} / {a['p99_tpot_ms']:.2f} | "
-            f"{b['median_tpot_ms']:.2f} / {b['p99_tpot_ms']:.2f} |"
+def plan(datasets: list[str], warm_only: bool, warm_wave: bool) -> list[tuple]:
+    """(dataset, concurrency, requests, unmeasured) in order: first one unmeasured wave per
+    dataset at its top concurrency (Triton's JIT and vLLM's first steps of each shape
+    out of the figures), then the measured levels unless only warming up."""
+    waves = []
+    if warm_wave or warm_only:
+        waves += [(d, max(DATASETS[d][2]), max(DATASETS[d][2]), True) for d in datasets]
+    if not warm_only:
+        waves += [(d, c, n, False) for d in datasets for c, n in DATASETS[d][2].items()]
+    return waves
+
+
+def _drive(model, port, load, result: Path, deadline: float, server) -> str | None:
+    """One `vllm bench serve` with the caller's environment (vLLM's path, not the
+    harness's); why it does not count, or None."""
+    try:
+        done = subprocess.run(
+            bench_command(model, port, load, result),
+            env=dict(os.environ),
+            check=False,
+            timeout=max(deadline - time.monotonic(), 1),
         )
-    return "\n".join(lines)
+    except subprocess.TimeoutExpired:
+        return "not done by --deadline-s"
+    if server.poll() is not None:
+        return "the server exited"
+    if done.returncode != 0 or not result.exists():
+        return f"vllm bench serve failed (exit {done.returncode})"
+    return None
+
+
+def _as_doc(doc: dict) -> dict:
+    """A results file as {"runs": [...]}: files written before --compilation (one
+    configuration, 256/64, FULL_DECODE_ONLY, a fixed step budget) are read as such runs."""
+    if "runs" in doc:
+        return doc
+    run = {
+        "config": doc["config"],
+        "compilation": "decode-only",
+        "shape": doc["shape"],
+        "budget": {"max_num_batched_tokens": doc["max_num_batched_tokens"]},
+        "datasets": {"256x64": {"input_len": 256, "output_len": 64, "rows": doc["rows"]}},
+    }
+    return {"runs": [run], "note": doc.get("note")}
+
+
+def merge(docs: list[dict]) -> dict:
+    """One results file from several runs' files (one shape, one card): a later file's
+    run of the same configuration and compilation replaces its datasets. Warm-ups are
+    left out."""
+    runs: dict[tuple[str, str], dict] = {}
+    notes = []
+    for doc in map(_as_doc, docs):
+        notes += [doc["note"]] if doc.get("note") else []
+        for run in doc["runs"]:
+            if run.get("warm_up"):
+                continue
+            key = (run["config"], run["compilation"])
+            if key in runs:
+                run = {**runs[key], **run, "datasets": {**runs[key]["datasets"], **run["datasets"]}}
+            runs[key] = run
+    shapes = {r["shape"] for r in runs.values()}
+    cards = {r.get("resolved", {}).get("device") for r in runs.values()} - {None}
+    if len(shapes) > 1 or len(cards) > 1:
+        raise ValueError(f"cannot merge runs of shapes {sorted(shapes)} on cards {sorted(cards)}")
+    joined = {"runs": list(runs.values())}
+    return joined | ({"notes": notes} if notes else {})
+
+
+def _ratio(a, b) -> str:
+    return f" ({a / b:.2f})" if a is not None and b else ""
+
+
+def table(doc: dict) -> str:
+    """Markdown per compilation and dataset: each configuration's output tok/s, TPOT
+    median and TTFT p99, EP configurations with their ratio to no EP in brackets, and
+    every run's step budget; a failed row says FAILED instead of figures."""
+    runs = {(r["config"], r["compilation"]): r for r in _as_doc(doc)["runs"]}
+    out = []
+    for comp in COMPILATIONS:
+        names = [c for c in CONFIGS if (c, comp) in runs]
+        datasets = [d for d in DATASETS if any(d in runs[(c, comp)]["datasets"] for c in names)]
+        for dataset in datasets:
+            budgets = ", ".join(
+                f"{c} {runs[(c, comp)].get('budget', {}).get('max_num_batched_tokens')}"
+                for c in names
+            )
+            head = ["concurrency", "requests"]
+            for c in names:
+                head += [f"{c} out tok/s", f"{c} TPOT med ms", f"{c} TTFT p99 ms"]
+            out += [
+                f"{dataset} (input x output tokens), compilation {comp}; "
+                f"--max-num-batched-tokens: {budgets}",
+                "",
+                "| " + " | ".join(head) + " |",
+                "|" + " --- |" * len(head),
+            ]
+            rows = {c: runs[(c, comp)]["datasets"].get(dataset, {}).get("rows", {}) for c in names}
+            levels = sorted({int(k) for r in rows.values() for k in r})
+            for level in levels:
+                got = {c: rows[c].get(str(level)) for c in names}
+                ref = got.get("no_ep") if not (got.get("no_ep") or {}).get("problem") else None
+                prompts = next(r["num_prompts"] for r in got.values() if r)
+                cells = [str(level), str(prompts)]
+                for c in names:
+                    cells += _cells(got[c], ref if c != "no_ep" else None)
+                out.append("| " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out).rstrip()
+
+
+def _cells(row: dict | None, ref: dict | None) -> list[str]:
+    if row is None:
+        return ["-"] * 3
+    if row.get("problem") or row.get("failed"):
+        return ["FAILED: " + (row.get("problem") or f"{row['failed']} requests failed")] * 3
+    ref = ref or {}
+    tps, tpot, ttft = row["output_throughput"], row["median_tpot_ms"], row["p99_ttft_ms"]
+    return [
+        f"{tps:.0f}{_ratio(tps, ref.get('output_throughput'))}",
+        f"{tpot:.2f}{_ratio(tpot, ref.get('median_tpot_ms'))}",
+        f"{ttft:.1f}{_ratio(ttft, ref.get('p99_ttft_ms'))}",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", choices=["ll", "no_ep"])
+    ap.add_argument("--config", choices=CONFIGS)
+    ap.add_argument("--compilation", choices=COMPILATIONS, default="default")
+    ap.add_argument("--datasets", type=lambda s: s.split(","), default=["256x64"])
     ap.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default="qwen3-30b-a3b")
-    ap.add_argument(
-        "--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 128]
-    )
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--port", type=int, default=0, help="default: a free port")
     ap.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=256,
-        help="both configurations' step budget (LL's default under DP+EP)",
+        default=None,
+        help="the step budget to pass (default: none passed; vLLM's and the package's own)",
     )
-    ap.add_argument("--startup-s", type=int, default=300)
+    ap.add_argument(
+        "--model-dir",
+        help="where the config-only model is written (a fixed folder keeps vLLM's compile "
+        "cache valid across device calls; default: a temporary folder)",
+    )
+    ap.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="start, read the worker, one wave per dataset at its top concurrency, stop: "
+        "fills the compile and JIT caches (its JSON is never merged)",
+    )
+    ap.add_argument(
+        "--no-warm-wave",
+        dest="warm_wave",
+        action="store_false",
+        help="measure without the unmeasured wave per dataset first",
+    )
     ap.add_argument(
         "--deadline-s",
         type=int,
@@ -238,15 +436,25 @@ def main(argv: list[str] | None = None) -> int:
         help="stop (and stop the server) this long after start: one 600 s device call",
     )
     ap.add_argument("--log", help="where the server's log goes (default: a temporary folder)")
-    ap.add_argument("--out", help="this configuration's rows as JSON")
-    ap.add_argument("--table", nargs=2, metavar=("NO_EP_JSON", "LL_JSON"))
+    ap.add_argument("--out", help="this run's JSON (with --merge: the joined file)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join runs' files, print tables")
     args = ap.parse_args(argv)
-    if args.table:
-        no_ep, ll = (json.loads(Path(p).read_text()) for p in args.table)
-        print(table(no_ep, ll))
-        return 0
-    if not args.config or not args.out:
-        ap.error("--config and --out are needed (or --table NO_EP_JSON LL_JSON)")
+    if args.merge:
+        try:
+            joined = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        except ValueError as exc:
+            print(exc)
+            return 2
+        if args.out:
+            Path(args.out).write_text(json.dumps(joined, indent=1))
+        print(table(joined))
+        bad = problems(joined)
+        for line in bad:
+            print("PROBLEM", line)
+        return 1 if bad else 0
+    unknown = [d for d in args.datasets if d not in DATASETS]
+    if not args.config or not args.out or unknown:
+        ap.error(f"--config and --out are needed, datasets from {list(DATASETS)} (or --merge)")
     return run(args)
 
 

@@ -34,6 +34,10 @@ formula, `experts.deep_gemm.dp_estimate`, over this rank's tokens as if they wer
 rank's): the tile data parallel ranks pick for the same rows per expert (a dp=2 engine
 at half this batch per rank).
 
+It also gives vLLM's workers one method, `flashinfer_ep_test_probe` (what
+`engine_run.worker_probe` reads), which a server started with VLLM_SERVER_DEV_MODE=1 runs
+through its /collective_rpc endpoint: the serving benchmark reads handle counters that way.
+
 Everything else is the real path: plugin loading through its entry point in every vLLM
 process, config validation, manager construction, fleet bootstrap over the EP group,
 handle pool warm-up from the engine's capture sizes, model load, vLLM's profile run,
@@ -113,6 +117,7 @@ def install() -> None:
     _patch_group_coordinator()
     _patch_fused_moe_parallel_config()
     _patch_splitting_ops()
+    _add_worker_probe()
     _maybe_plant_fault()
     if dp_expected_m == "1":
         patch_deep_gemm_expected_m()
@@ -221,6 +226,26 @@ def _patch_splitting_ops() -> None:
 
     VllmConfig.__post_init__ = __post_init__
     CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
+
+
+PROBE_METHOD = "flashinfer_ep_test_probe"  # the worker method `vllm serve` answers for
+
+
+def _add_worker_probe() -> None:
+    """A worker method `engine_run.worker_probe` behind vLLM's /collective_rpc endpoint
+    (VLLM_SERVER_DEV_MODE=1), which calls workers' methods by name only: a benchmark reads
+    a served engine's handle counters, budget and resolved compilation as the engine tests
+    read an in-process engine's. JSON-safe (enums as strings), for the HTTP answer."""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    def probe(self) -> dict:
+        import json
+
+        from engine_run import worker_probe
+
+        return json.loads(json.dumps(worker_probe(self.worker), default=str))
+
+    setattr(WorkerWrapperBase, PROBE_METHOD, probe)
 
 
 DP_EXPECTED_M_TAG = "_flashinfer_ep_test_dp_expected_m"  # on the harness's methods

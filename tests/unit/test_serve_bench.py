@@ -1,10 +1,12 @@
 """The serving benchmark (tests/engine/serve_bench.py): commands vLLM 0.33.0's own parsers
-accept, the figures kept from vLLM's result JSON, and what makes a run not count."""
+accept (nothing of vLLM's compilation overridden under `default`), the table's figures
+and ratios from recorded runs, the handle counters failing a row, and the merge."""
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 import serve_bench  # noqa: E402
+
+from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY  # noqa: E402
+from vllm_flashinfer_ep.runtime.handle_pool import PoolCounters  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+# Issue 46's recorded runs (H100, decode-only, 256/64, budget 256 for both)
+NO_EP_46 = RESULTS / "serve_world1_qwen3_30b_a3b_no_ep_h100.json"
+LL_46 = RESULTS / "serve_world1_qwen3_30b_a3b_ll_h100.json"
+PROBES = json.loads((Path(__file__).parent / "data" / "serve_probes_ll.json").read_text())
 
 
 def _vllm_parser(which: str):
@@ -27,64 +39,218 @@ def _vllm_parser(which: str):
 
 
 def test_vllm_bench_serve_accepts_the_command():
-    args = argparse.Namespace(input_len=256, output_len=64)
-    cmd = serve_bench.bench_command("/m", 8765, 32, 384, args, Path("/tmp/r/x.json"))
+    load = serve_bench.bench_args(2048, 256, 32, 128)
+    cmd = serve_bench.bench_command("/m", 8765, load, Path("/tmp/r/x.json"))
     assert cmd[2:5] == ["vllm.entrypoints.cli.main", "bench", "serve"]
     parsed = _vllm_parser("bench").parse_args(cmd[5:])
-    assert (parsed.max_concurrency, parsed.num_prompts, parsed.dataset_name) == (32, 384, "random")
-    assert (parsed.random_input_len, parsed.random_output_len, parsed.ignore_eos) == (256, 64, True)
+    assert (parsed.max_concurrency, parsed.num_prompts, parsed.dataset_name) == (32, 128, "random")
+    assert (parsed.random_input_len, parsed.random_output_len, parsed.ignore_eos) == (
+        2048,
+        256,
+        True,
+    )
     assert parsed.save_result and parsed.result_filename == "x.json"
 
 
-@pytest.mark.parametrize("config", ["ll", "no_ep"])
-def test_vllm_serve_accepts_the_command(config):
-    cmd = serve_bench.serve_command(config, "/m", 8765, "qwen3-30b-a3b", 256)
-    assert cmd[2:4] == ["vllm.entrypoints.cli.main", "serve"]
-    parsed = _vllm_parser("serve").parse_args(cmd[5:])
-    assert parsed.load_format == "dummy"
-    assert parsed.max_num_batched_tokens == 256  # the same budget for LL and no EP
-    assert (parsed.all2all_backend == serve_bench.LL) == (config == "ll")
-    assert parsed.enable_expert_parallel == (config == "ll")
+# What each configuration may change against `vllm serve MODEL` with nothing else.
+COMMON = {"served_model_name", "max_model_len", "gpu_memory_utilization", "load_format"}
+EP = {"enable_expert_parallel", "all2all_backend"}
 
 
-def _row(failed=0, completed=64, prompts=64, tput=100.0):
+@pytest.mark.parametrize("compilation", serve_bench.COMPILATIONS)
+@pytest.mark.parametrize("config", serve_bench.CONFIGS)
+def test_vllm_serve_gets_only_what_the_configuration_names(config, compilation):
+    """Every argument vLLM's serve parser reads differently from `vllm serve MODEL` alone:
+    under `default` nothing about compilation, graphs, eager mode or the step budget."""
+    parser = _vllm_parser("serve")
+    bare = vars(parser.parse_args(["/m"]))
+    args = serve_bench.serve_args(config, compilation, "qwen3-30b-a3b")
+    cmd = serve_bench.serve_process.serve_command("/m", 8765, *args)
+    assert cmd[3:5] == ["serve", "/m"]
+    parsed = vars(parser.parse_args(cmd[4:]))
+    changed = {k for k in parsed if parsed[k] != bare.get(k)} - {"host", "port"}
+    expected = COMMON | (EP if config != "no_ep" else set())
+    if compilation == "decode-only":
+        expected |= {"compilation_config"}
+        comp = parsed["compilation_config"]
+        assert comp.cudagraph_mode.name == "FULL_DECODE_ONLY" and int(comp.mode) == 0
+    assert changed == expected
+    backend = {"no_ep": None, "ll": LOW_LATENCY, "ht": HIGH_THROUGHPUT}[config]
+    assert parsed["all2all_backend"] == (backend or bare["all2all_backend"])
+    assert parsed["max_model_len"] == serve_bench.MAX_MODEL_LEN >= 2048 + 256
+
+
+def test_a_budget_is_passed_only_when_asked():
+    args = serve_bench.serve_args("ll", "default", "qwen3-30b-a3b", 256)
+    parsed = _vllm_parser("serve").parse_args(["/m", *args])
+    assert parsed.max_num_batched_tokens == 256
+    with pytest.raises(ValueError):
+        serve_bench.serve_args("deepep", "default", "qwen3-30b-a3b")
+
+
+def test_warm_waves_come_first_and_alone_under_warm_only():
+    both = ["256x64", "2048x256"]
+    waves = serve_bench.plan(both, warm_only=False, warm_wave=True)
+    assert waves[:2] == [("256x64", 128, 128, True), ("2048x256", 32, 32, True)]
+    assert [(d, c) for d, c, _, w in waves if not w] == [
+        ("256x64", 1),
+        ("256x64", 8),
+        ("256x64", 32),
+        ("256x64", 128),
+        ("2048x256", 8),
+        ("2048x256", 32),
+    ]
+    assert serve_bench.plan(both, warm_only=True, warm_wave=False) == waves[:2]
+    assert all(not w for *_, w in serve_bench.plan(["256x64"], False, False))
+
+
+# --------------------------------------------------------------------------- table
+
+
+def test_the_table_of_recorded_runs_gives_the_published_figures():
+    """Issue 46's two recorded files merged and tabled: the cells docs/benchmarks.md
+    published from them (LL / no EP 0.72 / 0.84 / 0.87 / 0.56), and the TPOT and TTFT
+    ratios computed here from its figures (6.61 / 4.93, 184.4 / 97.8)."""
+    doc = serve_bench.merge([json.loads(p.read_text()) for p in (NO_EP_46, LL_46)])
+    text = serve_bench.table(doc)
+    assert "256x64 (input x output tokens), compilation decode-only" in text
+    assert "--max-num-batched-tokens: no_ep 256, ll 256" in text
+    assert "| 1 | 64 | 165 | 4.93 | 97.8 | 120 (0.72) | 6.61 (1.34) | 184.4 (1.89) |" in text
+    for level, ratio in (("8", "0.84"), ("32", "0.87"), ("128", "0.56")):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {level} |"))
+        assert row.split(" | ")[5].endswith(f"({ratio})")
+    assert (
+        "| 128 | 512 | 837 | 58.76 | 9865.1 | 467 (0.56) | 111.98 (1.91) | 16110.7 (1.63) |" in text
+    )
+
+
+def _run(config, compilation="default", device="NVIDIA H100 80GB HBM3", budget=8192, **rows):
     return {
-        "completed": completed,
+        "config": config,
+        "compilation": compilation,
+        "shape": "qwen3-30b-a3b",
+        "resolved": {"device": device},
+        "budget": {"max_num_batched_tokens": budget},
+        "datasets": {d: {"input_len": 0, "output_len": 0, "rows": r} for d, r in rows.items() if r},
+    }
+
+
+def _row(tput=100.0, tpot=5.0, ttft=20.0, prompts=64, failed=0, **extra):
+    return {
+        "completed": prompts - failed,
         "failed": failed,
         "num_prompts": prompts,
         "output_throughput": tput,
         "median_ttft_ms": 10.0,
-        "p99_ttft_ms": 20.0,
-        "median_tpot_ms": 5.0,
+        "p99_ttft_ms": ttft,
+        "median_tpot_ms": tpot,
         "p99_tpot_ms": 6.0,
+        **extra,
     }
 
 
-def test_a_run_counts_only_with_every_request_served_on_handles_made_at_load():
-    assert serve_bench.problems({"1": _row()}, "INFO all fine\n") == []
-    assert "1 of 64 requests failed" in serve_bench.problems({"1": _row(failed=1)}, "")[0]
-    assert serve_bench.problems({"8": _row(completed=63)}, "")  # one missing
+def test_every_config_s_ratios_are_to_no_ep_and_every_budget_is_named():
+    doc = {
+        "runs": [
+            _run("ht", **{"2048x256": {"8": _row(tput=90.0, tpot=5.5, ttft=23.0)}}),
+            _run("no_ep", **{"2048x256": {"8": _row(tput=100.0, tpot=5.0, ttft=20.0)}}),
+            _run("ll", budget=256, **{"2048x256": {"8": _row(tput=80.0, tpot=6.0, ttft=30.0)}}),
+        ]
+    }
+    text = serve_bench.table(doc)
+    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ht 8192" in text
+    assert (
+        "| 8 | 64 | 100 | 5.00 | 20.0 | 80 (0.80) | 6.00 (1.20) | 30.0 (1.50) "
+        "| 90 (0.90) | 5.50 (1.10) | 23.0 (1.15) |"
+    ) in text
+
+
+# ------------------------------------------------------------------------ counters
+
+
+def test_the_fixture_counters_are_the_pool_s():
+    names = {f.name for f in fields(PoolCounters)}
+    for key in ("at_load", "after_pooled_row", "after_fresh_row"):
+        assert set(PROBES[key]["runtimes"][0]["counters"]) == names
+    assert set(serve_bench.CREATED) <= names
+
+
+def test_a_row_served_on_the_pool_passes_and_one_with_a_new_handle_fails():
+    clean = serve_bench.check_row(_row(), PROBES["at_load"], PROBES["after_pooled_row"])
+    assert clean["handles_created"] == {} and "problem" not in clean
+    bad = serve_bench.check_row(_row(), PROBES["after_pooled_row"], PROBES["after_fresh_row"])
+    assert bad["handles_created"] == {"fresh_created": 1}
+    assert "handles created after load" in bad["problem"]
+    doc = {"runs": [_run("ll", **{"256x64": {"8": bad}})]}
+    assert serve_bench.problems(doc) == [
+        "ll/default 256x64 concurrency 8: handles created after load: {'fresh_created': 1}"
+    ]
+    assert "FAILED: handles created after load" in serve_bench.table(doc)
+
+
+def test_no_ep_has_no_handles_and_the_resolved_settings_are_the_worker_s():
+    no_ep = PROBES["at_load"] | {"runtimes": [], "manager": None}
+    assert serve_bench.handles(no_ep) == {k: 0 for k in serve_bench.CREATED}
+    got = serve_bench.resolved(PROBES["at_load"])
+    assert (got["compilation_mode"], got["cudagraph_mode"]) == (
+        "VLLM_COMPILE",
+        "FULL_AND_PIECEWISE",
+    )
+    assert got["max_num_batched_tokens"] == 256 and got["handles_at_load"]["pooled_created"] == 9
+
+
+def test_failed_requests_and_log_lines_make_a_run_not_count():
+    doc = {"runs": [_run("no_ep", **{"256x64": {"1": _row(failed=1)}})]}
+    assert "1 of 64 failed" in serve_bench.problems(doc)[0]
     log = "INFO flashinfer_ep: a round of 300 tokens runs on a per-forward handle: ...\n"
-    assert serve_bench.problems({"1": _row()}, log) == [f"server log: {log.strip()}"]
+    ok = {"runs": [_run("ll", **{"256x64": {"1": _row()}})]}
+    assert serve_bench.problems(ok, log) == [f"server log: {log.strip()}"]
 
 
-def test_kept_figures_and_the_table():
-    result = _row() | {"itl": [1, 2], "errors": [""]}
-    assert serve_bench.keep(result) == _row()
-    text = serve_bench.table({"rows": {"1": _row(tput=200.0)}}, {"rows": {"1": _row(tput=150.0)}})
-    assert "| 1 | 64 | 200 | 150 | 0.75 | 10.0 / 20.0 |" in text
+# --------------------------------------------------------------------------- merge
 
 
-def test_either_a_config_or_a_table():
-    with pytest.raises(SystemExit):
-        serve_bench.main(["--config", "ll"])
+def test_merge_joins_runs_later_files_win_and_warm_ups_stay_out():
+    first = {"runs": [_run("ll", **{"256x64": {"1": _row(tput=1.0)}})]}
+    second = {"runs": [_run("ll", **{"256x64": {"1": _row(tput=2.0)}, "2048x256": {"8": _row()}})]}
+    warm = {"runs": [_run("no_ep", **{"256x64": {"1": _row()}}) | {"warm_up": True}]}
+    joined = serve_bench.merge([first, json.loads(LL_46.read_text()), second, warm])
+    keys = [(r["config"], r["compilation"]) for r in joined["runs"]]
+    assert keys == [("ll", "default"), ("ll", "decode-only")]
+    ll = joined["runs"][0]["datasets"]
+    assert ll["256x64"]["rows"]["1"]["output_throughput"] == 2.0 and "8" in ll["2048x256"]["rows"]
+    assert joined["notes"] and "late session" in joined["notes"][0]
 
 
-def _stand_ins(monkeypatch, results: dict, seen_env: list, server_exits_at: int | None = None):
-    """A server that is always up (unless it exits after `server_exits_at` benches) and a
-    `vllm bench serve` that writes vLLM's result JSON with `results`."""
+def test_merge_keeps_a_run_s_other_dataset():
+    a = {"runs": [_run("ht", **{"256x64": {"1": _row()}})]}
+    b = {"runs": [_run("ht", **{"2048x256": {"8": _row()}})]}
+    got = serve_bench.merge([a, b])["runs"][0]["datasets"]
+    assert set(got) == {"256x64", "2048x256"}
+
+
+def test_merge_refuses_two_cards():
+    a = {"runs": [_run("ll", **{"256x64": {"1": _row()}})]}
+    b = {"runs": [_run("no_ep", device="NVIDIA H200", **{"256x64": {"1": _row()}})]}
+    with pytest.raises(ValueError, match="cards"):
+        serve_bench.merge([a, b])
+
+
+def test_merge_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "all.json"
+    rc = serve_bench.main(["--merge", str(NO_EP_46), str(LL_46), "--out", str(out)])
+    assert rc == 0
+    assert "120 (0.72)" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["runs"]) == 2
+
+
+# --------------------------------------------------------------- a run on stand-ins
+
+
+def _stand_ins(monkeypatch, probes: list[dict], server_exits_at: int | None = None):
+    """A server that is always up (unless it exits after `server_exits_at` benches), a
+    `vllm bench serve` that writes a result JSON, and the worker's answers in turn."""
     import contextlib
-    import json as json_
 
     class Proc:
         benches = 0
@@ -96,61 +262,105 @@ def _stand_ins(monkeypatch, results: dict, seen_env: list, server_exits_at: int 
 
     @contextlib.contextmanager
     def served(command, env, log_path, port, startup_s):
+        served.env = env
         Path(log_path).write_text("INFO ready\n")
         yield Proc()
 
     def bench(cmd, env, check, timeout):
-        seen_env.append(env)
         Proc.benches += 1
+        bench.envs.append(env)
         folder = cmd[cmd.index("--result-dir") + 1]
         name = cmd[cmd.index("--result-filename") + 1]
-        (Path(folder) / name).write_text(json_.dumps(results))
+        prompts = int(cmd[cmd.index("--num-prompts") + 1])
+        (Path(folder) / name).write_text(json.dumps(_row(prompts=prompts) | {"itl": [1]}))
         return type("Done", (), {"returncode": 0})()
 
+    bench.envs = []
+    answers = iter(probes)
     monkeypatch.setattr(serve_bench.serve_process, "served", served)
     monkeypatch.setattr(serve_bench.subprocess, "run", bench)
+    monkeypatch.setattr(serve_bench, "probe", lambda port: next(answers))
+    return served, bench
 
 
-def test_a_run_writes_every_concurrency_with_the_caller_s_environment(
-    tmp_path, monkeypatch, capsys
-):
-    """The whole run on stand-ins: the client gets the caller's environment (vLLM's path
-    on the device is PYTHONPATH), the JSON holds each concurrency and the step budget."""
-    import json as json_
+def _main(tmp_path, monkeypatch, *argv):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(exist_ok=True)
+    monkeypatch.setattr(serve_bench.tempfile, "tempdir", str(scratch))
+    monkeypatch.setitem(serve_bench.DATASETS, "256x64", (256, 64, {1: 4, 8: 8}))
+    out = tmp_path / "run.json"
+    args = ["--shape", "tiny", "--out", str(out), *argv]
+    return serve_bench.main(args), out, scratch
+
+
+def test_a_run_records_the_worker_s_budget_and_each_row(tmp_path, monkeypatch, capsys):
     import os
 
-    seen: list = []
-    _stand_ins(monkeypatch, _row(prompts=64) | {"num_prompts": 64}, seen)
+    p = PROBES
+    served, bench = _stand_ins(monkeypatch, [p["at_load"]] * 4)
     monkeypatch.setenv("PYTHONPATH", "/where/vllm/lives")
-    monkeypatch.setattr(serve_bench, "PROMPTS", {1: 64, 8: 64})
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    monkeypatch.setattr(serve_bench.tempfile, "tempdir", str(scratch))
-    out = tmp_path / "ll.json"
-    rc = serve_bench.main(
-        ["--config", "ll", "--shape", "tiny", "--concurrency", "1,8", "--out", str(out)]
-    )
+    rc, out, scratch = _main(tmp_path, monkeypatch, "--config", "ll")
     assert rc == 0, capsys.readouterr().out
     assert list(scratch.iterdir()) == []  # the 0.5 GB tiny model is not left behind
-    doc = json_.loads(out.read_text())
-    assert list(doc["rows"]) == ["1", "8"] and doc["max_num_batched_tokens"] == 256
-    assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in seen)
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["budget"]["max_num_batched_tokens"] == 256 and run["budget"]["asked"] is None
+    assert run["resolved"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    data = run["datasets"]["256x64"]
+    assert list(data["rows"]) == ["1", "8"] and data["warm_wave"]["num_prompts"] == 8
+    assert served.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in bench.envs)
+
+
+def test_a_handle_made_while_serving_fails_its_row_and_the_run(tmp_path, monkeypatch, capsys):
+    p = PROBES
+    probes = [p["at_load"], p["at_load"], p["after_pooled_row"], p["after_fresh_row"]]
+    _stand_ins(monkeypatch, probes)
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", "ll")
+    assert rc == 1
+    rows = json.loads(out.read_text())["runs"][0]["datasets"]["256x64"]["rows"]
+    assert "problem" not in rows["1"] and rows["8"]["handles_created"] == {"fresh_created": 1}
+    assert "PROBLEM ll/default 256x64 concurrency 8: handles created" in capsys.readouterr().out
 
 
 def test_a_server_that_dies_mid_run_is_a_problem(tmp_path, monkeypatch, capsys):
-    seen: list = []
-    _stand_ins(monkeypatch, _row(), seen, server_exits_at=1)
-    rc = serve_bench.main(
-        [
-            "--config",
-            "no_ep",
-            "--shape",
-            "tiny",
-            "--concurrency",
-            "1,8",
-            "--out",
-            str(tmp_path / "x"),
-        ]
-    )
+    _stand_ins(monkeypatch, [PROBES["at_load"]] * 4, server_exits_at=1)
+    rc, _, _ = _main(tmp_path, monkeypatch, "--config", "no_ep")
     assert rc == 1
-    assert "PROBLEM the server exited during concurrency 1" in capsys.readouterr().out
+    assert "PROBLEM 256x64 concurrency 8: the server exited" in capsys.readouterr().out
+
+
+def test_a_config_and_an_out_or_a_merge():
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--config", "ll"])
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--config", "ll", "--out", "x", "--datasets", "100x1"])
+
+
+def test_the_harness_probe_is_what_vllm_s_rpc_endpoint_runs_by_name(monkeypatch):
+    """The counters' path on the server: vLLM's dev /collective_rpc route exists, and
+    vLLM's `run_method` finds the harness's method by the name serve_bench posts on a
+    worker wrapper, answering JSON-safe (the package's enums as their values)."""
+    import engine_run
+    import world1_harness
+    from vllm.entrypoints.serve.dev.rpc.api_router import router
+    from vllm.v1.serial_utils import run_method
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from vllm_flashinfer_ep.backends import Algorithm
+
+    assert "/collective_rpc" in {route.path for route in router.routes}
+    name = serve_bench.PROBE_METHOD
+    monkeypatch.setattr(WorkerWrapperBase, name, None, raising=False)  # removed after the test
+    world1_harness._add_worker_probe()
+    seen = []
+
+    def probe(worker):
+        seen.append(worker)
+        return {"runtimes": [{"algorithm": Algorithm.LOW_LATENCY, "counters": {}}]}
+
+    monkeypatch.setattr(engine_run, "worker_probe", probe)
+    wrapper = object.__new__(WorkerWrapperBase)
+    wrapper.worker = "the worker"
+    answer = run_method(wrapper, name, (), {})
+    assert seen == ["the worker"]
+    assert json.dumps(answer) == '{"runtimes": [{"algorithm": "low_latency", "counters": {}}]}'

@@ -33,21 +33,7 @@ def buffers_reason(out: torch.Tensor, x: torch.Tensor) -> str | None:
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, blocks: RowBlocks) -> None:
     """out[row] = silu(x[row, :d]) * x[row, d:] for the received rows; others untouched."""
-    if triton is None:
-        raise RuntimeError("silu_and_mul needs Triton")
-    reason = buffers_reason(out, x)
-    if reason is not None:
-        raise ValueError(f"silu_and_mul: {reason}")
-    rows, d = out.shape
-    num_blocks = blocks.expert_ids.numel()
-    if num_blocks == 0 or d == 0:
-        return
-    block_m = blocks.block_m
-    block_n = max(16, min(triton.next_power_of_2(d), TILE // block_m))
-    grid = (num_blocks, triton.cdiv(d, block_n))
-    _silu_and_mul_kernel[grid](
-        x, out, blocks.sorted_ids, blocks.blocks_rows, rows, d, BLOCK_M=block_m, BLOCK_N=block_n
-    )
+    _launch("silu_and_mul", out, x, blocks)
 
 
 def swiglu_oai(
@@ -56,27 +42,31 @@ def swiglu_oai(
     """out[row, j] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
     g = min(gate, limit), gate = x[row, 2j], up = x[row, 2j + 1], for the received rows;
     others untouched."""
+    _launch("swiglu_oai", out, x, blocks, float(alpha), float(limit))
+
+
+def _launch(name: str, out: torch.Tensor, x: torch.Tensor, blocks: RowBlocks, *scalars) -> None:
+    """One program per (block of received rows, column tile) of activation `name`."""
     if triton is None:
-        raise RuntimeError("swiglu_oai needs Triton")
+        raise RuntimeError(f"{name} needs Triton")
     reason = buffers_reason(out, x)
     if reason is not None:
-        raise ValueError(f"swiglu_oai: {reason}")
+        raise ValueError(f"{name}: {reason}")
     rows, d = out.shape
     num_blocks = blocks.expert_ids.numel()
     if num_blocks == 0 or d == 0:
         return
     block_m = blocks.block_m
     block_n = max(16, min(triton.next_power_of_2(d), TILE // block_m))
-    grid = (num_blocks, triton.cdiv(d, block_n))
-    _swiglu_oai_kernel[grid](
+    kernel = {"silu_and_mul": _silu_and_mul_kernel, "swiglu_oai": _swiglu_oai_kernel}[name]
+    kernel[(num_blocks, triton.cdiv(d, block_n))](
         x,
         out,
         blocks.sorted_ids,
         blocks.blocks_rows,
         rows,
         d,
-        float(alpha),
-        float(limit),
+        *scalars,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
     )
