@@ -298,3 +298,25 @@ def write_model(root: Path, name: str) -> str:
     """config.json and a word-level tokenizer of the published vocabulary for `name` under
     root/name (serve it with `--load-format dummy`)."""
     return write_config_only(Path(root) / name, MODELS[name].writer())
+
+
+def config_verdict(make_config: Callable[[], Any]) -> dict[str, Any]:
+    """What the config-time matrix records of one engine config `make_config` builds: the
+    refusal's words, or what the plugin decided (quantization, budget, experts, graphs)."""
+    from vllm_flashinfer_ep.doctor.engine_config import refusal_text
+    from vllm_flashinfer_ep.vllm import cudagraph_policy
+
+    cudagraph_policy.LAST_DECISION = None
+    try:
+        cfg = make_config()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the engine config
+        return {"accepted": False, "error": type(exc).__name__, "message": refusal_text(exc)}
+    return {
+        "accepted": True,
+        "quantization": cfg.model_config.quantization,
+        "load_format": cfg.load_config.load_format,
+        "use_all2all": cfg.parallel_config.use_all2all,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "moe_backend": cfg.kernel_config.moe_backend,
+        "cudagraphs": getattr(cudagraph_policy.LAST_DECISION, "reason", None),
+    }

@@ -132,8 +132,8 @@ from engine_run import engine_kwargs
 from vllm import EngineArgs
 from vllm.config import CompilationConfig
 from vllm.usage.usage_lib import UsageContext
-from vllm_flashinfer_ep.doctor.engine_config import refusal_text
-from vllm_flashinfer_ep.vllm import config_rules, cudagraph_policy
+from model_matrix import config_verdict
+from vllm_flashinfer_ep.vllm import config_rules
 
 work = Path(sys.argv[1])
 config_rules.device_memory_bytes = lambda: int(sys.argv[2])
@@ -141,23 +141,12 @@ logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
 def build(spec):
-    cudagraph_policy.LAST_DECISION = None
     kwargs = engine_kwargs(spec)
     if isinstance(kwargs.get("compilation_config"), dict):  # as vllm.LLM converts it
         kwargs["compilation_config"] = CompilationConfig(**kwargs["compilation_config"])
-    try:
-        cfg = EngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.LLM_CLASS)
-    except Exception as exc:
-        return {"accepted": False, "error": type(exc).__name__, "message": refusal_text(exc)}
-    return {
-        "accepted": True,
-        "quantization": cfg.model_config.quantization,
-        "load_format": cfg.load_config.load_format,
-        "use_all2all": cfg.parallel_config.use_all2all,
-        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-        "moe_backend": cfg.kernel_config.moe_backend,
-        "cudagraphs": getattr(cudagraph_policy.LAST_DECISION, "reason", None),
-    }
+    return config_verdict(
+        lambda: EngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    )
 
 
 result = {}

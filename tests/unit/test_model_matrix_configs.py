@@ -49,33 +49,24 @@ import vllm
 from vllm.entrypoints.common.cli_args import validate_parsed_serve_args
 from vllm.usage.usage_lib import UsageContext
 from engine_models import write_config_only
-from model_matrix import MODELS, llama4_scout, write_model
-from vllm_flashinfer_ep.doctor.engine_config import parse_serve_args, refusal_text
-from vllm_flashinfer_ep.vllm import config_rules, cudagraph_policy
+from model_matrix import MODELS, config_verdict, llama4_scout, write_model
+from vllm_flashinfer_ep.doctor.engine_config import parse_serve_args
+from vllm_flashinfer_ep.vllm import config_rules
 
 config_rules.device_memory_bytes = lambda: int(sys.argv[3])
 logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
 def build(path, args):
-    cudagraph_policy.LAST_DECISION = None
-    try:
+    def make():
         parsed = parse_serve_args(path, [*args, "--load-format", "dummy"])
         validate_parsed_serve_args(parsed)
         parsed.model = parsed.model_tag
-        cfg = vllm.AsyncEngineArgs.from_cli_args(parsed).create_engine_config(
+        return vllm.AsyncEngineArgs.from_cli_args(parsed).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER, headless=bool(parsed.headless)
         )
-    except Exception as exc:
-        return {"accepted": False, "error": type(exc).__name__, "message": refusal_text(exc)}
-    return {
-        "accepted": True,
-        "quantization": cfg.model_config.quantization,
-        "use_all2all": cfg.parallel_config.use_all2all,
-        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-        "moe_backend": cfg.kernel_config.moe_backend,
-        "cudagraphs": getattr(cudagraph_policy.LAST_DECISION, "reason", None),
-    }
+
+    return config_verdict(make)
 
 
 result = {}
