@@ -177,6 +177,15 @@ def gpt_oss_120b(layers: int = 2) -> dict[str, Any]:
     }
 
 
+def gpt_oss_120b_bf16(layers: int = 2) -> dict[str, Any]:
+    """gpt-oss-120b's config with BF16 experts (a dequantized checkpoint: no
+    quantization_config): the expert biases and clamped SwiGLU through the package's
+    experts, hidden 2880 padded to 4096 under LL."""
+    config = gpt_oss_120b(layers)
+    del config["quantization_config"]
+    return {**config, "torch_dtype": "bfloat16"}
+
+
 # Llama-4-Scout's no_rope_layers: every fourth layer has RoPE (0), the rest none (1).
 SCOUT_NO_ROPE = [1, 1, 1, 0]
 
@@ -280,6 +289,7 @@ MODELS: dict[str, MatrixModel] = {
     "deepseek-v3": MatrixModel(deepseek_v3, "fp8"),
     "qwen3-235b-a22b": MatrixModel(qwen3_235b_a22b, None),
     "gpt-oss-120b": MatrixModel(gpt_oss_120b, "mxfp4"),
+    "gpt-oss-120b-bf16": MatrixModel(gpt_oss_120b_bf16, None),
     "llama-4-scout": MatrixModel(llama4_scout, None),
     "mixtral-8x7b": MatrixModel(mixtral_8x7b, None),
 }

@@ -324,6 +324,36 @@ def _power_of_two(x: float) -> float:
     return 2.0 ** round(math.log2(x))
 
 
+def unpad_dummy_experts(model) -> dict[int, int]:
+    """LL pads a hidden size NCCL-EP lacks (gpt-oss: 2880 to 4096), and vLLM's dummy loader
+    draws other values for the wider expert tensors than for the engine without EP's. Each
+    padded one gets what vLLM draws at the model's hidden size in its leading columns and
+    zeros after them, as the padded_expert_load patch loads a checkpoint. Returns the
+    fan-in of those whose last dimension is the padded one ({id(param): hidden})."""
+    import torch
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    from vllm_flashinfer_ep.vllm.patches.worker import PADDED_EXPERT_DIMS
+
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    fan_ins: dict[int, int] = {}
+    if hidden is None:
+        return fan_ins
+    for name, param in model.named_parameters():
+        dim = PADDED_EXPERT_DIMS.get(name.rsplit(".", 1)[-1])
+        if dim is None or param.dim() <= dim or param.shape[dim] <= hidden:
+            continue
+        shape = list(param.shape)
+        shape[dim] = hidden
+        drawn = torch.empty(shape, dtype=param.dtype, device=param.device)
+        initialize_single_dummy_weight(drawn, name=name)
+        param.data.zero_()
+        param.data.narrow(dim, 0, hidden).copy_(drawn)
+        if dim == param.dim() - 1:
+            fan_ins[id(param)] = hidden
+    return fan_ins
+
+
 def scale_dummy_weights(model) -> None:
     """vLLM's dummy weights (every float tensor uniform in +-1e-3, norms 1) leave each
     sublayer's output ~1e-3 of its input: the MoE block would move prompt logprobs by less
@@ -336,6 +366,7 @@ def scale_dummy_weights(model) -> None:
     every engine whose parameters have the same shapes (EP at world 1 keeps every expert)."""
     import torch
 
+    fan_ins = unpad_dummy_experts(model)
     seen: set[int] = set()  # a tensor two modules share is rescaled once
     for module in model.modules():
         params = dict(module.named_parameters(recurse=False))
@@ -345,7 +376,7 @@ def scale_dummy_weights(model) -> None:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            target = param.shape[-1] ** -0.5
+            target = fan_ins.get(id(param), param.shape[-1]) ** -0.5
             if torch.finfo(param.dtype).bits < 16:
                 scale = params.get(f"{name}_scale_inv", params.get(f"{name}_scale"))
                 if scale is not None:

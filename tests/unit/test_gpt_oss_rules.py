@@ -4,23 +4,24 @@ engine (VllmConfig, built by real vLLM 0.33.0) and from `doctor`.
 - MXFP4 expert weights (the checkpoints' quant_method mxfp4): refused with the reason
   (vLLM 0.33.0's only batched MXFP4 experts, BatchedMarlinExperts, are not validated here)
   and what to serve instead.
-- A BF16 gpt-oss at hidden 2880 under LL: LL pads the MoE weights to 4096, and vLLM
-  0.33.0's gpt-oss loader copies whole unquantized expert tensors into them
-  (`_load_weights_other`), which fails: refused, HT named. HT does not pad; a gpt-oss
-  shape at an LL size is not refused.
+- A BF16 gpt-oss at hidden 2880 is accepted by both: LL pads the MoE weights to 4096,
+  and the padded_expert_load patch loads vLLM 0.33.0's whole expert tensors
+  (`_load_weights_other`, `param.copy_`) into their leading columns, the padding zeroed;
+  checked here through vLLM's own loader.
 The received-rows experts' biases and clamped SwiGLU: test_received_rows_experts.py.
 """
 
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.unit.test_doctor_engine_agree import _doctor, _engine_refusal
 from tests.unit.tiny_models import engine_config, write_model
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
-from vllm_flashinfer_ep.model_shape import read_shape
 from vllm_flashinfer_ep.vllm import config_rules as rules
 
 GPT_OSS = {
@@ -49,11 +50,6 @@ MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_att
 LL_FLAG = f"--all2all-backend {LOW_LATENCY}"
 
 
-def test_the_shape_reads_the_model_type():
-    assert read_shape(GPT_OSS).model_type == "gpt_oss"
-    assert read_shape({"hidden_size": 8}).model_type is None
-
-
 @pytest.mark.parametrize("method", rules.MXFP4_METHODS)
 def test_mxfp4_weights_are_refused_with_the_reason_and_what_to_serve(method):
     reason = rules.quantization_reason(LL_FLAG, method, None)
@@ -64,18 +60,8 @@ def test_mxfp4_weights_are_refused_with_the_reason_and_what_to_serve(method):
     assert "expert weights are MXFP4" in ht and "expert-major" not in ht  # LL's layout only
 
 
-def test_gpt_oss_at_a_padded_hidden_size_is_refused_under_ll_only():
-    reason = rules.hidden_reason(LL_FLAG, LOW_LATENCY, 2880, "gpt_oss")
-    assert "padded to 4096" in reason and "_load_weights_other" in reason
-    assert "--all2all-backend flashinfer_ep_high_throughput" in reason
-    assert rules.hidden_reason("x", HIGH_THROUGHPUT, 2880, "gpt_oss") is None
-    assert rules.hidden_reason(LL_FLAG, LOW_LATENCY, 2880, "qwen3_moe") is None  # narrows
-    assert rules.hidden_reason(LL_FLAG, LOW_LATENCY, 4096, "gpt_oss") is None  # no padding
-    assert rules.hidden_reason(LL_FLAG, LOW_LATENCY, 2880) is None
-
-
 def test_vllm_s_gpt_oss_loader_still_copies_whole_expert_tensors():
-    """The rule's premise, read from vLLM 0.33.0: the unquantized loader copies the
+    """The patch's premise, read from vLLM 0.33.0: the unquantized loader copies the
     checkpoint's expert tensors with `param.copy_` (no narrowing into padded weights), and
     the MoE weights are created at the rounded hidden size."""
     from vllm.model_executor.layers.fused_moe import routed_experts
@@ -87,12 +73,114 @@ def test_vllm_s_gpt_oss_loader_still_copies_whole_expert_tensors():
     assert '"hidden_size": self.hidden_size' in init and "maybe_roundup_sizes" in init
 
 
-def test_bf16_gpt_oss_fails_in_both_under_ll(tmp_path, monkeypatch):
+HIDDEN, PADDED, EXPERTS, INTER = 2880, 4096, 4, 32
+
+
+class _Experts(torch.nn.Module):
+    """One gpt-oss MoE layer's expert parameters as vLLM creates them under LL (hidden
+    padded to 4096, uninitialized: NaN here), at vLLM's names and layout."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        shapes = {
+            "w13_weight": (EXPERTS, 2 * INTER, hidden),
+            "w13_bias": (EXPERTS, 2 * INTER),
+            "w2_weight": (EXPERTS, hidden, INTER),
+            "w2_bias": (EXPERTS, hidden),
+        }
+        for name, shape in shapes.items():
+            nan = torch.full(shape, float("nan"))
+            self.register_parameter(name, torch.nn.Parameter(nan, requires_grad=False))
+
+
+def _gpt_oss_model(hidden: int):
+    """The attributes vLLM's GptOssModel._load_weights_other reads, around real
+    parameters under vLLM's names (layers.N.mlp.experts.*)."""
+    from vllm.model_executor.models.gpt_oss import GptOssModel
+
+    class Model(torch.nn.Module):
+        _try_load_streamed_expert = GptOssModel._try_load_streamed_expert
+
+    model = Model()
+    model.config = SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTER)
+    model.parallel_config = SimpleNamespace(enable_expert_parallel=True)
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = torch.nn.Module()
+    model.layers[0].mlp.experts = _Experts(hidden)
+    return model
+
+
+def _checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The checkpoint's expert tensors after vLLM's name mapping (gate_up_proj [E, H, 2I],
+    down_proj [E, I, H]: the loader transposes them)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = "layers.0.mlp.experts."
+    return {
+        prefix + "w13_weight": torch.randn(EXPERTS, HIDDEN, 2 * INTER, generator=g),
+        prefix + "w13_bias": torch.randn(EXPERTS, 2 * INTER, generator=g),
+        prefix + "w2_weight": torch.randn(EXPERTS, INTER, HIDDEN, generator=g),
+        prefix + "w2_bias": torch.randn(EXPERTS, HIDDEN, generator=g),
+    }
+
+
+@pytest.fixture
+def world_one(monkeypatch):
+    """vLLM's group getters for one rank (the loader reads TP, DP and PCP sizes)."""
+    from vllm.model_executor.models import gpt_oss
+
+    group = SimpleNamespace(world_size=1, rank_in_group=0)
+    monkeypatch.setattr(gpt_oss, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(gpt_oss, "get_dp_group", lambda: group)
+    monkeypatch.setattr(gpt_oss, "get_pcp_group", lambda: group)
+
+
+def _load(model) -> set[str]:
+    from vllm.model_executor.models.gpt_oss import GptOssModel
+
+    return GptOssModel._load_weights_other(model, EXPERTS, 0, _checkpoint().items(), [])
+
+
+def test_an_unquantized_gpt_oss_checkpoint_loads_into_ll_s_padded_experts(world_one):
+    from vllm_flashinfer_ep.vllm.patches import BY_NAME, _helper
+
+    assert _helper.is_applied(BY_NAME["padded_expert_load"])
+    model = _gpt_oss_model(PADDED)
+    experts = model.layers[0].mlp.experts
+    pointers = {name: p.data_ptr() for name, p in experts.named_parameters()}
+    assert len(_load(model)) == 4
+    want = {k.rsplit(".", 1)[-1]: v for k, v in _checkpoint().items()}
+    w13, w2, b2 = experts.w13_weight, experts.w2_weight, experts.w2_bias
+    assert w13.shape == (EXPERTS, 2 * INTER, PADDED) and w2.shape == (EXPERTS, PADDED, INTER)
+    assert {name: p.data_ptr() for name, p in experts.named_parameters()} == pointers
+    torch.testing.assert_close(w13[..., :HIDDEN], want["w13_weight"].mT)
+    torch.testing.assert_close(w2[:, :HIDDEN], want["w2_weight"].mT)
+    torch.testing.assert_close(b2[:, :HIDDEN], want["w2_bias"])
+    torch.testing.assert_close(experts.w13_bias, want["w13_bias"])
+    for pad in (w13[..., HIDDEN:], w2[:, HIDDEN:], b2[:, HIDDEN:]):
+        assert bool((pad == 0).all())  # zero padding: zero input columns, no NaN
+
+
+def test_without_the_patch_the_padded_load_fails_and_an_unpadded_one_is_untouched(world_one):
+    from vllm_flashinfer_ep.vllm.patches import BY_NAME, _helper
+
+    patch = BY_NAME["padded_expert_load"]
+    _helper.undo(patch)
+    try:
+        with pytest.raises(RuntimeError):
+            _load(_gpt_oss_model(PADDED))
+    finally:
+        _helper.apply(patch)
+    model = _gpt_oss_model(HIDDEN)  # HT, or a native LL size: nothing padded
+    _load(model)
+    experts = model.layers[0].mlp.experts
+    assert experts.w13_weight.shape == (EXPERTS, 2 * INTER, HIDDEN)
+    want = _checkpoint()["layers.0.mlp.experts.w2_weight"]
+    torch.testing.assert_close(experts.w2_weight, want.mT)
+
+
+def test_bf16_gpt_oss_is_accepted_under_both_backends(tmp_path):
     model = write_model(tmp_path / "gpt-oss", base=GPT_OSS)
-    reason = _engine_refusal(model, LOW_LATENCY)
-    assert "padded to 4096" in reason
-    rc, checks = _doctor(monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep")
-    assert rc == 1 and checks["LL hidden size"].fix == reason
+    engine_config(model, LOW_LATENCY)  # hidden 2880 padded to 4096 at load (logged)
     engine_config(model, HIGH_THROUGHPUT)  # HT does not pad
 
 

@@ -116,7 +116,13 @@ def world1(tmp_path_factory):
     return _run(tmp_path_factory, "world1")
 
 
-ACCEPTED = ("deepseek-v3", "qwen3-235b-a22b", "llama-4-scout", "mixtral-8x7b")
+ACCEPTED = (
+    "deepseek-v3",
+    "qwen3-235b-a22b",
+    "gpt-oss-120b-bf16",
+    "llama-4-scout",
+    "mixtral-8x7b",
+)
 # name -> (the model's property, what to use instead), as the refusal words them
 REFUSED = {"gpt-oss-120b": ("expert weights are MXFP4", "Serve a BF16 checkpoint")}
 
@@ -126,6 +132,7 @@ SHAPES = {
     "deepseek-v3": (7168, 256, 8, 7168),
     "qwen3-235b-a22b": (4096, 128, 8, 4096),
     "gpt-oss-120b": (2880, 128, 4, 4096),
+    "gpt-oss-120b-bf16": (2880, 128, 4, 4096),
     "llama-4-scout": (5120, 16, 1, 5120),
     "mixtral-8x7b": (4096, 8, 2, 4096),
 }

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -379,3 +380,40 @@ def test_a_tensor_two_modules_share_is_rescaled_once(harness):
     model.c.weight = one.weight  # the same tensor in another module
     harness.scale_dummy_weights(model)
     assert torch.allclose(one.weight, torch.full_like(one.weight, 3**0.5 / 8))
+
+
+def _gpt_oss_experts(hidden: int):
+    """A model with gpt-oss's expert tensors at `hidden` (LL: padded to 4096) and the
+    model's config, filled as vLLM's dummy loader fills them."""
+    import torch
+    from torch import nn
+    from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
+
+    model = nn.Module()
+    model.config = SimpleNamespace(hidden_size=2880)
+    model.experts = nn.Module()
+    for name, shape in (
+        ("w13_weight", (2, 16, hidden)),
+        ("w13_bias", (2, 16)),
+        ("w2_weight", (2, hidden, 8)),
+        ("w2_bias", (2, hidden)),
+    ):
+        param = nn.Parameter(torch.empty(shape, dtype=torch.bfloat16), requires_grad=False)
+        initialize_single_dummy_weight(param, name=f"experts.{name}")
+        model.experts.register_parameter(name, param)
+    return model
+
+
+def test_padded_expert_dummies_are_the_unpadded_engine_s_weights(harness):
+    """Under LL's padding (2880 to 4096) the EP engine's expert tensors hold what the
+    engine without EP draws, then zeros, and are rescaled to the same values."""
+    import torch
+
+    padded, plain = _gpt_oss_experts(4096), _gpt_oss_experts(2880)
+    harness.scale_dummy_weights(padded)
+    harness.scale_dummy_weights(plain)
+    for name, dim in (("w13_weight", 2), ("w2_weight", 1), ("w2_bias", 1)):
+        wide, want = getattr(padded.experts, name), getattr(plain.experts, name)
+        assert torch.equal(wide.narrow(dim, 0, 2880), want), name
+        assert not wide.narrow(dim, 2880, 4096 - 2880).any(), name
+    assert torch.equal(padded.experts.w13_bias, plain.experts.w13_bias)

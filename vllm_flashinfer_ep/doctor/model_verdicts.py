@@ -58,7 +58,7 @@ def model_checks(
     low_latency = backend == LOW_LATENCY
     hidden = shape.hidden_size
     if hidden is not None:
-        reason = rules.hidden_reason(flag, backend, hidden, shape.model_type)
+        reason = rules.hidden_reason(flag, backend, hidden)
         if not low_latency:
             detail = f"{hidden} (high throughput takes any multiple of 8)"
         elif reason is not None:

@@ -14,7 +14,6 @@ from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
     max_top_k,
-    round_up_ll_hidden_size,
 )
 
 GIB = float(1 << 30)
@@ -289,22 +288,6 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
     return None
 
 
-def padded_loading_reason(flag: str, hidden: int, model_type: str | None) -> str | None:
-    """Why LL's padding of the hidden size breaks this model's weight loading (None: it
-    does not: a native LL size, or a model whose loader narrows into the padded weights)."""
-    name = WHOLE_TENSOR_EXPERT_LOADERS.get(model_type or "")
-    rounded = round_up_ll_hidden_size(hidden)
-    if name is None or rounded == hidden:
-        return None
-    return (
-        f"{flag}: {name}'s hidden size {hidden} is not an NCCL-EP low-latency size, so its "
-        f"MoE weights are padded to {rounded}, and vLLM 0.33.0's {name} loader copies each "
-        "expert tensor of an unquantized checkpoint whole into them "
-        "(vllm/model_executor/models/gpt_oss.py _load_weights_other), which fails. Use "
-        "--all2all-backend flashinfer_ep_high_throughput (it does not pad)."
-    )
-
-
 def dtype_reason(flag: str, dtype: str | None) -> str | None:
     """Why the model's dtype (vLLM's resolved --dtype, by name) is refused."""
     if dtype is None or dtype == "bfloat16":
@@ -376,16 +359,7 @@ def expert_split_reason(flag: str, experts: int | None, redundant: int, ranks: i
     )
 
 
-# vLLM 0.33.0 models whose loader copies each expert tensor of an unquantized checkpoint
-# whole into the MoE parameters (models/gpt_oss.py `_load_weights_other`: `param.copy_`),
-# which fails once LL pads those to its hidden size (created at the padded size:
-# fused_moe/routed_experts.py l.171-212).
-WHOLE_TENSOR_EXPERT_LOADERS = {"gpt_oss": "gpt-oss"}
-
-
-def hidden_reason(
-    flag: str, backend: str, hidden: int | None, model_type: str | None = None
-) -> str | None:
+def hidden_reason(flag: str, backend: str, hidden: int | None) -> str | None:
     if hidden is None:
         return None
     if backend != backends.LOW_LATENCY:
@@ -398,7 +372,7 @@ def hidden_reason(
             "Use --all2all-backend flashinfer_ep_low_latency (it pads the hidden size)."
         )
     if hidden <= SUPPORTED_HIDDEN_SIZES[-1]:
-        return padded_loading_reason(flag, hidden, model_type)
+        return None
     return (
         f"{flag}: hidden size {hidden} exceeds the largest NCCL-EP low-latency size "
         f"{SUPPORTED_HIDDEN_SIZES[-1]}. Use --all2all-backend flashinfer_ep_high_throughput."

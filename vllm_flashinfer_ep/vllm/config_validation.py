@@ -363,7 +363,7 @@ def _validate_model(model: Any, shape: ModelShape, backend: str, flag: str) -> N
         quantization_reason(flag, getattr(model, "quantization", None), shape.weight_block_size),
         dtype_reason(flag, model_shape.dtype_name(dtype)),
         top_k_reason(flag, backend, shape.top_k),
-        hidden_reason(flag, backend, shape.hidden_size, shape.model_type),
+        hidden_reason(flag, backend, shape.hidden_size),
     ):
         if reason is not None:
             raise FlashInferEPConfigError(reason)

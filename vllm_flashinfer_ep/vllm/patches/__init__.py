@@ -217,6 +217,22 @@ PATCHES: tuple[Patch, ...] = (
         removal="with prepare_finalize",
     ),
     Patch(
+        "padded_expert_load",
+        "worker",
+        "vllm.model_executor.models.gpt_oss:GptOssModel._load_weights_other",
+        WRAP,
+        W.make_padded_expert_load,
+        ("self", "ep_rank_end", "ep_rank_start", "weights", "stacked_params_mapping"),
+        what="an unquantized gpt-oss checkpoint loads into LL's padded expert weights",
+        why="LL pads hidden 2880 to 4096 (hidden_size_roundup); this loader copies each "
+        "expert tensor whole (`param.copy_`), a shape error on the wider parameters",
+        how="wrap: each padded expert parameter is a view of its leading columns while the "
+        "loader runs, its padding zeroed",
+        upstream="the loader narrowing into padded parameters, as its MXFP4 path does "
+        "through FusedMoE.weight_loader",
+        removal="then, or with hidden_size_roundup",
+    ),
+    Patch(
         "ft_backend_set",
         "worker",
         "vllm.v1.worker.sentinel.gpu_worker_sentinel:FT_BACKEND_SET",

@@ -104,6 +104,43 @@ def make_hidden_size_roundup(original):
     return maybe_roundup_layer_hidden_size
 
 
+# The hidden dimension of each expert tensor LL pads (vLLM's layout before
+# process_weights_after_loading: w13 [E, 2I, H], w2 [E, H, I], w2 bias [E, H]).
+PADDED_EXPERT_DIMS = {"w13_weight": 2, "w2_weight": 1, "w2_bias": 1}
+
+
+def _padded_experts(model, hidden: int) -> list[tuple]:
+    """(parameter, dim) of every expert tensor wider than the checkpoint's `hidden`."""
+    found = []
+    for name, param in model.named_parameters():
+        dim = PADDED_EXPERT_DIMS.get(name.rsplit(".", 1)[-1])
+        if dim is not None and param.dim() > dim and param.shape[dim] > hidden:
+            found.append((param, dim))
+    return found
+
+
+def make_padded_expert_load(original):
+    """gpt-oss's unquantized loader copies each expert tensor whole; under LL's round-up
+    the parameters are wider. Each padded one is loaded through a view of its leading
+    `hidden` columns, and the padding is zeroed (vLLM creates it uninitialized)."""
+
+    def _load_weights_other(self, *args, **kwargs):
+        hidden = self.config.hidden_size
+        wholes = []
+        for param, dim in _padded_experts(self, hidden):
+            whole = param.data
+            whole.narrow(dim, hidden, whole.shape[dim] - hidden).zero_()
+            wholes.append((param, whole))
+            param.data = whole.narrow(dim, 0, hidden)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for param, whole in wholes:
+                param.data = whole
+
+    return _load_weights_other
+
+
 def make_ft_backend_set(original: frozenset) -> frozenset:
     return frozenset(original | {LOW_LATENCY})
 
