@@ -30,6 +30,7 @@ class ModelShape:
     weight_block_size: list[int] | None = None
     max_position_embeddings: int | None = None
     unquantized_modules: tuple[str, ...] = ()  # quantization_config's ignore list
+    model_type: str | None = None  # config.json's model_type ("gpt_oss", ...)
 
     @property
     def physical_experts(self) -> int | None:
@@ -127,6 +128,7 @@ def read_shape(config: Any, text_config: Any = None, *, redundant_experts: int =
         unquantized_modules=tuple(str(m) for m in ignored)
         if isinstance(ignored, (list, tuple))
         else (),
+        model_type=root("model_type") if isinstance(root("model_type"), str) else None,
     )
 
 

@@ -22,6 +22,7 @@ import torch
 from tests.unit.test_doctor_engine_agree import _doctor, _engine_refusal
 from tests.unit.tiny_models import engine_config, write_model
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
+from vllm_flashinfer_ep.model_shape import read_shape
 from vllm_flashinfer_ep.vllm import config_rules as rules
 
 GPT_OSS = {
@@ -48,6 +49,43 @@ GPT_OSS = {
 }
 MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
 LL_FLAG = f"--all2all-backend {LOW_LATENCY}"
+
+
+def test_the_shape_reads_the_model_type():
+    assert read_shape(GPT_OSS).model_type == "gpt_oss"
+    assert read_shape({"hidden_size": 8}).model_type is None
+
+
+@pytest.mark.parametrize("method", ["fp8", "fp8_per_block"])
+def test_an_fp8_gpt_oss_at_a_padded_hidden_size_is_refused_under_ll_only(method):
+    """vLLM 0.33.0's gpt-oss loader copies an FP8 checkpoint's expert tensors and scales
+    whole (its fp8 branches): the padded_expert_load patch covers unquantized ones only."""
+    reason = rules.padded_quantized_load_reason(LL_FLAG, LOW_LATENCY, 2880, "gpt_oss", method)
+    assert "padded to 4096" in reason and "_load_weights_other" in reason
+    assert "--all2all-backend flashinfer_ep_high_throughput" in reason and "\n" not in reason
+    rule = rules.padded_quantized_load_reason
+    assert rule("x", HIGH_THROUGHPUT, 2880, "gpt_oss", method) is None  # HT does not pad
+    assert rule(LL_FLAG, LOW_LATENCY, 4096, "gpt_oss", method) is None  # nothing padded
+    assert rule(LL_FLAG, LOW_LATENCY, 2880, "qwen3_moe", method) is None  # loader narrows
+    assert rule(LL_FLAG, LOW_LATENCY, 2880, "gpt_oss", None) is None  # the patch's case
+
+
+def test_online_fp8_gpt_oss_fails_in_both_under_ll(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "gpt-oss", base=GPT_OSS)
+    reason = _engine_refusal(model, LOW_LATENCY, quantization="fp8_per_block")
+    assert "padded to 4096" in reason and "fp8_per_block checkpoint" in reason
+    rc, checks = _doctor(
+        monkeypatch,
+        model,
+        "--all2all-backend",
+        LOW_LATENCY,
+        "-dp",
+        "2",
+        "-ep",
+        "--quantization",
+        "fp8_per_block",
+    )
+    assert rc == 1 and checks["checkpoint precision"].fix == reason
 
 
 @pytest.mark.parametrize("method", rules.MXFP4_METHODS)
@@ -103,7 +141,9 @@ def _gpt_oss_model(hidden: int):
 
     model = Model()
     model.config = SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTER)
-    model.parallel_config = SimpleNamespace(enable_expert_parallel=True)
+    model.parallel_config = SimpleNamespace(
+        enable_expert_parallel=True, all2all_backend=LOW_LATENCY
+    )
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.layers[0].mlp = torch.nn.Module()
     model.layers[0].mlp.experts = _Experts(hidden)
@@ -134,10 +174,11 @@ def world_one(monkeypatch):
     monkeypatch.setattr(gpt_oss, "get_pcp_group", lambda: group)
 
 
-def _load(model) -> set[str]:
+def _load(model, checkpoint: dict[str, torch.Tensor] | None = None) -> set[str]:
     from vllm.model_executor.models.gpt_oss import GptOssModel
 
-    return GptOssModel._load_weights_other(model, EXPERTS, 0, _checkpoint().items(), [])
+    weights = (checkpoint or _checkpoint()).items()
+    return GptOssModel._load_weights_other(model, EXPERTS, 0, weights, [])
 
 
 def test_an_unquantized_gpt_oss_checkpoint_loads_into_ll_s_padded_experts(world_one):
@@ -176,6 +217,28 @@ def test_without_the_patch_the_padded_load_fails_and_an_unpadded_one_is_untouche
     assert experts.w13_weight.shape == (EXPERTS, 2 * INTER, HIDDEN)
     want = _checkpoint()["layers.0.mlp.experts.w2_weight"]
     torch.testing.assert_close(experts.w2_weight, want.mT)
+
+
+def test_a_failed_load_leaves_the_padded_weights_whole(world_one):
+    """A checkpoint tensor of another shape: vLLM's error, and every parameter is its whole
+    padded tensor again (the engine stops; nothing is left narrowed)."""
+    model = _gpt_oss_model(PADDED)
+    bad = _checkpoint()
+    bad["layers.0.mlp.experts.w2_bias"] = torch.zeros(EXPERTS, HIDDEN + 1)
+    with pytest.raises(RuntimeError):
+        _load(model, bad)
+    experts = model.layers[0].mlp.experts
+    assert experts.w13_weight.shape == (EXPERTS, 2 * INTER, PADDED)
+    assert experts.w2_weight.shape == (EXPERTS, PADDED, INTER)
+    assert experts.w2_bias.shape == (EXPERTS, PADDED)
+
+
+def test_other_backends_load_as_vllm_does(world_one):
+    """vLLM's own padding backends (deepep_low_latency) keep vLLM's loader as it is."""
+    model = _gpt_oss_model(PADDED)
+    model.parallel_config.all2all_backend = "deepep_low_latency"
+    with pytest.raises(RuntimeError):
+        _load(model)
 
 
 def test_bf16_gpt_oss_is_accepted_under_both_backends(tmp_path):

@@ -14,6 +14,7 @@ from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
     max_top_k,
+    round_up_ll_hidden_size,
 )
 
 GIB = float(1 << 30)
@@ -267,9 +268,8 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
         return (
             f"{flag} runs BF16 and FP8 MoE weights; this model's expert weights are MXFP4 "
             f"(quant_method mxfp4, as gpt-oss checkpoints ship them). {experts} not been "
-            "validated with this backend. Serve a BF16 checkpoint of the model (gpt-oss at "
-            "hidden 2880: with --all2all-backend flashinfer_ep_high_throughput, which does "
-            "not pad), or pick another --all2all-backend (e.g. deepep_low_latency)."
+            "validated with this backend. Serve a BF16 checkpoint of the model, or pick "
+            "another --all2all-backend (e.g. deepep_low_latency)."
         )
     if method not in FP8_METHODS:
         return (
@@ -286,6 +286,27 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
             f"this checkpoint's weight_block_size is {block}. Pick another --all2all-backend."
         )
     return None
+
+
+def padded_quantized_load_reason(
+    flag: str, backend: str, hidden: int | None, model_type: str | None, method: str | None
+) -> str | None:
+    """Why LL's padding of the hidden size breaks this quantized model's weight loading:
+    vLLM 0.33.0's gpt-oss loader copies an FP8 checkpoint's expert tensors and scales whole
+    (models/gpt_oss.py `_load_weights_other`, its fp8 branches), which the padded_expert_load
+    patch covers for unquantized weights only."""
+    if backend != backends.LOW_LATENCY or model_type != "gpt_oss" or method not in FP8_METHODS:
+        return None
+    if hidden is None or round_up_ll_hidden_size(hidden) == hidden:
+        return None
+    return (
+        f"{flag}: gpt-oss's hidden size {hidden} is padded to "
+        f"{round_up_ll_hidden_size(hidden)} under LL, and vLLM 0.33.0's gpt-oss loader copies "
+        f"the expert tensors and scales of a {method} checkpoint whole "
+        "(vllm/model_executor/models/gpt_oss.py _load_weights_other), which fails on padded "
+        "weights. Use --all2all-backend flashinfer_ep_high_throughput (it does not pad), or "
+        "serve the BF16 checkpoint."
+    )
 
 
 def dtype_reason(flag: str, dtype: str | None) -> str | None:

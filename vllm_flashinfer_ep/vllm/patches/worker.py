@@ -122,17 +122,20 @@ def _padded_experts(model, hidden: int) -> list[tuple]:
 def make_padded_expert_load(original):
     """gpt-oss's unquantized loader copies each expert tensor whole; under LL's round-up
     the parameters are wider. Each padded one is loaded through a view of its leading
-    `hidden` columns, and the padding is zeroed (vLLM creates it uninitialized)."""
+    `hidden` columns, and the padding is zeroed (vLLM creates it uninitialized). Other
+    backends' loads are vLLM's own."""
 
     def _load_weights_other(self, *args, **kwargs):
+        if getattr(self.parallel_config, "all2all_backend", None) != LOW_LATENCY:
+            return original(self, *args, **kwargs)
         hidden = self.config.hidden_size
         wholes = []
-        for param, dim in _padded_experts(self, hidden):
-            whole = param.data
-            whole.narrow(dim, hidden, whole.shape[dim] - hidden).zero_()
-            wholes.append((param, whole))
-            param.data = whole.narrow(dim, 0, hidden)
         try:
+            for param, dim in _padded_experts(self, hidden):
+                whole = param.data
+                whole.narrow(dim, hidden, whole.shape[dim] - hidden).zero_()
+                wholes.append((param, whole))
+                param.data = whole.narrow(dim, 0, hidden)
             return original(self, *args, **kwargs)
         finally:
             for param, whole in wholes:
