@@ -120,11 +120,12 @@ def engine_spec(args, name: str, model: str, extra: dict) -> tuple[dict, dict]:
     spec = {
         "model": model,
         "max_model_len": 512,
-        "compilation_config": COMPILATION,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         **extra,
         **base,
     }
+    if args.compilation == "decode-only":
+        spec["compilation_config"] = COMPILATION
     if args.quantization:
         spec["quantization"] = args.quantization
     if args.quantization or checkpoint_fp8(args.shape):
@@ -146,6 +147,25 @@ def engine_spec(args, name: str, model: str, extra: dict) -> tuple[dict, dict]:
             "output_len": 8,
             "moe_layers": moe_layer_count(shape_config(args.shape)),
         }
+    if args.profile_mixed:
+        decodes = args.profile_mixed - 1
+        if decodes >= args.max_num_batched_tokens:
+            raise SystemExit(
+                f"--profile-mixed {args.profile_mixed}: its {decodes} decodes leave no room "
+                f"for a prefill chunk in --max-num-batched-tokens {args.max_num_batched_tokens}"
+            )
+        spec["profile_mixed"] = {
+            "decodes": decodes,
+            "prompt_len": args.prompt_len,
+            "long_prompt_len": args.long_prompt_len,
+            "chunk": args.max_num_batched_tokens - decodes,
+            # the decodes outlast the prompts' prefill steps and the long prompt's chunks
+            "max_tokens": decodes * args.prompt_len // args.max_num_batched_tokens
+            + args.long_prompt_len // (args.max_num_batched_tokens - decodes)
+            + 8,
+            "moe_layers": moe_layer_count(shape_config(args.shape)),
+        }
+        spec["max_model_len"] = max(spec["max_model_len"], args.long_prompt_len + 8)
     return spec, env
 
 
@@ -167,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="also profile a few decode steps at this batch size (top CUDA kernels in the log)",
+    )
+    ap.add_argument(
+        "--profile-mixed",
+        type=int,
+        default=0,
+        metavar="CONCURRENCY",
+        help="also profile mixed steps: CONCURRENCY - 1 decodes with one --long-prompt-len "
+        "prompt's prefill chunked into their steps (what the chunks add, per MoE layer)",
+    )
+    ap.add_argument("--long-prompt-len", type=int, default=2048)
+    ap.add_argument(
+        "--compilation",
+        choices=["decode-only", "default"],
+        default="decode-only",
+        help="decode-only: FULL_DECODE_ONLY graphs without torch.compile (the decode "
+        "benchmark's); default: vLLM's own (torch.compile, FULL_AND_PIECEWISE)",
     )
     ap.add_argument("--no-bench", action="store_true", help="profile only")
     ap.add_argument(
@@ -247,7 +283,10 @@ def _run(args, work: Path) -> int:
                 "dp_expected_m": probe.get("dp_expected_m"),
                 "max_num_batched_tokens": probe["max_num_batched_tokens"],
                 "device": probe.get("device"),  # the GPU: timings compare only on one card
+                "compilation": args.compilation,
             }
+            if "profile_mixed" in res:  # what a long prompt's chunks add (engine_run)
+                meta[name]["profile_mixed"] = res["profile_mixed"]
         print(f"{name}: {meta[name]} {results[name]}", flush=True)
         if args.out:  # after each engine, so a cut-short run keeps what it measured
             doc = {"shape": args.shape, "meta": meta, "results": results}

@@ -258,6 +258,15 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
       for f in "$out"/elogs/profile-b*/engine-bench-qwen3-30b-a3b-*.log; do
         echo "== $f"; grep -h -A16 "engine_run: breakdown" "$f" | head -18
       done ;;
+    profile-mixed)  # issue 50's mixed step: what a 2048-token prompt's chunks add to 127 decodes' steps
+      # vLLM's default compilation; PROFILE_CONFIGS one per call if two engines' compiles do not fit
+      FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs/profile-mixed" \
+        python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs "${PROFILE_CONFIGS:-no_ep,ll_graph}" \
+        --profile-mixed 128 --compilation default --no-bench --engine-timeout "$(left)" \
+        --out "$out/profile_mixed.json" >> "$out/profile-mixed.txt" 2>&1 || rc=1
+      for f in "$out"/elogs/profile-mixed/engine-bench-qwen3-30b-a3b-*.log; do
+        echo "== $f"; grep -h -A16 "engine_run: mixed" "$f" | head -18
+      done ;;
     bench|bench-tiny|bench-30b)
       shapes=(tiny qwen3-30b-a3b)
       [ "$step" = bench-tiny ] && shapes=(tiny)
@@ -303,7 +312,7 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         python3 -m vllm_flashinfer_ep.bench.ht_run --hidden "$hidden" --no-progress "${htargs[@]}" \
           --json "$out/bench_ht_world1_h$hidden.json" 2>&1 | tail -14 || rc=1
       done ;;
-    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep serve-CONFIG-DATASET serve-warm-CONFIG engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME kbench-shapes)"; rc=2 ;;
+    *) echo "unknown step $step (doctor tests engine-tests engine-tests-a engine-tests-b kernel-tests received-rows vllm-combinations padding fp8-kernels fp8-engine fp8-engine-ll fp8-engine-ht fp8-engine-online-channel fp8-engine-online-block-ll fp8-engine-online-block-ht profile profile-mixed bench bench-tiny bench-30b kbench htbench memory multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill serve-bench-ll serve-bench-noep serve-CONFIG-DATASET serve-warm-CONFIG engine-select direct fp8wire fp8bench fp8bench-ht fp8-experts bench-30b-fp8-CONFIG models-NAME[-ll|-ht] bench-shape-NAME kbench-shapes)"; rc=2 ;;
   esac
 done
 exit "$rc"

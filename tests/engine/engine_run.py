@@ -272,6 +272,72 @@ def _profile(llm: Any, p: dict[str, Any], vocab: int) -> str:
     return table
 
 
+def _mix(llm: Any, p: dict[str, Any], vocab: int, long_len: int) -> float:
+    """One generate of `decodes` short prompts decoding `max_tokens` each and, when
+    long_len > 0, one prompt of long_len tokens (one output token) listed last: the
+    scheduler prefills the short prompts first, then chunks the long one into the
+    decodes' steps (budget minus decodes per step). Returns its wall seconds."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def tokens(i: int, n: int) -> list[int]:
+        return [2 + (7 * i + 13 * j) % (vocab - 2) for j in range(n)]
+
+    decodes = p["decodes"]
+    prompts = [TokensPrompt(prompt_token_ids=tokens(i, p["prompt_len"])) for i in range(decodes)]
+    short = SamplingParams(
+        max_tokens=p["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    params = [short] * decodes
+    if long_len:
+        prompts.append(TokensPrompt(prompt_token_ids=tokens(decodes, long_len)))
+        params.append(SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _profile_mixed(llm: Any, p: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """Issue 50's mixed step: what one long prompt's prefill chunks add to the decode steps
+    they ride in, per MoE layer and chunk step (GPU time by kind of kernel, and the wall
+    time the host adds), from a profiled run with the prompt less one without it."""
+    import torch
+    from profile_breakdown import added, breakdown, from_profiler, table
+    from torch.profiler import ProfilerActivity, profile
+
+    long_len, chunk = p["long_prompt_len"], p["chunk"]
+    steps = -(-long_len // chunk)  # chunk steps the long prompt's prefill takes
+    for length in (long_len, 0):
+        _mix(llm, p, vocab, length)  # warm both shapes of step
+
+    def profiled(length: int):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            seconds = _mix(llm, p, vocab, length)
+            torch.cuda.synchronize()
+        return from_profiler(prof), seconds
+
+    (mixed, t_mixed), (plain, t_plain) = profiled(long_len), profiled(0)
+    walls = [(_mix(llm, p, vocab, long_len), _mix(llm, p, vocab, 0)) for _ in range(3)]
+    wall_added = min(a for a, _ in walls) - min(b for _, b in walls)
+    parts = breakdown(added(mixed, plain), p["moe_layers"], steps)
+    gpu_added = sum(entry["us"] for entry in parts.values())
+    what = f"chunk step ({p['decodes']} decodes + {chunk} prefill tokens)"
+    print(
+        f"engine_run: mixed {p['decodes']} decodes + a {long_len}-token prompt in {steps} "
+        f"chunks of {chunk}: wall added {1e3 * wall_added / steps:.3f} ms per chunk step, "
+        f"GPU added {gpu_added / 1e3 / steps:.3f} ms\n"
+        f"{table(parts, p['moe_layers'], steps, what=what)}",
+        flush=True,
+    )
+    return {
+        "chunk_steps": steps,
+        "wall_added_ms_per_chunk_step": 1e3 * wall_added / steps,
+        "gpu_added_ms_per_chunk_step": gpu_added / 1e3 / steps,
+        "profiled_seconds": {"mixed": t_mixed, "decodes_only": t_plain},
+        "us_per_layer_step": {k: v["us_per_layer_step"] for k, v in parts.items()},
+    }
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = _build(spec)
@@ -292,6 +358,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         result["after_decode"] = _counters(llm)
     if spec.get("profile"):
         result["profile"] = _profile(llm, spec["profile"], vocab)
+    if spec.get("profile_mixed"):
+        result["profile_mixed"] = _profile_mixed(llm, spec["profile_mixed"], vocab)
     if spec.get("bench"):
         b = spec["bench"]
         result["bench"] = _bench(llm, b["batch_sizes"], b["output_len"], b["prompt_len"], vocab)

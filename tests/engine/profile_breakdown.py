@@ -88,9 +88,33 @@ def difference(
     return rows
 
 
-def table(parts: dict[str, dict], layers: int, steps: int, top: int = 3) -> str:
+def added(
+    longer: Iterable[tuple[str, float, int]], shorter: Iterable[tuple[str, float, int]]
+) -> list[tuple[str, float, int]]:
+    """Per kernel, the GPU time a run adds over another of as many steps (a long prompt's
+    prefill chunks riding in decode steps): signed, so noise cancels across kernels, and
+    counted whether or not its calls grew."""
+    base: dict[str, tuple[float, int]] = {}
+    for name, us, calls in shorter:
+        b_us, b_calls = base.get(name, (0.0, 0))
+        base[name] = (b_us + us, b_calls + calls)
+    mine: dict[str, tuple[float, int]] = {}
+    for name, us, calls in longer:
+        a_us, a_calls = mine.get(name, (0.0, 0))
+        mine[name] = (a_us + us, a_calls + calls)
+    rows = []
+    for name in mine.keys() | base.keys():
+        a_us, a_calls = mine.get(name, (0.0, 0))
+        b_us, b_calls = base.get(name, (0.0, 0))
+        rows.append((name, a_us - b_us, a_calls - b_calls))
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def table(
+    parts: dict[str, dict], layers: int, steps: int, top: int = 3, what: str = "decode step"
+) -> str:
     lines = [
-        f"GPU time per MoE layer per decode step ({layers} layers x {steps} steps profiled)",
+        f"GPU time per MoE layer per {what} ({layers} layers x {steps} steps profiled)",
         "",
         "| category | us per layer-step | share | largest kernels |",
         "| --- | --- | --- | --- |",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 from engine_run import bench_row, bench_rows_from_log  # noqa: E402
@@ -155,6 +157,44 @@ def test_the_profiled_prompts_prefill_in_one_step(tmp_path, monkeypatch):
         profile = specs[0]["profile"]
         assert profile["prompt_len"] == prompt
         assert profile["batch"] * profile["prompt_len"] <= specs[0]["max_num_batched_tokens"]
+
+
+def _specs_of(monkeypatch, argv: list[str]) -> list[dict]:
+    import bench_engine
+
+    specs = []
+
+    def run(self, name, spec, env=None, timeout=540):
+        specs.append(spec)
+        probe = {"cudagraph_mode": "FULL_DECODE_ONLY", "runtimes": [], "kernels": []}
+        return {"startup_seconds": 1.0, "after_load": probe | {"max_num_batched_tokens": 256}}
+
+    monkeypatch.setattr(bench_engine.EngineRunner, "run", run)
+    assert bench_engine.main(argv) == 0
+    return specs
+
+
+def test_the_mixed_profile_chunks_a_long_prompt_into_the_decodes_steps(monkeypatch):
+    """Concurrency 128 at budget 256: 127 decodes and chunks of 129 prefill tokens; the
+    decodes outlast the short prompts' prefill steps and all the chunks; the model fits
+    the long prompt; vLLM's default compilation when asked (nothing overridden)."""
+    argv = ["--configs", "no_ep,ll_graph", "--profile-mixed", "128", "--no-bench"]
+    for spec in _specs_of(monkeypatch, [*argv, "--shape", "qwen3-30b-a3b"]):
+        mixed = spec["profile_mixed"]
+        assert (mixed["decodes"], mixed["chunk"], mixed["long_prompt_len"]) == (127, 129, 2048)
+        assert mixed["decodes"] + mixed["chunk"] == spec["max_num_batched_tokens"]
+        prefill_steps = -(-mixed["decodes"] * mixed["prompt_len"] // 256)
+        assert mixed["max_tokens"] > prefill_steps + -(-2048 // mixed["chunk"])
+        assert spec["max_model_len"] >= 2048 + 1
+        assert mixed["moe_layers"] == 48
+        assert spec["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    specs = _specs_of(monkeypatch, [*argv, "--compilation", "default"])
+    assert all("compilation_config" not in spec for spec in specs)
+
+
+def test_a_mixed_profile_without_room_for_a_chunk_is_refused(monkeypatch):
+    with pytest.raises(SystemExit, match="leave no room"):
+        _specs_of(monkeypatch, ["--configs", "no_ep", "--profile-mixed", "257", "--no-bench"])
 
 
 def test_the_table_sets_eager_ll_against_eager_no_ep():

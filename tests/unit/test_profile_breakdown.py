@@ -99,3 +99,16 @@ def test_a_decode_kernel_is_kept_when_noise_puts_its_time_below_the_prefill_s():
     prefill = [("ncclEpDispatch", 30.0, 48), ("ncclEpDispatch", 20.0, 48)]  # rows of one name
     longer = [("ncclEpDispatch", 45.0, 480)]  # more calls, less time: noise, not no kernel
     assert pb.difference(longer, prefill) == [("ncclEpDispatch", 0.0, 384)]
+
+
+def test_added_counts_longer_kernels_of_as_many_calls_and_lets_noise_cancel():
+    """A long prompt's chunks ride in decode steps: the same kernels, as many calls,
+    longer. `added` keeps those (difference() would drop them) and signs the rest."""
+    plain = [("fused_moe_kernel", 100.0, 10), ("rms_norm_kernel", 50.0, 20)]
+    mixed = [("fused_moe_kernel", 160.0, 10), ("rms_norm_kernel", 49.0, 20), ("new", 5.0, 1)]
+    rows = dict((name, (us, calls)) for name, us, calls in pb.added(mixed, plain))
+    assert rows == {"fused_moe_kernel": (60.0, 0), "new": (5.0, 1), "rms_norm_kernel": (-1.0, 0)}
+    assert pb.difference(mixed, plain) == [("new", 5.0, 1)]  # the decode-step rule
+    parts = pb.breakdown(pb.added(mixed, plain), layers=2, steps=3)
+    assert parts["experts GEMMs"]["us_per_layer_step"] == 10.0
+    assert "per chunk step" in pb.table(parts, 2, 3, what="chunk step")
