@@ -137,29 +137,8 @@ def test_every_engine_gets_the_same_budget_and_the_json_names_its_kernels(tmp_pa
     assert meta["ll_graph"]["max_num_batched_tokens"] == 256
 
 
-def test_the_profiled_prompts_prefill_in_one_step(tmp_path, monkeypatch):
-    """Batch x prompt within the step budget: the profiled steps after it are decode steps,
-    not prefill chunks mixed with decodes (128 prompts of 8 tokens need 4 steps of 256)."""
-    import bench_engine
-
-    specs = []
-
-    def run(self, name, spec, env=None, timeout=540):
-        specs.append(spec)
-        probe = {"cudagraph_mode": "FULL_DECODE_ONLY", "runtimes": [], "kernels": []}
-        return {"startup_seconds": 1.0, "after_load": probe | {"max_num_batched_tokens": 256}}
-
-    monkeypatch.setattr(bench_engine.EngineRunner, "run", run)
-    for batch, prompt in ((1, 8), (128, 2)):
-        specs.clear()
-        argv = ["--configs", "no_ep", "--profile-batch", str(batch), "--no-bench"]
-        assert bench_engine.main(argv) == 0
-        profile = specs[0]["profile"]
-        assert profile["prompt_len"] == prompt
-        assert profile["batch"] * profile["prompt_len"] <= specs[0]["max_num_batched_tokens"]
-
-
 def _specs_of(monkeypatch, argv: list[str]) -> list[dict]:
+    """The engine specs bench_engine hands a stand-in engine for `argv`."""
     import bench_engine
 
     specs = []
@@ -172,6 +151,17 @@ def _specs_of(monkeypatch, argv: list[str]) -> list[dict]:
     monkeypatch.setattr(bench_engine.EngineRunner, "run", run)
     assert bench_engine.main(argv) == 0
     return specs
+
+
+def test_the_profiled_prompts_prefill_in_one_step(monkeypatch):
+    """Batch x prompt within the step budget: the profiled steps after it are decode steps,
+    not prefill chunks mixed with decodes (128 prompts of 8 tokens need 4 steps of 256)."""
+    for batch, prompt in ((1, 8), (128, 2)):
+        argv = ["--configs", "no_ep", "--profile-batch", str(batch), "--no-bench"]
+        [spec] = _specs_of(monkeypatch, argv)
+        profile = spec["profile"]
+        assert profile["prompt_len"] == prompt
+        assert profile["batch"] * profile["prompt_len"] <= spec["max_num_batched_tokens"]
 
 
 def test_the_mixed_profile_chunks_a_long_prompt_into_the_decodes_steps(monkeypatch):
