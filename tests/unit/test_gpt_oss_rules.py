@@ -56,29 +56,30 @@ def test_the_shape_reads_the_model_type():
     assert read_shape({"hidden_size": 8}).model_type is None
 
 
-@pytest.mark.parametrize("method", ["fp8", "fp8_per_block"])
-def test_an_fp8_gpt_oss_at_a_padded_hidden_size_is_refused_under_ll_only(method):
-    """vLLM 0.33.0's gpt-oss loader copies an FP8 checkpoint's expert tensors and scales
-    whole (its fp8 branches): the padded_expert_load patch covers unquantized ones only."""
-    reason = rules.padded_quantized_load_reason(LL_FLAG, LOW_LATENCY, 2880, "gpt_oss", method)
-    assert "padded to 4096" in reason and "_load_weights_other" in reason
-    assert "--all2all-backend flashinfer_ep_high_throughput" in reason and "\n" not in reason
-    rule = rules.padded_quantized_load_reason
-    assert rule("x", HIGH_THROUGHPUT, 2880, "gpt_oss", method) is None  # HT does not pad
-    assert rule(LL_FLAG, LOW_LATENCY, 4096, "gpt_oss", method) is None  # nothing padded
-    assert rule(LL_FLAG, LOW_LATENCY, 2880, "qwen3_moe", method) is None  # loader narrows
-    assert rule(LL_FLAG, LOW_LATENCY, 2880, "gpt_oss", None) is None  # the patch's case
+@pytest.mark.parametrize("method", rules.FP8_METHODS)
+def test_an_fp8_gpt_oss_is_refused_on_both_backends(method):
+    """vLLM 0.33.0's gpt-oss loader copies expert tensors whole: padded FP8 weights (LL's
+    hidden, fp8_per_block's 128-rounding: 2880 -> 2944 on any backend) fail, online FP8's
+    meta weights are never filled; the padded_expert_load patch covers BF16 only."""
+    for flag in (LL_FLAG, "--all2all-backend flashinfer_ep_high_throughput"):
+        reason = rules.gpt_oss_fp8_reason(flag, "gpt_oss", method)
+        assert f"gpt-oss with FP8 MoE weights ({method})" in reason and flag in reason
+        assert "_load_weights_other" in reason and "Serve the BF16 checkpoint" in reason
+        assert "\n" not in reason
+    assert rules.gpt_oss_fp8_reason(LL_FLAG, "qwen3_moe", method) is None  # loader narrows
+    assert rules.gpt_oss_fp8_reason(LL_FLAG, "gpt_oss", None) is None  # the patch's case
 
 
-def test_online_fp8_gpt_oss_fails_in_both_under_ll(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", [LOW_LATENCY, HIGH_THROUGHPUT])
+def test_online_fp8_gpt_oss_fails_in_both(tmp_path, monkeypatch, backend):
     model = write_model(tmp_path / "gpt-oss", base=GPT_OSS)
-    reason = _engine_refusal(model, LOW_LATENCY, quantization="fp8_per_block")
-    assert "padded to 4096" in reason and "fp8_per_block checkpoint" in reason
+    reason = _engine_refusal(model, backend, quantization="fp8_per_block")
+    assert "gpt-oss with FP8 MoE weights (fp8_per_block)" in reason
     rc, checks = _doctor(
         monkeypatch,
         model,
         "--all2all-backend",
-        LOW_LATENCY,
+        backend,
         "-dp",
         "2",
         "-ep",

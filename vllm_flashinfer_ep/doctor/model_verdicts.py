@@ -89,8 +89,8 @@ def model_checks(
         checks.append(Check("experts per EP rank", split is None, detail, split or ""))
     method = settings.quantization or shape.quant_method
     block = shape.weight_block_size
-    reason = rules.quantization_reason(flag, method, block) or rules.padded_quantized_load_reason(
-        flag, backend, shape.hidden_size, shape.model_type, method
+    reason = rules.quantization_reason(flag, method, block) or rules.gpt_oss_fp8_reason(
+        flag, shape.model_type, method
     )
     shown = f"quantization {method or 'none'}"
     shown += f", weight_block_size {block}" if block is not None else ""

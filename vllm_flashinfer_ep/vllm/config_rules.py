@@ -14,7 +14,6 @@ from vllm_flashinfer_ep.runtime.limits import (
     HT_MAX_TOKENS_PER_RANK,
     SUPPORTED_HIDDEN_SIZES,
     max_top_k,
-    round_up_ll_hidden_size,
 )
 
 GIB = float(1 << 30)
@@ -288,24 +287,20 @@ def quantization_reason(flag: str, method: str | None, block: Any) -> str | None
     return None
 
 
-def padded_quantized_load_reason(
-    flag: str, backend: str, hidden: int | None, model_type: str | None, method: str | None
-) -> str | None:
-    """Why LL's padding of the hidden size breaks this quantized model's weight loading:
-    vLLM 0.33.0's gpt-oss loader copies an FP8 checkpoint's expert tensors and scales whole
-    (models/gpt_oss.py `_load_weights_other`, its fp8 branches), which the padded_expert_load
-    patch covers for unquantized weights only."""
-    if backend != backends.LOW_LATENCY or model_type != "gpt_oss" or method not in FP8_METHODS:
-        return None
-    if hidden is None or round_up_ll_hidden_size(hidden) == hidden:
+def gpt_oss_fp8_reason(flag: str, model_type: str | None, method: str | None) -> str | None:
+    """Why a gpt-oss model with FP8 MoE weights is refused on either backend: vLLM 0.33.0's
+    gpt-oss loader (models/gpt_oss.py `_load_weights_other`) copies each expert tensor
+    whole, which fails on padded FP8 weights (LL's hidden size; fp8_per_block rounds hidden
+    and intermediate up to 128) and writes nothing into online FP8's deferred (meta)
+    weights; the padded_expert_load patch covers unquantized weights only."""
+    if model_type != "gpt_oss" or method not in FP8_METHODS:
         return None
     return (
-        f"{flag}: gpt-oss's hidden size {hidden} is padded to "
-        f"{round_up_ll_hidden_size(hidden)} under LL, and vLLM 0.33.0's gpt-oss loader copies "
-        f"the expert tensors and scales of a {method} checkpoint whole "
+        f"{flag}: gpt-oss with FP8 MoE weights ({method}) is not served: vLLM 0.33.0's "
+        "gpt-oss loader copies each expert tensor whole "
         "(vllm/model_executor/models/gpt_oss.py _load_weights_other), which fails on padded "
-        "weights. Use --all2all-backend flashinfer_ep_high_throughput (it does not pad), or "
-        "serve the BF16 checkpoint."
+        "FP8 weights (LL's hidden size, fp8_per_block's multiples of 128) and does not fill "
+        "online FP8's deferred weights. Serve the BF16 checkpoint without --quantization."
     )
 
 

@@ -19,10 +19,10 @@ from vllm_flashinfer_ep.vllm.config_rules import (
     dtype_reason,
     ep_world_size,
     fault_tolerance_reason,
+    gpt_oss_fp8_reason,
     hidden_reason,
     ht_tokens_verdict,
     ll_memory_verdict,
-    padded_quantized_load_reason,
     quantization_reason,
     rdma_buffer_reason,
     top_k_reason,
@@ -365,13 +365,7 @@ def _validate_model(model: Any, shape: ModelShape, backend: str, flag: str) -> N
         dtype_reason(flag, model_shape.dtype_name(dtype)),
         top_k_reason(flag, backend, shape.top_k),
         hidden_reason(flag, backend, shape.hidden_size),
-        padded_quantized_load_reason(
-            flag,
-            backend,
-            shape.hidden_size,
-            shape.model_type,
-            getattr(model, "quantization", None),
-        ),
+        gpt_oss_fp8_reason(flag, shape.model_type, getattr(model, "quantization", None)),
     ):
         if reason is not None:
             raise FlashInferEPConfigError(reason)
