@@ -13,7 +13,6 @@ builds.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.script_result import script_result
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.vllm import cudagraph_policy
 
@@ -178,16 +178,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     work = tmp_path_factory.mktemp("engine-models")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(work), str(H100_BYTES)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("RESULT") :])
+    return script_result(SCRIPT, [str(work), str(H100_BYTES)], _env(), timeout=900)
 
 
 GPU_NAMES = ("deepseek-v3", "qwen3-235b-a22b", "llama-4-scout", "mixtral-8x7b")

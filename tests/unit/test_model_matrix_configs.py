@@ -19,14 +19,13 @@ mode, HT turns it off).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.unit.script_result import script_result
 from vllm_flashinfer_ep import envs
 from vllm_flashinfer_ep.vllm import cudagraph_policy
 
@@ -94,16 +93,7 @@ def _run(tmp_path_factory, mode: str) -> dict:
     env["VLLM_CONFIGURE_LOGGING"] = "0"
     for var in envs.VARIABLES:  # the package's defaults, whatever this shell sets
         env.pop(var.name, None)
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(work), mode, str(H100_BYTES), LL, HT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("RESULT") :])
+    return script_result(SCRIPT, [str(work), mode, str(H100_BYTES), LL, HT], env, timeout=900)
 
 
 @pytest.fixture(scope="module")

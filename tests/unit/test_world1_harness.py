@@ -7,7 +7,6 @@ It patches vLLM classes for the whole process, so it runs in a subprocess here.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.unit.script_result import script_result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,16 +66,7 @@ def harness_result(tmp_path_factory):
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     env["VLLM_CONFIGURE_LOGGING"] = "0"
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(work / "model")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[len("RESULT") :])
+    return script_result(SCRIPT, [str(work / "model")], env, timeout=600)
 
 
 def test_low_latency_at_world1_looks_like_one_rank_of_dp2(harness_result):
