@@ -20,8 +20,8 @@
 #          tests/engine/serve_bench.py --merge joins their serve_*.json into one file and table
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
 #          (two or more GPUs; one call each: multi-rank transport and FT, dp=2 engines, FT e2e)
-#          models-deepseek-v3 models-qwen3-235b-a22b models-gpt-oss-120b-bf16 models-llama-4-scout
-#          models-mixtral-8x7b
+#          models-deepseek-v3 models-qwen3-235b-a22b models-gpt-oss-120b-mxfp4 models-gpt-oss-120b-bf16
+#          models-llama-4-scout models-mixtral-8x7b
 #          (issue 48's model matrix, tests/engine/test_engine_models_world1.py: LL with graphs
 #          and HT against no EP; models-NAME-ll = the no-EP engines and LL, models-NAME-ht = HT
 #          with -ll's no-EP engines from the engine cache: one call each, models-NAME both)
@@ -118,9 +118,9 @@ for step in "${steps[@]}"; do
         *-ll) part=${part%-ll}; sel="low_latency or not_flat" ;;
         *-ht) part=${part%-ht}; sel="high_throughput" ;;
       esac
-      case $part in  # test_engine_models_world1.GPU_MODELS (gpt-oss-120b, MXFP4: refused at config time)
-        deepseek-v3|qwen3-235b-a22b|gpt-oss-120b-bf16|llama-4-scout|mixtral-8x7b) ;;
-        *) echo "unknown step $step (models-NAME[-ll|-ht], NAME: deepseek-v3 qwen3-235b-a22b gpt-oss-120b-bf16 llama-4-scout mixtral-8x7b)"; rc=2; continue ;;
+      case $part in  # test_engine_models_world1.GPU_MODELS
+        deepseek-v3|qwen3-235b-a22b|gpt-oss-120b-mxfp4|gpt-oss-120b-bf16|llama-4-scout|mixtral-8x7b) ;;
+        *) echo "unknown step $step (models-NAME[-ll|-ht], NAME: deepseek-v3 qwen3-235b-a22b gpt-oss-120b-mxfp4 gpt-oss-120b-bf16 llama-4-scout mixtral-8x7b)"; rc=2; continue ;;
       esac
       # -ht reads -ll's no-EP engines from /tmp (keyed by spec and code)
       export FLASHINFER_EP_TEST_ENGINE_CACHE=/tmp/engine-cache FLASHINFER_EP_TEST_MODEL_DIR=/tmp/ep-models

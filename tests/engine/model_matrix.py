@@ -288,7 +288,7 @@ class MatrixModel(NamedTuple):
 MODELS: dict[str, MatrixModel] = {
     "deepseek-v3": MatrixModel(deepseek_v3, "fp8"),
     "qwen3-235b-a22b": MatrixModel(qwen3_235b_a22b, None),
-    "gpt-oss-120b": MatrixModel(gpt_oss_120b, "mxfp4"),
+    "gpt-oss-120b-mxfp4": MatrixModel(gpt_oss_120b, "mxfp4"),
     "gpt-oss-120b-bf16": MatrixModel(gpt_oss_120b_bf16, None),
     "llama-4-scout": MatrixModel(llama4_scout, None),
     "mixtral-8x7b": MatrixModel(mixtral_8x7b, None),

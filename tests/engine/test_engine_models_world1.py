@@ -2,10 +2,10 @@
 
 The published architectures of model_matrix.py (layers reduced, `--load-format dummy`),
 each accepted one under LL with CUDA graphs and under HT, through the world-1 harness
-(world1_harness.py) and engine_runner like test_engine_world1.py. gpt-oss-120b as
-published has no case: both backends refuse its MXFP4 experts at config time
-(tests/unit/test_model_matrix_configs.py checks that refusal); its BF16 variant
-(gpt-oss-120b-bf16) runs, hidden 2880 padded to 4096 under LL.
+(world1_harness.py) and engine_runner like test_engine_world1.py. gpt-oss-120b runs twice:
+as published (gpt-oss-120b-mxfp4: vLLM's MXFP4 experts, BatchedMarlinExperts under LL) and
+with BF16 experts (gpt-oss-120b-bf16: the received-rows experts with its biases and
+clamped SwiGLU); under LL its hidden 2880 is padded to 4096.
 
 Weights: vLLM's dummy loader fills every tensor from its own generator seeded 1234
 (`initialize_single_dummy_weight`), so two engines whose parameters have the same shapes
@@ -33,7 +33,7 @@ gpu_memory_utilization 0.5 (40 GiB) like the other world-1 engine tests:
     llama-4-scout    4 MoE layers: 10.9 B (8.1 B experts) BF16  ~ 21.8 GB
     mixtral-8x7b     2 MoE layers: 3.2 B (2.8 B experts) BF16   ~  6.3 GB
     gpt-oss-120b-bf16  2 MoE layers, BF16 experts (LL: padded to hidden 4096)
-    (gpt-oss-120b    2 layers, MXFP4 experts: ~5.8 GB; refused, not run)
+    gpt-oss-120b-mxfp4  2 MoE layers, MXFP4 experts: ~5.8 GB
 Time: four engines per architecture (no EP with graphs and eager, LL with graphs, HT),
 ~60-100 s each with torch.compile at these sizes, DeepSeek-V3's first FP8 engine about
 two minutes more in JIT builds: more than one 600 s device call with the ~150 s a fresh
@@ -60,9 +60,7 @@ from vllm_flashinfer_ep.model_shape import read_shape
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-# Refused at config time on both backends, with the reason (test_model_matrix_configs.py).
-REFUSED = {"gpt-oss-120b": "MXFP4 expert weights"}
-GPU_MODELS = [name for name in MODELS if name not in REFUSED]
+GPU_MODELS = list(MODELS)  # every one accepted on both backends (test_model_matrix_configs)
 GPU_MEMORY_UTILIZATION = 0.5
 REFERENCE_SPREAD = 0.25  # nats: the reference's prompt logprobs vary (rescaled weights)
 
@@ -176,7 +174,10 @@ def test_low_latency_with_cuda_graphs_matches_the_engine_without_ep(engines, mat
     assert load["cudagraph_mode"] != "NONE"  # vLLM's mode for the model (Llama-4: PIECEWISE)
     rt = _check_layers(load, name, LL)
     assert load["max_num_batched_tokens"] == rt["capacity"] == 256  # a dp=2 LL rank's
-    assert_switches(load)  # received-rows experts (DeepSeek-V3: or DeepGEMM's, its bound)
+    if MODELS[name].quantization == "mxfp4":  # vLLM's batched MXFP4 experts, kept
+        assert all(k.endswith("+BatchedMarlinExperts") for k in load["kernels"]), load
+    else:
+        assert_switches(load)  # received-rows experts (DeepSeek-V3: or DeepGEMM's, its bound)
     _no_handle_after_load(run)
     # eager rounds during decode (0 when every decode step replays a full graph, as for the
     # tiny model); printed, not required: the decode prompts' prefill may run piecewise

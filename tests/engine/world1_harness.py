@@ -324,33 +324,59 @@ def _power_of_two(x: float) -> float:
     return 2.0 ** round(math.log2(x))
 
 
+def _unpadded_expert_shape(name: str, param, hidden: int, inter: int) -> tuple | None:
+    """The shape the engine without EP gives expert tensor `name` (vLLM's layout before
+    process_weights_after_loading; MXFP4: two FP4 codes per byte, one E8M0 scale per 32),
+    when `param` is wider in some dimension (None: not an expert tensor, or not padded)."""
+    import torch
+
+    if param.dtype == torch.uint8:  # MXFP4
+        table = {
+            "w13_weight": (2 * inter, hidden // 2),
+            "w13_weight_scale": (2 * inter, hidden // 32),
+            "w2_weight": (hidden, inter // 2),
+            "w2_weight_scale": (hidden, inter // 32),
+        }
+    else:
+        table = {"w13_weight": (2 * inter, hidden), "w2_weight": (hidden, inter)}
+    table.update({"w13_bias": (2 * inter,), "w2_bias": (hidden,)})
+    want = table.get(name.rsplit(".", 1)[-1])
+    if want is None or param.dim() != len(want) + 1:
+        return None
+    shape = (param.shape[0], *want)
+    if shape == tuple(param.shape) or any(w > p for w, p in zip(shape, param.shape)):
+        return None
+    return shape
+
+
 def unpad_dummy_experts(model) -> dict[int, int]:
-    """LL pads a hidden size NCCL-EP lacks (gpt-oss: 2880 to 4096), and vLLM's dummy loader
-    draws other values for the wider expert tensors than for the engine without EP's. Each
-    padded one gets what vLLM draws at the model's hidden size in its leading columns and
-    zeros after them, as the padded_expert_load patch loads a checkpoint. Returns the
-    fan-in of those whose last dimension is the padded one ({id(param): hidden})."""
+    """LL pads a hidden size NCCL-EP lacks (gpt-oss: 2880 to 4096; MXFP4 experts also pad
+    their intermediate size), and vLLM's dummy loader draws other values for the wider
+    expert tensors than for the engine without EP's. Each padded one gets what vLLM draws
+    at the unpadded engine's shape in its leading block and zeros around it, as a
+    checkpoint loads. Returns the fan-in of the BF16 ones whose last dimension was padded
+    ({id(param): width})."""
     import torch
     from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
 
-    from vllm_flashinfer_ep.vllm.patches.worker import PADDED_EXPERT_DIMS
-
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    inter = getattr(config, "moe_intermediate_size", None) or getattr(
+        config, "intermediate_size", None
+    )
     fan_ins: dict[int, int] = {}
-    if hidden is None:
+    if not isinstance(hidden, int) or not isinstance(inter, int):
         return fan_ins
     for name, param in model.named_parameters():
-        dim = PADDED_EXPERT_DIMS.get(name.rsplit(".", 1)[-1])
-        if dim is None or param.dim() <= dim or param.shape[dim] <= hidden:
+        shape = _unpadded_expert_shape(name, param, hidden, inter)
+        if shape is None:
             continue
-        shape = list(param.shape)
-        shape[dim] = hidden
         drawn = torch.empty(shape, dtype=param.dtype, device=param.device)
-        initialize_single_dummy_weight(drawn, name=name)
+        initialize_single_dummy_weight(drawn, name=name.rsplit(".", 1)[-1])
         param.data.zero_()
-        param.data.narrow(dim, 0, hidden).copy_(drawn)
-        if dim == param.dim() - 1:
-            fan_ins[id(param)] = hidden
+        param.data[tuple(slice(0, n) for n in shape)].copy_(drawn)
+        if torch.is_floating_point(param) and shape[-1] != param.shape[-1]:
+            fan_ins[id(param)] = shape[-1]
     return fan_ins
 
 

@@ -100,9 +100,16 @@ def test_vllm_s_batched_deep_gemm_experts_become_the_pair_with_the_user_s_bound(
     assert ours.expects_unquantized_inputs is False  # DeepGEMM reads FP8: the prepare quantizes
 
 
-def test_bf16_layers_keep_other_experts():
+def test_bf16_layers_keep_other_experts_and_say_so_once(caplog):
+    """Weights the wing has no class for (MXFP4's BatchedMarlinExperts; vLLM's activations
+    stay BF16, quant_dtype None) keep vLLM's pick, logged once."""
+    experts._log_kept.cache_clear()
     theirs = vllm_experts(NaiveBatchedExperts, "bf16")
-    assert for_low_latency(theirs, fp8_wire=False, sent_per_rank=sent, options=None) is theirs
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            kept = for_low_latency(theirs, fp8_wire=False, sent_per_rank=sent, options=None)
+            assert kept is theirs
+    assert caplog.text.count("MoE layers run vLLM's NaiveBatchedExperts") == 1
 
 
 @pytest.mark.parametrize("cls", [NaiveBatchedExperts, type("Sub", (BatchedTritonExperts,), {})])

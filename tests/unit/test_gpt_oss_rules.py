@@ -1,9 +1,10 @@
 """gpt-oss under the two backends: what config time refuses, with the same words from the
 engine (VllmConfig, built by real vLLM 0.33.0) and from `doctor`.
 
-- MXFP4 expert weights (the checkpoints' quant_method mxfp4): refused with the reason
-  (vLLM 0.33.0's only batched MXFP4 experts, BatchedMarlinExperts, are not validated here)
-  and what to serve instead.
+- MXFP4 expert weights (the checkpoints' quant_method mxfp4) run vLLM's own MXFP4 experts:
+  under LL its batched ones (BatchedMarlinExperts), which vLLM builds from --moe-backend
+  auto only: any other value is refused at config time, in the engine and in `doctor`
+  with the same words; HT takes vLLM's pick.
 - A BF16 gpt-oss at hidden 2880 is accepted by both: LL pads the MoE weights to 4096,
   and the padded_expert_load patch loads vLLM 0.33.0's whole expert tensors
   (`_load_weights_other`, `param.copy_`) into their leading columns, the padding zeroed;
@@ -90,13 +91,17 @@ def test_online_fp8_gpt_oss_fails_in_both(tmp_path, monkeypatch, backend):
 
 
 @pytest.mark.parametrize("method", rules.MXFP4_METHODS)
-def test_mxfp4_weights_are_refused_with_the_reason_and_what_to_serve(method):
-    reason = rules.quantization_reason(LL_FLAG, method, None)
+def test_mxfp4_weights_run_vllm_s_experts_from_moe_backend_auto_under_ll(method):
+    assert rules.quantization_reason(LL_FLAG, method, None) is None
+    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, "auto") is None
+    reason = rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, "marlin")
     assert "expert weights are MXFP4" in reason and "BatchedMarlinExperts" in reason
-    assert "Serve a BF16 checkpoint" in reason and "--all2all-backend" in reason
-    assert "\n" not in reason and method not in reason.replace("mxfp4, as", "")
-    ht = rules.quantization_reason("--all2all-backend flashinfer_ep_high_throughput", method, None)
-    assert "expert weights are MXFP4" in ht and "expert-major" not in ht  # LL's layout only
+    assert "Pass --moe-backend auto" in reason and "--moe-backend marlin" in reason
+    assert "\n" not in reason and LL_FLAG in reason
+    for moe_backend in ("auto", "marlin", "triton"):  # HT: vLLM's pick
+        assert rules.mxfp4_experts_reason("x", HIGH_THROUGHPUT, method, moe_backend) is None
+    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, None, "marlin") is None
+    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, "fp8", "marlin") is None
 
 
 def test_vllm_s_gpt_oss_loader_still_copies_whole_expert_tensors():
@@ -248,9 +253,26 @@ def test_bf16_gpt_oss_is_accepted_under_both_backends(tmp_path):
     engine_config(model, HIGH_THROUGHPUT)  # HT does not pad
 
 
-def test_mxfp4_gpt_oss_fails_in_both(tmp_path, monkeypatch):
+def test_mxfp4_gpt_oss_is_accepted_and_a_flat_moe_backend_fails_in_both(tmp_path, monkeypatch):
     model = write_model(tmp_path / "gpt-oss-mxfp4", base=GPT_OSS, quantization_config=MXFP4)
-    reason = _engine_refusal(model, LOW_LATENCY)
-    assert "expert weights are MXFP4" in reason
+    for backend in (LOW_LATENCY, HIGH_THROUGHPUT):
+        config = engine_config(model, backend)
+        assert config.model_config.quantization in rules.MXFP4_METHODS
+        assert config.kernel_config.moe_backend == "auto"  # vLLM's pick, not pinned
+    engine_config(model, HIGH_THROUGHPUT, moe_backend="marlin")
+    reason = _engine_refusal(model, LOW_LATENCY, moe_backend="marlin")
+    assert "Pass --moe-backend auto" in reason
+    rc, checks = _doctor(
+        monkeypatch,
+        model,
+        "--all2all-backend",
+        LOW_LATENCY,
+        "-dp",
+        "2",
+        "-ep",
+        "--moe-backend",
+        "marlin",
+    )
+    assert rc == 1 and checks["experts"].fix == reason
     rc, checks = _doctor(monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep")
-    assert rc == 1 and checks["checkpoint precision"].fix == reason
+    assert checks["checkpoint precision"].ok and checks["experts"].ok

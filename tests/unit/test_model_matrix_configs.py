@@ -4,7 +4,7 @@
 `validate_parsed_serve_args` and `AsyncEngineArgs.create_engine_config`, as
 doctor/engine_config.py does, whose `VllmConfig.__post_init__` runs the plugin's
 validation), and the verdict the product gives today: accepted, or a refusal naming the
-model's property, the flag and what to use instead.
+model's property, the flag and what to use instead (none is refused today).
 
 Two routes, each in a subprocess (the harness patches vLLM classes for the whole process):
 "serve", stock `vllm serve` at dp=1 (vLLM runs no all2all, only the model rules apply; also
@@ -109,19 +109,18 @@ def world1(tmp_path_factory):
 ACCEPTED = (
     "deepseek-v3",
     "qwen3-235b-a22b",
+    "gpt-oss-120b-mxfp4",
     "gpt-oss-120b-bf16",
     "llama-4-scout",
     "mixtral-8x7b",
 )
-# name -> (the model's property, what to use instead), as the refusal words them
-REFUSED = {"gpt-oss-120b": ("expert weights are MXFP4", "Serve a BF16 checkpoint")}
 
 
 # name -> (hidden size, routed experts, top_k, LL fleet hidden size) of the published model
 SHAPES = {
     "deepseek-v3": (7168, 256, 8, 7168),
     "qwen3-235b-a22b": (4096, 128, 8, 4096),
-    "gpt-oss-120b": (2880, 128, 4, 4096),
+    "gpt-oss-120b-mxfp4": (2880, 128, 4, 4096),
     "gpt-oss-120b-bf16": (2880, 128, 4, 4096),
     "llama-4-scout": (5120, 16, 1, 5120),
     "mixtral-8x7b": (4096, 8, 2, 4096),
@@ -140,7 +139,7 @@ def matrix():
 
 
 def test_the_matrix_covers_every_model(matrix):
-    assert set(matrix.MODELS) == set(ACCEPTED) | set(REFUSED) == set(SHAPES)
+    assert set(matrix.MODELS) == set(ACCEPTED) == set(SHAPES)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -191,16 +190,11 @@ def test_deepseek_v3_is_served_block_fp8_as_published(world1):
         assert verdict["moe_backend"] != "auto", verdict  # FP8 experts pinned at config time
 
 
-@pytest.mark.parametrize("backend", [LL, HT])
-@pytest.mark.parametrize("route", ["serve", "world1"])
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_refused_naming_the_property_the_flag_and_what_instead(request, route, name, backend):
-    verdict = request.getfixturevalue(route)[f"{name} {backend}"]
-    prop, instead = REFUSED[name]
-    assert not verdict["accepted"], verdict
-    assert verdict["error"] == "FlashInferEPConfigError", verdict  # the plugin's, not vLLM's
-    for part in (prop, f"--all2all-backend {backend}", instead):
-        assert part in verdict["message"], (part, verdict["message"])
+def test_gpt_oss_is_served_mxfp4_as_published_on_vllm_s_experts(world1):
+    for backend in (LL, HT):
+        verdict = world1[f"gpt-oss-120b-mxfp4 {backend}"]
+        assert verdict["quantization"] == "gpt_oss_mxfp4", verdict
+        assert verdict["moe_backend"] == "auto", verdict  # vLLM's MXFP4 pick, not pinned
 
 
 def test_scout_s_published_attn_temperature_tuning_is_refused_by_vllm_itself(serve):

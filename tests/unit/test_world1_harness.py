@@ -374,24 +374,31 @@ def test_a_tensor_two_modules_share_is_rescaled_once(harness):
     assert torch.allclose(one.weight, torch.full_like(one.weight, 3**0.5 / 8))
 
 
-def _gpt_oss_experts(hidden: int):
-    """A model with gpt-oss's expert tensors at `hidden` (LL: padded to 4096) and the
-    model's config, filled as vLLM's dummy loader fills them."""
+def _gpt_oss_experts(hidden: int, inter: int = 8, mxfp4: bool = False):
+    """A model with gpt-oss's expert tensors at `hidden` and `inter` (LL pads hidden 2880
+    to 4096; MXFP4 experts pad the intermediate size too) and the model's config (hidden
+    2880, intermediate 8 / 64), filled as vLLM's dummy loader fills them."""
     import torch
     from torch import nn
     from vllm.model_executor.model_loader.weight_utils import initialize_single_dummy_weight
 
     model = nn.Module()
-    model.config = SimpleNamespace(hidden_size=2880)
+    model.config = SimpleNamespace(hidden_size=2880, intermediate_size=64 if mxfp4 else 8)
     model.experts = nn.Module()
-    for name, shape in (
-        ("w13_weight", (2, 16, hidden)),
-        ("w13_bias", (2, 16)),
-        ("w2_weight", (2, hidden, 8)),
-        ("w2_bias", (2, hidden)),
-    ):
-        param = nn.Parameter(torch.empty(shape, dtype=torch.bfloat16), requires_grad=False)
-        initialize_single_dummy_weight(param, name=f"experts.{name}")
+    if mxfp4:
+        shapes = {
+            "w13_weight": (2 * inter, hidden // 2),
+            "w13_weight_scale": (2 * inter, hidden // 32),
+            "w2_weight": (hidden, inter // 2),
+            "w2_weight_scale": (hidden, inter // 32),
+        }
+    else:
+        shapes = {"w13_weight": (2 * inter, hidden), "w2_weight": (hidden, inter)}
+    shapes.update({"w13_bias": (2 * inter,), "w2_bias": (hidden,)})
+    for name, shape in shapes.items():
+        dtype = torch.uint8 if mxfp4 and "bias" not in name else torch.bfloat16
+        param = nn.Parameter(torch.empty((2, *shape), dtype=dtype), requires_grad=False)
+        initialize_single_dummy_weight(param, name=name)
         model.experts.register_parameter(name, param)
     return model
 
@@ -409,3 +416,22 @@ def test_padded_expert_dummies_are_the_unpadded_engine_s_weights(harness):
         assert torch.equal(wide.narrow(dim, 0, 2880), want), name
         assert not wide.narrow(dim, 2880, 4096 - 2880).any(), name
     assert torch.equal(padded.experts.w13_bias, plain.experts.w13_bias)
+
+
+def test_padded_mxfp4_expert_dummies_are_the_unpadded_engine_s_bytes(harness):
+    """MXFP4 under LL: hidden 2880 padded to 4096 and the intermediate size 64 to 128 (as
+    vLLM's Marlin MXFP4 experts pad it): codes, scales and biases of the engine without
+    EP in the leading block, zeros around it."""
+    import torch
+
+    padded = _gpt_oss_experts(4096, inter=128, mxfp4=True)
+    plain = _gpt_oss_experts(2880, inter=64, mxfp4=True)
+    harness.scale_dummy_weights(padded)
+    harness.scale_dummy_weights(plain)
+    for name, want in plain.experts.named_parameters():
+        wide = getattr(padded.experts, name)
+        block = tuple(slice(0, n) for n in want.shape)
+        assert torch.equal(wide[block], want), name
+        rest = wide.clone()
+        rest[block] = 0
+        assert not rest.any(), name

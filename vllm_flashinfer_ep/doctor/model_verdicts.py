@@ -105,6 +105,10 @@ def model_checks(
         asked = settings.moe_backend
         why = fp8_choice.unquantized_experts_reason(flag, backend, asked)
         checks.append(Check("experts", why is None, f"--moe-backend {asked}", why or ""))
+    if method in rules.MXFP4_METHODS:
+        asked = settings.moe_backend
+        why = rules.mxfp4_experts_reason(flag, backend, method, asked)
+        checks.append(Check("experts", why is None, f"MXFP4, --moe-backend {asked}", why or ""))
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.
         tokens = (memory.lowered_to if memory else None) or settings.tokens

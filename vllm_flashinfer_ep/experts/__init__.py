@@ -67,6 +67,7 @@ def for_low_latency(
                 f"DeepGEMM experts; the selected experts are {type(experts).__name__}. Pass "
                 "--moe-backend triton."
             )
+        _log_kept(type(experts).__name__)
         return experts
     built = cls.in_place_of(
         experts, fp8_wire=fp8_wire, sent_per_rank=sent_per_rank, options=options
@@ -78,6 +79,17 @@ def for_low_latency(
         detail = small_forwards_note(built.received_rows_up_to)
     _log_replacement(type(experts).__name__, cls.__name__, detail)
     return built
+
+
+@functools.cache
+def _log_kept(theirs: str) -> None:
+    """Once per process: LL layers whose weights the wing has no class for (MXFP4's
+    BatchedMarlinExperts) run vLLM's pick."""
+    logger.info(
+        "flashinfer_ep_low_latency: MoE layers run vLLM's %s (vLLM's choice for their "
+        "weights; the received-rows experts cover BF16 and FP8)",
+        theirs,
+    )
 
 
 @functools.cache

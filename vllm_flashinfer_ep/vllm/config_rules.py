@@ -253,23 +253,30 @@ FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
 MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 
 
+def mxfp4_experts_reason(
+    flag: str, backend: str, method: str | None, moe_backend: str
+) -> str | None:
+    """Why MXFP4 expert weights (gpt-oss) cannot run with this --moe-backend. LL's
+    expert-major buffer needs vLLM's batched MXFP4 experts, which only vLLM's automatic
+    choice builds (fused_moe/oracle/mxfp4.py: BATCHED_MARLIN; `marlin` and the others map to
+    flat-layout experts). HT takes vLLM's pick (its monolithic kernels are excluded under
+    all2all by vLLM itself)."""
+    if method not in MXFP4_METHODS or backend != backends.LOW_LATENCY or moe_backend == "auto":
+        return None
+    return (
+        f"{flag}: this model's expert weights are MXFP4, and LL's expert-major buffer needs "
+        "vLLM's batched MXFP4 experts (BatchedMarlinExperts), which vLLM builds only from "
+        f"--moe-backend auto; --moe-backend {moe_backend} builds experts of the flat layout. "
+        "Pass --moe-backend auto, or use --all2all-backend flashinfer_ep_high_throughput."
+    )
+
+
 def quantization_reason(flag: str, method: str | None, block: Any) -> str | None:
     """Why the model's quantization (FP8_METHODS; `block`: weight_block_size) is refused."""
     if not method:
         return None
     if method in MXFP4_METHODS:
-        experts = (
-            "vLLM 0.33.0's only MXFP4 experts for the expert-major layout "
-            "(BatchedMarlinExperts) compute every row of the buffer and have"
-            if "low_latency" in flag
-            else "vLLM's MXFP4 experts have"
-        )
-        return (
-            f"{flag} runs BF16 and FP8 MoE weights; this model's expert weights are MXFP4 "
-            f"(quant_method mxfp4, as gpt-oss checkpoints ship them). {experts} not been "
-            "validated with this backend. Serve a BF16 checkpoint of the model, or pick "
-            "another --all2all-backend (e.g. deepep_low_latency)."
-        )
+        return None  # vLLM's MXFP4 experts (mxfp4_experts_reason)
     if method not in FP8_METHODS:
         return (
             f"{flag} runs BF16 and FP8 ({', '.join(FP8_METHODS)}) MoE models; this model is "

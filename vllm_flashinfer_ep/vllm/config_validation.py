@@ -16,6 +16,7 @@ from vllm_flashinfer_ep.model_shape import ModelShape
 from vllm_flashinfer_ep.runtime import buffer_sizes, env_checks
 from vllm_flashinfer_ep.vllm import config_rules
 from vllm_flashinfer_ep.vllm.config_rules import (
+    MXFP4_METHODS,
     dtype_reason,
     ep_world_size,
     fault_tolerance_reason,
@@ -23,6 +24,7 @@ from vllm_flashinfer_ep.vllm.config_rules import (
     hidden_reason,
     ht_tokens_verdict,
     ll_memory_verdict,
+    mxfp4_experts_reason,
     quantization_reason,
     rdma_buffer_reason,
     top_k_reason,
@@ -266,11 +268,17 @@ def _check_unquantized_experts(vllm_config: Any, backend: str, flag: str) -> Non
 
 
 def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
-    """FP8 MoE layers: --moe-backend checked (`fp8_experts_reason`), auto pinned, logged."""
+    """FP8 MoE layers: --moe-backend checked (`fp8_experts_reason`), auto pinned, logged.
+    MXFP4 layers: --moe-backend checked (`mxfp4_experts_reason`), vLLM's pick kept."""
     model, kernel = vllm_config.model_config, getattr(vllm_config, "kernel_config", None)
     if not getattr(model, "quantization", None) or kernel is None:
         return
     if getattr(model, "is_moe", True) is False:
+        return
+    if model.quantization in MXFP4_METHODS:
+        reason = mxfp4_experts_reason(flag, backend, model.quantization, kernel.moe_backend)
+        if reason is not None:
+            raise FlashInferEPConfigError(reason)
         return
     shape = model_shape.from_vllm_config(vllm_config)
     sched = vllm_config.scheduler_config
