@@ -91,17 +91,28 @@ def test_online_fp8_gpt_oss_fails_in_both(tmp_path, monkeypatch, backend):
 
 
 @pytest.mark.parametrize("method", rules.MXFP4_METHODS)
-def test_mxfp4_weights_run_vllm_s_experts_from_moe_backend_auto_under_ll(method):
+def test_mxfp4_weights_run_vllm_s_batched_experts_under_ll(method):
     assert rules.quantization_reason(LL_FLAG, method, None) is None
-    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, "auto") is None
-    reason = rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, "marlin")
+    for asked in ("auto", "marlin"):  # both build BatchedMarlinExperts under the batched format
+        assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, asked) is None
+    reason = rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, "triton")
     assert "expert weights are MXFP4" in reason and "BatchedMarlinExperts" in reason
-    assert "Pass --moe-backend auto" in reason and "--moe-backend marlin" in reason
+    assert "Pass --moe-backend auto" in reason and "--moe-backend triton" in reason
     assert "\n" not in reason and LL_FLAG in reason
-    for moe_backend in ("auto", "marlin", "triton"):  # HT: vLLM's pick
-        assert rules.mxfp4_experts_reason("x", HIGH_THROUGHPUT, method, moe_backend) is None
-    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, None, "marlin") is None
-    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, "fp8", "marlin") is None
+    lora = rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, method, "auto", lora=True)
+    assert "do not support LoRA" in lora and "Drop --enable-lora" in lora
+    for asked in ("auto", "marlin", "triton"):  # HT: vLLM's pick
+        assert rules.mxfp4_experts_reason("x", HIGH_THROUGHPUT, method, asked, lora=True) is None
+    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, None, "triton") is None
+    assert rules.mxfp4_experts_reason(LL_FLAG, LOW_LATENCY, "fp8", "triton") is None
+
+
+def test_vllm_turns_marlin_into_its_batched_mxfp4_experts_under_the_batched_format():
+    """The rule's premise, read from vLLM 0.33.0's MXFP4 oracle."""
+    from vllm.model_executor.layers.fused_moe.oracle import mxfp4
+
+    source = inspect.getsource(mxfp4)
+    assert "Mxfp4MoeBackend.BATCHED_MARLIN if b == Mxfp4MoeBackend.MARLIN else b" in source
 
 
 def test_vllm_s_gpt_oss_loader_still_copies_whole_expert_tensors():
@@ -259,8 +270,9 @@ def test_mxfp4_gpt_oss_is_accepted_and_a_flat_moe_backend_fails_in_both(tmp_path
         config = engine_config(model, backend)
         assert config.model_config.quantization in rules.MXFP4_METHODS
         assert config.kernel_config.moe_backend == "auto"  # vLLM's pick, not pinned
-    engine_config(model, HIGH_THROUGHPUT, moe_backend="marlin")
-    reason = _engine_refusal(model, LOW_LATENCY, moe_backend="marlin")
+    engine_config(model, HIGH_THROUGHPUT, moe_backend="triton")
+    engine_config(model, LOW_LATENCY, moe_backend="marlin")
+    reason = _engine_refusal(model, LOW_LATENCY, moe_backend="triton")
     assert "Pass --moe-backend auto" in reason
     rc, checks = _doctor(
         monkeypatch,
@@ -271,8 +283,10 @@ def test_mxfp4_gpt_oss_is_accepted_and_a_flat_moe_backend_fails_in_both(tmp_path
         "2",
         "-ep",
         "--moe-backend",
-        "marlin",
+        "triton",
     )
     assert rc == 1 and checks["experts"].fix == reason
+    lora = _engine_refusal(model, LOW_LATENCY, enable_lora=True)
+    assert "do not support LoRA" in lora
     rc, checks = _doctor(monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep")
     assert checks["checkpoint precision"].ok and checks["experts"].ok

@@ -253,22 +253,35 @@ FP8_METHODS = CHECKPOINT_FP8 + ONLINE_FP8
 MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 
 
+# --moe-backend values whose MXFP4 experts read LL's expert-major buffer: vLLM's oracle
+# (fused_moe/oracle/mxfp4.py) picks BATCHED_MARLIN from `auto`, and turns `marlin` into it
+# under the batched format; the other values build experts of the flat layout only.
+MXFP4_LL_MOE_BACKENDS = ("auto", "marlin")
+
+
 def mxfp4_experts_reason(
-    flag: str, backend: str, method: str | None, moe_backend: str
+    flag: str, backend: str, method: str | None, moe_backend: str, lora: bool = False
 ) -> str | None:
-    """Why MXFP4 expert weights (gpt-oss) cannot run with this --moe-backend. LL's
-    expert-major buffer needs vLLM's batched MXFP4 experts, which only vLLM's automatic
-    choice builds (fused_moe/oracle/mxfp4.py: BATCHED_MARLIN; `marlin` and the others map to
-    flat-layout experts). HT takes vLLM's pick (its monolithic kernels are excluded under
-    all2all by vLLM itself)."""
-    if method not in MXFP4_METHODS or backend != backends.LOW_LATENCY or moe_backend == "auto":
+    """Why MXFP4 expert weights (gpt-oss) cannot run under LL with this --moe-backend (or
+    with LoRA: vLLM's batched MXFP4 experts have none). HT takes vLLM's pick (its
+    monolithic kernels are excluded under all2all by vLLM itself)."""
+    if method not in MXFP4_METHODS or backend != backends.LOW_LATENCY:
         return None
-    return (
-        f"{flag}: this model's expert weights are MXFP4, and LL's expert-major buffer needs "
-        "vLLM's batched MXFP4 experts (BatchedMarlinExperts), which vLLM builds only from "
-        f"--moe-backend auto; --moe-backend {moe_backend} builds experts of the flat layout. "
-        "Pass --moe-backend auto, or use --all2all-backend flashinfer_ep_high_throughput."
-    )
+    if moe_backend not in MXFP4_LL_MOE_BACKENDS:
+        return (
+            f"{flag}: this model's expert weights are MXFP4, and LL's expert-major buffer "
+            "needs vLLM's batched MXFP4 experts (BatchedMarlinExperts), which vLLM builds "
+            f"from --moe-backend auto or marlin; --moe-backend {moe_backend} builds experts "
+            "of the flat layout. Pass --moe-backend auto, or use --all2all-backend "
+            "flashinfer_ep_high_throughput."
+        )
+    if lora:
+        return (
+            f"{flag}: this model's expert weights are MXFP4, and vLLM's batched MXFP4 experts "
+            "(BatchedMarlinExperts, the ones LL's expert-major buffer needs) do not support "
+            "LoRA. Drop --enable-lora, or use --all2all-backend flashinfer_ep_high_throughput."
+        )
+    return None
 
 
 def quantization_reason(flag: str, method: str | None, block: Any) -> str | None:

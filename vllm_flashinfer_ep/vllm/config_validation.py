@@ -276,7 +276,10 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     if getattr(model, "is_moe", True) is False:
         return
     if model.quantization in MXFP4_METHODS:
-        reason = mxfp4_experts_reason(flag, backend, model.quantization, kernel.moe_backend)
+        lora = getattr(vllm_config, "lora_config", None) is not None
+        reason = mxfp4_experts_reason(
+            flag, backend, model.quantization, kernel.moe_backend, lora=lora
+        )
         if reason is not None:
             raise FlashInferEPConfigError(reason)
         return
