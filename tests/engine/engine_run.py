@@ -272,16 +272,22 @@ def _profile(llm: Any, p: dict[str, Any], vocab: int) -> str:
     return table
 
 
-def _mix(llm: Any, p: dict[str, Any], vocab: int, long_len: int) -> float:
+def _mix(llm: Any, p: dict[str, Any], vocab: int, long_len: int, salt: int) -> float:
     """One generate of `decodes` short prompts decoding `max_tokens` each and, when
     long_len > 0, one prompt of long_len tokens (one output token) listed last: the
     scheduler prefills the short prompts first, then chunks the long one into the
-    decodes' steps (budget minus decodes per step). Returns its wall seconds."""
+    decodes' steps (budget minus decodes per step). Returns its wall seconds.
+
+    Every call's prompts are new (`salt`): vLLM's prefix cache is on by default, and a
+    prompt seen before would skip its prefill, leaving no chunk to measure."""
+    import random
+
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     def tokens(i: int, n: int) -> list[int]:
-        return [2 + (7 * i + 13 * j) % (vocab - 2) for j in range(n)]
+        rng = random.Random(f"{salt}/{i}")
+        return [rng.randrange(2, vocab) for _ in range(n)]
 
     decodes = p["decodes"]
     prompts = [TokensPrompt(prompt_token_ids=tokens(i, p["prompt_len"])) for i in range(decodes)]
@@ -301,23 +307,30 @@ def _profile_mixed(llm: Any, p: dict[str, Any], vocab: int) -> dict[str, Any]:
     """Issue 50's mixed step: what one long prompt's prefill chunks add to the decode steps
     they ride in, per MoE layer and chunk step (GPU time by kind of kernel, and the wall
     time the host adds), from a profiled run with the prompt less one without it."""
+    import itertools
+
     import torch
     from profile_breakdown import added, breakdown, from_profiler, table
     from torch.profiler import ProfilerActivity, profile
 
     long_len, chunk = p["long_prompt_len"], p["chunk"]
     steps = -(-long_len // chunk)  # chunk steps the long prompt's prefill takes
+    salts = itertools.count()  # new prompts in every generate (`_mix`)
+
+    def mix(length: int) -> float:
+        return _mix(llm, p, vocab, length, next(salts))
+
     for length in (long_len, 0):
-        _mix(llm, p, vocab, length)  # warm both shapes of step
+        mix(length)  # warm both shapes of step
 
     def profiled(length: int):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            seconds = _mix(llm, p, vocab, length)
+            seconds = mix(length)
             torch.cuda.synchronize()
         return from_profiler(prof), seconds
 
     (mixed, t_mixed), (plain, t_plain) = profiled(long_len), profiled(0)
-    walls = [(_mix(llm, p, vocab, long_len), _mix(llm, p, vocab, 0)) for _ in range(3)]
+    walls = [(mix(long_len), mix(0)) for _ in range(3)]
     wall_added = min(a for a, _ in walls) - min(b for _, b in walls)
     parts = breakdown(added(mixed, plain), p["moe_layers"], steps)
     gpu_added = sum(entry["us"] for entry in parts.values())

@@ -13,10 +13,12 @@ bench_engine.py's FULL_DECODE_ONLY graphs without torch.compile. No step budget 
 unless --max-num-batched-tokens says so: each engine runs with what vLLM and the package
 resolve, read back from the worker. For each dataset, one unmeasured wave at its top
 concurrency first (JIT builds out of the figures), then for each concurrency `vllm bench
-serve` sends the random dataset (fixed lengths, --ignore-eos); the row keeps output
-tok/s, TTFT and TPOT median and p99. After load and after every row the worker's handle counters are
-read through vLLM's /collective_rpc (VLLM_SERVER_DEV_MODE=1, the harness's probe method):
-a row during which any handle was created fails, as does a failed request.
+serve` sends the random dataset (fixed lengths, --ignore-eos, a seed of its own per wave);
+the row keeps output tok/s, TTFT and TPOT median and p99. After load and after every row
+the worker's handle counters are read through vLLM's /collective_rpc
+(VLLM_SERVER_DEV_MODE=1, the harness's probe method): a row during which any handle was
+created fails, as do a failed request and a wave whose prompts the server's prefix cache
+found (/metrics: its prefill would not have run).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -92,9 +96,15 @@ def serve_args(config: str, compilation: str, shape: str, tokens: int | None = N
     return args
 
 
-def bench_args(input_len: int, output_len: int, concurrency: int, prompts: int) -> list[str]:
-    """`vllm bench serve`'s load arguments (recorded per dataset)."""
+def bench_args(
+    input_len: int, output_len: int, concurrency: int, prompts: int, seed: int
+) -> list[str]:
+    """`vllm bench serve`'s load arguments (recorded per dataset). `seed`: the random
+    dataset's; with one seed every wave would send the same prompts again, and vLLM's
+    prefix cache (on by default) would skip their prefill."""
     return [
+        "--seed",
+        str(seed),
         "--dataset-name",
         "random",
         "--random-input-len",
@@ -245,20 +255,23 @@ def _run(args, work: Path) -> int:
             }
             print(f"{args.config}: up in {record['startup_seconds']} s: {record['resolved']}")
             out.write_text(json.dumps(doc, indent=1))
-            for dataset, c, prompts, warm in plan(args.datasets, args.warm_only, args.warm_wave):
+            for wave in plan(args.datasets, args.warm_only, args.warm_wave):
+                dataset, c, warm = wave.dataset, wave.concurrency, wave.warm
                 input_len, output_len, _ = DATASETS[dataset]
                 data = record["datasets"].setdefault(
                     dataset, {"input_len": input_len, "output_len": output_len, "rows": {}}
                 )
-                load = bench_args(input_len, output_len, c, prompts)
+                load = bench_args(input_len, output_len, c, wave.prompts, wave.seed)
                 data.setdefault("bench_args", {})["warm_wave" if warm else str(c)] = load
                 result = work / f"bench-{dataset}-c{c}{'-warm' if warm else ''}.json"
+                cache_before = prefix_cache(port)
                 why = _drive(model, port, load, result, deadline, server)
                 if why:
                     print(f"PROBLEM {dataset} concurrency {c}: {why}")
                     return 1
                 before, last = last, probe(port)  # this wave's handles: any fails it
                 row = check_row(keep(json.loads(result.read_text())), before, last)
+                check_prefill(row, cache_before, prefix_cache(port))
                 if warm:
                     data["warm_wave"] = row
                 else:
@@ -274,16 +287,56 @@ def _run(args, work: Path) -> int:
     return 1 if bad else 0
 
 
-def plan(datasets: list[str], warm_only: bool, warm_wave: bool) -> list[tuple]:
-    """(dataset, concurrency, requests, unmeasured) in order: first one unmeasured wave per
-    dataset at its top concurrency (Triton's JIT and vLLM's first steps of each shape
-    out of the figures), then the measured levels unless only warming up."""
+class Wave(NamedTuple):
+    dataset: str
+    concurrency: int
+    prompts: int
+    warm: bool  # unmeasured
+    seed: int  # the random dataset's: one per wave of a run, so no prompt comes twice
+
+
+def plan(datasets: list[str], warm_only: bool, warm_wave: bool) -> list[Wave]:
+    """The waves in order: first one unmeasured wave per dataset at its top concurrency
+    (Triton's JIT and vLLM's first steps of each shape out of the figures), then the
+    measured levels unless only warming up."""
     waves = []
     if warm_wave or warm_only:
         waves += [(d, max(DATASETS[d][2]), max(DATASETS[d][2]), True) for d in datasets]
     if not warm_only:
         waves += [(d, c, n, False) for d in datasets for c, n in DATASETS[d][2].items()]
-    return waves
+    return [Wave(*w, seed=i) for i, w in enumerate(waves, start=1)]
+
+
+# A wave whose prompt tokens the server found in its prefix cache beyond this share did
+# not prefill what it sent (random prompts collide on a block now and then, no more).
+PREFIX_HIT_LIMIT = 0.02
+
+
+def prefix_cache(port: int) -> tuple[float, float]:
+    """(hit, queried) prompt tokens of the server's prefix cache so far (/metrics)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        return prefix_cache_counts(r.read().decode())
+
+
+def prefix_cache_counts(metrics: str) -> tuple[float, float]:
+    """vLLM's `vllm:prefix_cache_hits` and `_queries` counters, summed over engines."""
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for line in metrics.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
+
+
+def check_prefill(row: dict, before: tuple[float, float], after: tuple[float, float]) -> dict:
+    """Mark `row` with its prefix-cache hit share (None: the server looked nothing up, as
+    with prefix caching off); above PREFIX_HIT_LIMIT it fails."""
+    hits, queries = after[0] - before[0], after[1] - before[1]
+    row["prefix_cache_hit_share"] = share = hits / queries if queries else None
+    if share is not None and share > PREFIX_HIT_LIMIT:
+        why = f"prefix cache hits: {share:.1%} of the prompt tokens (prompts sent again)"
+        row["problem"] = "; ".join(p for p in (row.get("problem"), why) if p)
+    return row
 
 
 def _drive(model, port, load, result: Path, deadline: float, server) -> str | None:

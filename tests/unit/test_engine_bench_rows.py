@@ -200,3 +200,36 @@ def test_the_table_sets_eager_ll_against_eager_no_ep():
     text = table("qwen3-30b-a3b", [1, 8], rows)
     assert "ll_eager / no_ep_eager" in text
     assert "| 8 | 200 | 100 | 0.50 |" in text
+
+
+def test_no_prompt_of_the_mixed_profile_is_seen_twice(monkeypatch):
+    """vLLM's prefix cache is on by default: a long prompt issued again would skip its
+    prefill, and the profile would measure decodes against decodes."""
+    import contextlib
+
+    import profile_breakdown
+    import torch
+    from engine_run import _profile_mixed
+
+    class Engine:
+        def __init__(self):
+            self.calls: list[list[list[int]]] = []
+
+        def generate(self, prompts, params, use_tqdm):
+            assert len(prompts) == len(params)
+            self.calls.append([list(p["prompt_token_ids"]) for p in prompts])
+
+    monkeypatch.setattr(torch.profiler, "profile", lambda **_: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    for name in ("from_profiler", "added"):
+        monkeypatch.setattr(profile_breakdown, name, lambda *a: [])
+    monkeypatch.setattr(profile_breakdown, "breakdown", lambda *a: {})
+    monkeypatch.setattr(profile_breakdown, "table", lambda *a, **k: "")
+    engine = Engine()
+    p = {"decodes": 3, "prompt_len": 20, "max_tokens": 8, "long_prompt_len": 300}
+    _profile_mixed(engine, {**p, "chunk": 100, "moe_layers": 2}, vocab=151936)
+
+    assert [len(c) for c in engine.calls] == [4, 3] * 5  # warm-up, profiled, 3 wall pairs
+    assert all(len(c[-1]) == 300 for c in engine.calls[::2])
+    first_blocks = [tuple(prompt[:16]) for call in engine.calls for prompt in call]
+    assert len(set(first_blocks)) == len(first_blocks)  # no prefix-cache hit, even a block

@@ -39,11 +39,12 @@ def _vllm_parser(which: str):
 
 
 def test_vllm_bench_serve_accepts_the_command():
-    load = serve_bench.bench_args(2048, 256, 32, 128)
+    load = serve_bench.bench_args(2048, 256, 32, 128, seed=7)
     cmd = serve_bench.bench_command("/m", 8765, load, Path("/tmp/r/x.json"))
     assert cmd[2:5] == ["vllm.entrypoints.cli.main", "bench", "serve"]
     parsed = _vllm_parser("bench").parse_args(cmd[5:])
     assert (parsed.max_concurrency, parsed.num_prompts, parsed.dataset_name) == (32, 128, "random")
+    assert parsed.seed == 7
     assert (parsed.random_input_len, parsed.random_output_len, parsed.ignore_eos) == (
         2048,
         256,
@@ -91,8 +92,8 @@ def test_a_budget_is_passed_only_when_asked():
 def test_warm_waves_come_first_and_alone_under_warm_only():
     both = ["256x64", "2048x256"]
     waves = serve_bench.plan(both, warm_only=False, warm_wave=True)
-    assert waves[:2] == [("256x64", 128, 128, True), ("2048x256", 32, 32, True)]
-    assert [(d, c) for d, c, _, w in waves if not w] == [
+    assert [w[:4] for w in waves[:2]] == [("256x64", 128, 128, True), ("2048x256", 32, 32, True)]
+    assert [(w.dataset, w.concurrency) for w in waves if not w.warm] == [
         ("256x64", 1),
         ("256x64", 8),
         ("256x64", 32),
@@ -101,7 +102,64 @@ def test_warm_waves_come_first_and_alone_under_warm_only():
         ("2048x256", 32),
     ]
     assert serve_bench.plan(both, warm_only=True, warm_wave=False) == waves[:2]
-    assert all(not w for *_, w in serve_bench.plan(["256x64"], False, False))
+    assert all(not w.warm for w in serve_bench.plan(["256x64"], False, False))
+
+
+def test_every_wave_of_a_run_sends_new_prompts():
+    """vLLM's random dataset draws the same prompts from the same seed, and the server's
+    prefix cache (on by default) would skip their prefill: one seed per wave."""
+    import numpy as np
+    from vllm.benchmarks.datasets.utils import get_sampling_params
+
+    waves = serve_bench.plan(["256x64", "2048x256"], warm_only=False, warm_wave=True)
+    seeds = [w.seed for w in waves]
+    assert len(set(seeds)) == len(seeds)
+
+    class Tokenizer:
+        vocab_size = 151936
+
+        @staticmethod
+        def num_special_tokens_to_add():
+            return 0
+
+    # request i's prompt is (offset_i + i + arange(len)) % vocab: the offsets tell prompts apart
+    offsets = [
+        get_sampling_params(np.random.default_rng(w.seed), w.prompts, 0.0, 256, 64, Tokenizer)[2]
+        for w in waves
+    ]
+    starts = [int(o + i) % Tokenizer.vocab_size for off in offsets for i, o in enumerate(off)]
+    assert len(set(starts)) > 0.99 * len(starts)
+
+
+def test_a_wave_whose_prompts_hit_the_prefix_cache_fails():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    hits = Counter("vllm:prefix_cache_hits", "", labels, registry=registry)
+    queries = Counter("vllm:prefix_cache_queries", "", labels, registry=registry)
+    queries.labels("moe", "0").inc(1000)
+    before = serve_bench.prefix_cache_counts(generate_latest(registry).decode())
+    assert before == (0.0, 1000.0)
+
+    queries.labels("moe", "0").inc(50_000)
+    hits.labels("moe", "0").inc(500)  # 1 %: random prompts sharing a block
+    fresh = serve_bench.prefix_cache_counts(generate_latest(registry).decode())
+    row = serve_bench.check_prefill({"completed": 8, "num_prompts": 8}, before, fresh)
+    assert row["prefix_cache_hit_share"] == 0.01 and "problem" not in row
+
+    queries.labels("moe", "0").inc(50_000)
+    hits.labels("moe", "0").inc(40_000)  # the prompts came again
+    again = serve_bench.prefix_cache_counts(generate_latest(registry).decode())
+    row = serve_bench.check_prefill({"completed": 8, "num_prompts": 8}, fresh, again)
+    doc = {"runs": [{"config": "ll", "compilation": "default", "datasets": {}}]}
+    doc["runs"][0]["datasets"]["256x64"] = {"rows": {"8": row}}
+    assert serve_bench.problems(doc) == [
+        "ll/default 256x64 concurrency 8: prefix cache hits: 80.0% of the prompt tokens "
+        "(prompts sent again)"
+    ]
+    off = serve_bench.check_prefill({}, (0.0, 0.0), (0.0, 0.0))  # prefix caching off
+    assert off == {"prefix_cache_hit_share": None}
 
 
 # --------------------------------------------------------------------------- table
@@ -247,9 +305,12 @@ def test_merge_from_the_command_line(tmp_path, capsys):
 # --------------------------------------------------------------- a run on stand-ins
 
 
-def _stand_ins(monkeypatch, probes: list[dict], server_exits_at: int | None = None):
+def _stand_ins(
+    monkeypatch, probes: list[dict], server_exits_at: int | None = None, repeats: bool = False
+):
     """A server that is always up (unless it exits after `server_exits_at` benches), a
-    `vllm bench serve` that writes a result JSON, and the worker's answers in turn."""
+    `vllm bench serve` that writes a result JSON, the worker's answers in turn, and the
+    server's prefix cache, which finds half of each wave's prompt tokens when `repeats`."""
     import contextlib
 
     class Proc:
@@ -272,11 +333,17 @@ def _stand_ins(monkeypatch, probes: list[dict], server_exits_at: int | None = No
         folder = cmd[cmd.index("--result-dir") + 1]
         name = cmd[cmd.index("--result-filename") + 1]
         prompts = int(cmd[cmd.index("--num-prompts") + 1])
+        bench.seeds.append(cmd[cmd.index("--seed") + 1])
         (Path(folder) / name).write_text(json.dumps(_row(prompts=prompts) | {"itl": [1]}))
         return type("Done", (), {"returncode": 0})()
 
-    bench.envs = []
+    bench.envs, bench.seeds = [], []
     answers = iter(probes)
+    monkeypatch.setattr(
+        serve_bench,
+        "prefix_cache",
+        lambda port: (500.0 * Proc.benches * repeats, 1000.0 * Proc.benches),
+    )
     monkeypatch.setattr(serve_bench.serve_process, "served", served)
     monkeypatch.setattr(serve_bench.subprocess, "run", bench)
     monkeypatch.setattr(serve_bench, "probe", lambda port: next(answers))
@@ -309,6 +376,17 @@ def test_a_run_records_the_worker_s_budget_and_each_row(tmp_path, monkeypatch, c
     assert list(data["rows"]) == ["1", "8"] and data["warm_wave"]["num_prompts"] == 8
     assert served.env["VLLM_SERVER_DEV_MODE"] == "1"
     assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in bench.envs)
+    assert len(set(bench.seeds)) == len(bench.seeds) == 3
+    assert data["rows"]["8"]["prefix_cache_hit_share"] == 0.0
+
+
+def test_prompts_the_prefix_cache_finds_fail_the_run(tmp_path, monkeypatch, capsys):
+    _stand_ins(monkeypatch, [PROBES["at_load"]] * 4, repeats=True)
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", "no_ep")
+    assert rc == 1
+    rows = json.loads(out.read_text())["runs"][0]["datasets"]["256x64"]["rows"]
+    assert rows["1"]["prefix_cache_hit_share"] == 0.5
+    assert "concurrency 1: prefix cache hits: 50.0%" in capsys.readouterr().out
 
 
 def test_a_handle_made_while_serving_fails_its_row_and_the_run(tmp_path, monkeypatch, capsys):
