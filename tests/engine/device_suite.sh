@@ -15,7 +15,8 @@
 #          bench-30b-fp8-CONFIG (FP8 engines of bench_engine.CONFIGS, comma-separated: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton, ll_graph_deepgemm_only)
 #          serve-bench-ll serve-bench-noep (issue 46's runs: FULL_DECODE_ONLY, no torch.compile, budget 256, 256/64)
 #          serve-CONFIG-DATASET[-decode-only] (vllm serve + vllm bench serve, one call each; CONFIG noep ll ht,
-#          DATASET 256x64 2048x256 all; vLLM's default compilation unless -decode-only), serve-warm-CONFIG[-decode-only]
+#          DATASET 256x64 2048x256 all; vLLM's default compilation unless -decode-only; SERVE_TOKENS=N passes
+#          --max-num-batched-tokens N), serve-warm-CONFIG[-decode-only]
 #          (start, one unmeasured wave per dataset, stop: compile and JIT caches for later calls);
 #          tests/engine/serve_bench.py --merge joins their serve_*.json into one file and table
 #          multigpu-kernels multigpu-ll multigpu-ht multigpu-eplb multigpu-ft-retry multigpu-ft-kill
@@ -210,8 +211,10 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
       suffix=_budget256
       if [ "$step" = "${step#serve-bench-}" ]; then  # serve-[warm-]CONFIG[-DATASET][-decode-only]
         name=${step#serve-}; extra=(); comp=default; suffix=
+        # SERVE_TOKENS=N: pass --max-num-batched-tokens N (default: none, each engine's own)
+        [ -n "${SERVE_TOKENS:-}" ] && extra=(--max-num-batched-tokens "$SERVE_TOKENS") && suffix=_budget$SERVE_TOKENS
         [ "$name" != "${name%-decode-only}" ] && comp=decode-only && name=${name%-decode-only}
-        if [ "$name" != "${name#warm-}" ]; then name=${name#warm-}; ds=all; extra=(--warm-only)
+        if [ "$name" != "${name#warm-}" ]; then name=${name#warm-}; ds=all; extra=(--warm-only "${extra[@]}")
         else ds=${name#*-}; name=${name%%-*}; fi
       fi
       cfg=$name; [ "$cfg" = noep ] && cfg=no_ep

@@ -197,7 +197,7 @@ def problems(doc: dict, log_text: str = "") -> list[str]:
     marks), a server log line saying a round ran off the pool."""
     found = []
     for run in doc["runs"]:
-        name = f"{run['config']}/{run['compilation']}"
+        name = f"{label(run)}/{run['compilation']}"
         for dataset, data in run["datasets"].items():
             for c, r in data["rows"].items():
                 where = f"{name} {dataset} concurrency {c}"
@@ -373,10 +373,28 @@ def _as_doc(doc: dict) -> dict:
     return {"runs": [run], "note": doc.get("note")}
 
 
+def label(run: dict) -> str:
+    """A run's name in tables: its configuration, with the step budget where one was
+    passed (`ll@2048`), so one configuration at several budgets can sit side by side."""
+    asked = run.get("budget", {}).get("asked")
+    return run["config"] if asked is None else f"{run['config']}@{asked}"
+
+
+def _labels(runs: dict[tuple[str, str], dict], comp: str) -> list[str]:
+    """The labels of one compilation's runs, in CONFIGS order, then by budget asked."""
+
+    def order(name: str) -> tuple:
+        run = runs[(name, comp)]
+        asked = run.get("budget", {}).get("asked")
+        return CONFIGS.index(run["config"]), asked is not None, asked or 0
+
+    return sorted((n for n, c in runs if c == comp), key=order)
+
+
 def merge(docs: list[dict]) -> dict:
     """One results file from several runs' files (one shape, one card): a later file's
-    run of the same configuration and compilation replaces its datasets. Warm-ups are
-    left out."""
+    run of the same configuration, budget asked and compilation replaces its datasets.
+    Warm-ups are left out."""
     runs: dict[tuple[str, str], dict] = {}
     notes = []
     for doc in map(_as_doc, docs):
@@ -384,7 +402,7 @@ def merge(docs: list[dict]) -> dict:
         for run in doc["runs"]:
             if run.get("warm_up"):
                 continue
-            key = (run["config"], run["compilation"])
+            key = (label(run), run["compilation"])
             if key in runs:
                 run = {**runs[key], **run, "datasets": {**runs[key]["datasets"], **run["datasets"]}}
             runs[key] = run
@@ -403,11 +421,13 @@ def _ratio(a, b) -> str:
 def table(doc: dict) -> str:
     """Markdown per compilation and dataset: each configuration's output tok/s, TPOT
     median and TTFT p99, EP configurations with their ratio to no EP in brackets, and
-    every run's step budget; a failed row says FAILED instead of figures."""
-    runs = {(r["config"], r["compilation"]): r for r in _as_doc(doc)["runs"]}
+    every run's step budget; a failed row says FAILED instead of figures. The reference
+    is no EP's run with no budget asked where there is one."""
+    runs = {(label(r), r["compilation"]): r for r in _as_doc(doc)["runs"]}
     out = []
     for comp in COMPILATIONS:
-        names = [c for c in CONFIGS if (c, comp) in runs]
+        names = _labels(runs, comp)
+        ref_name = next((n for n in names if runs[(n, comp)]["config"] == "no_ep"), None)
         datasets = [d for d in DATASETS if any(d in runs[(c, comp)]["datasets"] for c in names)]
         for dataset in datasets:
             budgets = ", ".join(
@@ -428,11 +448,11 @@ def table(doc: dict) -> str:
             levels = sorted({int(k) for r in rows.values() for k in r})
             for level in levels:
                 got = {c: rows[c].get(str(level)) for c in names}
-                ref = got.get("no_ep") if not (got.get("no_ep") or {}).get("problem") else None
+                ref = got.get(ref_name) if not (got.get(ref_name) or {}).get("problem") else None
                 prompts = next(r["num_prompts"] for r in got.values() if r)
                 cells = [str(level), str(prompts)]
                 for c in names:
-                    cells += _cells(got[c], ref if c != "no_ep" else None)
+                    cells += _cells(got[c], ref if c != ref_name else None)
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out).rstrip()

@@ -223,6 +223,27 @@ def test_every_config_s_ratios_are_to_no_ep_and_every_budget_is_named():
     ) in text
 
 
+def test_one_configuration_at_two_budgets_sits_side_by_side():
+    """LL at vLLM's default budget and at one asked for, both against no EP's default."""
+    rows = {"256x64": {"32": _row(tput=100.0)}}
+    at = {"256x64": {"32": _row(tput=95.0)}}
+    ll_2048 = _run("ll", budget=2048, **at)
+    ll_2048["budget"]["asked"] = 2048
+    a = {
+        "runs": [
+            _run("no_ep", **rows),
+            _run("ll", budget=256, **{"256x64": {"32": _row(tput=80.0)}}),
+        ]
+    }
+    joined = serve_bench.merge([a, {"runs": [ll_2048]}])
+    assert [serve_bench.label(r) for r in joined["runs"]] == ["no_ep", "ll", "ll@2048"]
+    text = serve_bench.table(joined)
+    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ll@2048 2048" in text
+    assert "| ll@2048 out tok/s |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 32 |"))
+    assert row.split(" | ")[5] == "80 (0.80)" and row.split(" | ")[8] == "95 (0.95)"
+
+
 # ------------------------------------------------------------------------ counters
 
 
