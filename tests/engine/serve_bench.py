@@ -312,10 +312,14 @@ def plan(datasets: list[str], warm_only: bool, warm_wave: bool) -> list[Wave]:
 PREFIX_HIT_LIMIT = 0.02
 
 
-def prefix_cache(port: int) -> tuple[float, float]:
-    """(hit, queried) prompt tokens of the server's prefix cache so far (/metrics)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
-        return prefix_cache_counts(r.read().decode())
+def prefix_cache(port: int) -> tuple[float, float] | str:
+    """(hit, queried) prompt tokens of the server's prefix cache so far (/metrics), or
+    why they could not be read (the row keeps its figures and says so)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+            return prefix_cache_counts(r.read().decode())
+    except OSError as exc:
+        return f"/metrics unread: {exc}"
 
 
 def prefix_cache_counts(metrics: str) -> tuple[float, float]:
@@ -328,9 +332,13 @@ def prefix_cache_counts(metrics: str) -> tuple[float, float]:
     return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
 
 
-def check_prefill(row: dict, before: tuple[float, float], after: tuple[float, float]) -> dict:
+def check_prefill(row: dict, before: tuple | str, after: tuple | str) -> dict:
     """Mark `row` with its prefix-cache hit share (None: the server looked nothing up, as
-    with prefix caching off); above PREFIX_HIT_LIMIT it fails."""
+    with prefix caching off, or the counters were unread); above PREFIX_HIT_LIMIT it fails."""
+    unread = [x for x in (before, after) if isinstance(x, str)]
+    if unread:
+        row["prefix_cache_hit_share"], row["prefix_cache_unread"] = None, unread[0]
+        return row
     hits, queries = after[0] - before[0], after[1] - before[1]
     row["prefix_cache_hit_share"] = share = hits / queries if queries else None
     if share is not None and share > PREFIX_HIT_LIMIT:

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
 import serve_bench  # noqa: E402
 
+from tests.helpers import free_port  # noqa: E402
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY  # noqa: E402
 from vllm_flashinfer_ep.runtime.handle_pool import PoolCounters  # noqa: E402
 
@@ -160,6 +161,10 @@ def test_a_wave_whose_prompts_hit_the_prefix_cache_fails():
     ]
     off = serve_bench.check_prefill({}, (0.0, 0.0), (0.0, 0.0))  # prefix caching off
     assert off == {"prefix_cache_hit_share": None}
+    # a server without /metrics: the row keeps its figures and says the check did not run
+    unread = serve_bench.check_prefill({}, serve_bench.prefix_cache(free_port()), again)
+    assert unread["prefix_cache_hit_share"] is None and "problem" not in unread
+    assert unread["prefix_cache_unread"].startswith("/metrics unread:")
 
 
 # --------------------------------------------------------------------------- table
