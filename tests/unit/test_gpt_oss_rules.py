@@ -288,5 +288,9 @@ def test_mxfp4_gpt_oss_is_accepted_and_a_flat_moe_backend_fails_in_both(tmp_path
     assert rc == 1 and checks["experts"].fix == reason
     lora = _engine_refusal(model, LOW_LATENCY, enable_lora=True)
     assert "do not support LoRA" in lora
+    rc, checks = _doctor(
+        monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep", "--enable-lora"
+    )
+    assert rc == 1 and checks["experts"].fix == lora
     rc, checks = _doctor(monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep")
     assert checks["checkpoint precision"].ok and checks["experts"].ok

@@ -216,6 +216,7 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--ubatch-size", type=non_negative, default=0, metavar="N")
     switch(serve, "--enable-fault-tolerance")
     switch(serve, "--enable-elastic-ep")
+    switch(serve, "--enable-lora")
     serve.add_argument(
         "--speculative-config",
         type=json_object,

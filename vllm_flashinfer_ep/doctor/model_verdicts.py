@@ -107,7 +107,7 @@ def model_checks(
         checks.append(Check("experts", why is None, f"--moe-backend {asked}", why or ""))
     if method in rules.MXFP4_METHODS:
         asked = settings.moe_backend
-        why = rules.mxfp4_experts_reason(flag, backend, method, asked)
+        why = rules.mxfp4_experts_reason(flag, backend, method, asked, settings.enable_lora)
         checks.append(Check("experts", why is None, f"MXFP4, --moe-backend {asked}", why or ""))
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.

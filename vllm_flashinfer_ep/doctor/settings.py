@@ -38,6 +38,7 @@ class ServeSettings:
     ubatch_size: int = 0
     enable_fault_tolerance: bool = False
     enable_elastic_ep: bool = False
+    enable_lora: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
@@ -68,6 +69,7 @@ class ServeSettings:
             enable_fault_tolerance=bool(args.enable_fault_tolerance)
             or args.fault_tolerance_config is not None,
             enable_elastic_ep=bool(getattr(args, "enable_elastic_ep", False)),
+            enable_lora=bool(args.enable_lora),
         )
 
     @property
