@@ -52,6 +52,11 @@ MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_att
 LL_FLAG = f"--all2all-backend {LOW_LATENCY}"
 
 
+def _doctor_ep(monkeypatch, model: str, backend: str, *more: str):
+    """doctor on `model` at dp 2 with expert parallelism and `backend`, plus `more`."""
+    return _doctor(monkeypatch, model, "--all2all-backend", backend, "-dp", "2", "-ep", *more)
+
+
 def test_the_shape_reads_the_model_type():
     assert read_shape(GPT_OSS).model_type == "gpt_oss"
     assert read_shape({"hidden_size": 8}).model_type is None
@@ -76,17 +81,7 @@ def test_online_fp8_gpt_oss_fails_in_both(tmp_path, monkeypatch, backend):
     model = write_model(tmp_path / "gpt-oss", base=GPT_OSS)
     reason = _engine_refusal(model, backend, quantization="fp8_per_block")
     assert "gpt-oss with FP8 MoE weights (fp8_per_block)" in reason
-    rc, checks = _doctor(
-        monkeypatch,
-        model,
-        "--all2all-backend",
-        backend,
-        "-dp",
-        "2",
-        "-ep",
-        "--quantization",
-        "fp8_per_block",
-    )
+    rc, checks = _doctor_ep(monkeypatch, model, backend, "--quantization", "fp8_per_block")
     assert rc == 1 and checks["checkpoint precision"].fix == reason
 
 
@@ -274,23 +269,11 @@ def test_mxfp4_gpt_oss_is_accepted_and_a_flat_moe_backend_fails_in_both(tmp_path
     engine_config(model, LOW_LATENCY, moe_backend="marlin")
     reason = _engine_refusal(model, LOW_LATENCY, moe_backend="triton")
     assert "Pass --moe-backend auto" in reason
-    rc, checks = _doctor(
-        monkeypatch,
-        model,
-        "--all2all-backend",
-        LOW_LATENCY,
-        "-dp",
-        "2",
-        "-ep",
-        "--moe-backend",
-        "triton",
-    )
+    rc, checks = _doctor_ep(monkeypatch, model, LOW_LATENCY, "--moe-backend", "triton")
     assert rc == 1 and checks["experts"].fix == reason
     lora = _engine_refusal(model, LOW_LATENCY, enable_lora=True)
     assert "do not support LoRA" in lora
-    rc, checks = _doctor(
-        monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep", "--enable-lora"
-    )
+    rc, checks = _doctor_ep(monkeypatch, model, LOW_LATENCY, "--enable-lora")
     assert rc == 1 and checks["experts"].fix == lora
-    rc, checks = _doctor(monkeypatch, model, "--all2all-backend", LOW_LATENCY, "-dp", "2", "-ep")
+    rc, checks = _doctor_ep(monkeypatch, model, LOW_LATENCY)
     assert checks["checkpoint precision"].ok and checks["experts"].ok
