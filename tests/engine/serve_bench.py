@@ -247,6 +247,7 @@ def _run(args, work: Path) -> int:
         with serve_process.served(command, env, log_path, port, startup) as server:
             record["startup_seconds"] = round(time.monotonic() - started, 1)
             last = at_load = probe(port)
+            cache = prefix_cache(port)  # read once between waves, as the probe
             record["resolved"] = resolved(at_load)
             record["budget"] = {
                 "max_num_batched_tokens": at_load["max_num_batched_tokens"],
@@ -264,14 +265,14 @@ def _run(args, work: Path) -> int:
                 load = bench_args(input_len, output_len, c, wave.prompts, wave.seed)
                 data.setdefault("bench_args", {})["warm_wave" if warm else str(c)] = load
                 result = work / f"bench-{dataset}-c{c}{'-warm' if warm else ''}.json"
-                cache_before = prefix_cache(port)
                 why = _drive(model, port, load, result, deadline, server)
                 if why:
                     print(f"PROBLEM {dataset} concurrency {c}: {why}")
                     return 1
                 before, last = last, probe(port)  # this wave's handles: any fails it
                 row = check_row(keep(json.loads(result.read_text())), before, last)
-                check_prefill(row, cache_before, prefix_cache(port))
+                cache_before, cache = cache, prefix_cache(port)
+                check_prefill(row, cache_before, cache)
                 if warm:
                     data["warm_wave"] = row
                 else:
