@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,43 @@ def resolved(probe_doc: dict) -> dict:
     return out
 
 
+# vLLM's log lines saying how many tokens its KV cache holds (sized once at start, after
+# the weights, activations, CUDA graphs and, with EP, NCCL-EP's buffers), and how full
+# its queue runs (the API server's stats, every 10 s): a server whose KV cache or step
+# budget cannot admit the load queues requests, and the row shows it only as TTFT.
+_KV_GIB = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_QUEUE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, GPU KV cache usage: ([\d.]+)%")
+
+
+def kv_cache(log_text: str) -> dict:
+    """The KV cache each engine sized at start (one entry per engine), from its log."""
+    return {
+        "gib": [float(m) for m in _KV_GIB.findall(log_text)],
+        "tokens": [int(m.replace(",", "")) for m in _KV_TOKENS.findall(log_text)],
+    }
+
+
+def queue(log_text: str) -> dict | None:
+    """The fullest the server's queue ran in `log_text` (its 10 s stats lines; None:
+    no such line, as in a wave shorter than one interval)."""
+    seen = [(int(r), int(w), float(u)) for r, w, u in _QUEUE.findall(log_text)]
+    if not seen:
+        return None
+    return {
+        "max_running": max(s[0] for s in seen),
+        "max_waiting": max(s[1] for s in seen),
+        "max_kv_usage_pct": max(s[2] for s in seen),
+    }
+
+
+def _log_from(path: Path, offset: int) -> str:
+    """What the server logged from byte `offset` on."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def problems(doc: dict, log_text: str = "") -> list[str]:
     """Why a run does not count: failed requests, handles made after load (its rows'
     marks), a server log line saying a round ran off the pool."""
@@ -249,12 +287,16 @@ def _run(args, work: Path) -> int:
             last = at_load = probe(port)
             cache = prefix_cache(port)  # read once between waves, as the probe
             record["resolved"] = resolved(at_load)
+            record["kv_cache"] = kv_cache(log_path.read_text(errors="replace"))
             record["budget"] = {
                 "max_num_batched_tokens": at_load["max_num_batched_tokens"],
                 "asked": args.max_num_batched_tokens,  # None: vLLM's / the package's default
                 "source": BUDGET_SOURCE,
             }
-            print(f"{args.config}: up in {record['startup_seconds']} s: {record['resolved']}")
+            print(
+                f"{args.config}: up in {record['startup_seconds']} s, KV cache "
+                f"{_kv_tokens(record)} tokens: {record['resolved']}"
+            )
             out.write_text(json.dumps(doc, indent=1))
             for wave in plan(args.datasets, args.warm_only, args.warm_wave):
                 dataset, c, warm = wave.dataset, wave.concurrency, wave.warm
@@ -265,6 +307,7 @@ def _run(args, work: Path) -> int:
                 load = bench_args(input_len, output_len, c, wave.prompts, wave.seed)
                 data.setdefault("bench_args", {})["warm_wave" if warm else str(c)] = load
                 result = work / f"bench-{dataset}-c{c}{'-warm' if warm else ''}.json"
+                logged = log_path.stat().st_size
                 why = _drive(model, port, load, result, deadline, server)
                 if why:
                     print(f"PROBLEM {dataset} concurrency {c}: {why}")
@@ -273,6 +316,7 @@ def _run(args, work: Path) -> int:
                 row = check_row(keep(json.loads(result.read_text())), before, last)
                 cache_before, cache = cache, prefix_cache(port)
                 check_prefill(row, cache_before, cache)
+                row["server_queue"] = queue(_log_from(log_path, logged))
                 if warm:
                     data["warm_wave"] = row
                 else:
@@ -430,8 +474,8 @@ def _ratio(a, b) -> str:
 def table(doc: dict) -> str:
     """Markdown per compilation and dataset: each configuration's output tok/s, TPOT
     median and TTFT p99, EP configurations with their ratio to no EP in brackets, and
-    every run's step budget; a failed row says FAILED instead of figures. The reference
-    is no EP's run with no budget asked where there is one."""
+    every run's step budget and KV cache; a failed row says FAILED instead of figures.
+    The reference is no EP's run with no budget asked where there is one."""
     runs = {(label(r), r["compilation"]): r for r in _as_doc(doc)["runs"]}
     out = []
     for comp in COMPILATIONS:
@@ -443,12 +487,13 @@ def table(doc: dict) -> str:
                 f"{c} {runs[(c, comp)].get('budget', {}).get('max_num_batched_tokens')}"
                 for c in names
             )
+            kv = ", ".join(f"{c} {_kv_tokens(runs[(c, comp)])}" for c in names)
             head = ["concurrency", "requests"]
             for c in names:
                 head += [f"{c} out tok/s", f"{c} TPOT med ms", f"{c} TTFT p99 ms"]
             out += [
                 f"{dataset} (input x output tokens), compilation {comp}; "
-                f"--max-num-batched-tokens: {budgets}",
+                f"--max-num-batched-tokens: {budgets}; KV cache tokens: {kv}",
                 "",
                 "| " + " | ".join(head) + " |",
                 "|" + " --- |" * len(head),
@@ -465,6 +510,11 @@ def table(doc: dict) -> str:
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out).rstrip()
+
+
+def _kv_tokens(run: dict) -> str:
+    """The tokens a run's KV cache held, per engine ("unrecorded" before it was kept)."""
+    return "/".join(str(t) for t in run.get("kv_cache", {}).get("tokens", [])) or "unrecorded"
 
 
 def _cells(row: dict | None, ref: dict | None) -> list[str]:

@@ -187,6 +187,19 @@ def test_the_table_of_recorded_runs_gives_the_published_figures():
     )
 
 
+def test_the_served_table_in_the_docs_is_the_recorded_runs():
+    """Issue 50's runs at vLLM's default compilation: every row docs/benchmarks.md shows
+    is the one the results file tables, and the budgets and KV caches it names are theirs."""
+    doc = json.loads((RESULTS / "serve_world1_qwen3_30b_a3b.json").read_text())
+    text = serve_bench.table(doc)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ll@2048 2048" in text
+    assert "KV cache tokens: no_ep 76096, ll 85920, ll@2048 23168" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4 and all(row in page for row in rows)
+    assert [r["resolved"]["handles_at_load"]["pooled_created"] for r in doc["runs"]] == [0, 35, 55]
+
+
 def _run(config, compilation="default", device="NVIDIA H100 80GB HBM3", budget=8192, **rows):
     return {
         "config": config,
@@ -247,6 +260,41 @@ def test_one_configuration_at_two_budgets_sits_side_by_side():
     assert "| ll@2048 out tok/s |" in text
     row = next(line for line in text.splitlines() if line.startswith("| 32 |"))
     assert row.split(" | ")[5] == "80 (0.80)" and row.split(" | ")[8] == "95 (0.95)"
+
+
+# ------------------------------------------------------- KV cache and queue, from the log
+
+# vLLM 0.33.0's own lines, as a served LL engine at budget 2048 logged them on an H100
+VLLM_LOG = """\
+(EngineCore pid=3344) INFO 12-07 02:12:40 [gpu_worker.py:772] Available KV cache memory: 2.12 GiB
+(EngineCore pid=3344) INFO 12-07 02:12:40 [kv_cache_utils.py:1147] GPU KV cache size: 23,168 \
+tokens, Maximum concurrency for 4,096 tokens per request: 5.66x
+(APIServer pid=3279) INFO 12-07 02:13:47 [loggers.py:335] Engine 000: Avg prompt throughput: \
+614.3 tokens/s, Avg generation throughput: 152.4 tokens/s, Running: 1 reqs, Waiting: 0 reqs, \
+GPU KV cache usage: 1.4%, Prefix cache hit rate: 0.0%
+(APIServer pid=3279) INFO 12-07 02:16:17 [loggers.py:335] Engine 000: Avg prompt throughput: \
+6142.5 tokens/s, Avg generation throughput: 1238.5 tokens/s, Running: 79 reqs, Waiting: 49 \
+reqs, GPU KV cache usage: 99.4%, Prefix cache hit rate: 0.1%
+"""
+
+
+def test_the_kv_cache_and_the_queue_are_read_from_vllm_s_log_lines():
+    assert serve_bench.kv_cache(VLLM_LOG) == {"gib": [2.12], "tokens": [23168]}
+    assert serve_bench.queue(VLLM_LOG) == {
+        "max_running": 79,
+        "max_waiting": 49,
+        "max_kv_usage_pct": 99.4,
+    }
+    assert serve_bench.queue(VLLM_LOG.split("(APIServer")[0]) is None
+    assert serve_bench.kv_cache("INFO ready\n") == {"gib": [], "tokens": []}
+
+
+def test_the_table_names_each_run_s_kv_cache():
+    ll = _run("ll", budget=2048, **{"256x64": {"128": _row(tput=57.0)}})
+    ll["kv_cache"] = serve_bench.kv_cache(VLLM_LOG)
+    doc = {"runs": [_run("no_ep", **{"256x64": {"128": _row(tput=100.0)}}), ll]}
+    text = serve_bench.table(doc)
+    assert "; KV cache tokens: no_ep unrecorded, ll 23168" in text
 
 
 # ------------------------------------------------------------------------ counters
@@ -349,8 +397,8 @@ def _stand_ins(
 
     @contextlib.contextmanager
     def served(command, env, log_path, port, startup_s):
-        served.env = env
-        Path(log_path).write_text("INFO ready\n")
+        served.env, served.log = env, Path(log_path)
+        served.log.write_text("INFO ready\n" + VLLM_LOG.split("(APIServer")[0])
         yield Proc()
 
     def bench(cmd, env, check, timeout):
@@ -359,6 +407,8 @@ def _stand_ins(
         folder = cmd[cmd.index("--result-dir") + 1]
         name = cmd[cmd.index("--result-filename") + 1]
         prompts = int(cmd[cmd.index("--num-prompts") + 1])
+        with served.log.open("a") as log:  # the server's stats line while this wave runs
+            log.write(f"Running: {prompts} reqs, Waiting: 1 reqs, GPU KV cache usage: 5.0%\n")
         bench.seeds.append(cmd[cmd.index("--seed") + 1])
         (Path(folder) / name).write_text(json.dumps(_row(prompts=prompts) | {"itl": [1]}))
         return type("Done", (), {"returncode": 0})()
@@ -404,6 +454,11 @@ def test_a_run_records_the_worker_s_budget_and_each_row(tmp_path, monkeypatch, c
     assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in bench.envs)
     assert len(set(bench.seeds)) == len(bench.seeds) == 3
     assert data["rows"]["8"]["prefix_cache_hit_share"] == 0.0
+    assert run["kv_cache"] == {"gib": [2.12], "tokens": [23168]}
+    # each row's queue is what the server logged during its own wave (the warm wave of 8
+    # requests came before the row of 4)
+    assert data["rows"]["1"]["server_queue"]["max_running"] == 4
+    assert data["rows"]["8"]["server_queue"]["max_running"] == 8
 
 
 def test_prompts_the_prefix_cache_finds_fail_the_run(tmp_path, monkeypatch, capsys):
