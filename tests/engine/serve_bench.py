@@ -199,14 +199,28 @@ def resolved(probe_doc: dict) -> dict:
 # budget cannot admit the load queues requests, and the row shows it only as TTFT.
 _KV_GIB = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 _KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_USAGE = re.compile(
+    r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) "
+    r"GiB for peak activation, and ([\d.]+) GiB for CUDAGraph memory"
+)
+# the package's load line (runtime/ep_runtime.py): the runtime's device-wide growth
+_EP_RUNTIME = re.compile(r"runtime \(hidden \d+, \d+ tokens per rank\) loaded: ([\d.]+) GB")
 _QUEUE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, GPU KV cache usage: ([\d.]+)%")
 
 
 def kv_cache(log_text: str) -> dict:
-    """The KV cache each engine sized at start (one entry per engine), from its log."""
+    """The KV cache each engine sized at start and what took the rest of the memory it may
+    use (one entry per engine; "consumed": weights and memory outside torch's allocator,
+    NCCL-EP's buffers among it; "ep_runtime_gb": what each EP runtime took, in GB), from
+    its log."""
+    usage = _USAGE.findall(log_text)
     return {
         "gib": [float(m) for m in _KV_GIB.findall(log_text)],
         "tokens": [int(m.replace(",", "")) for m in _KV_TOKENS.findall(log_text)],
+        "consumed_gib": [float(u[0]) for u in usage],
+        "peak_activation_gib": [float(u[1]) for u in usage],
+        "cuda_graph_gib": [float(u[2]) for u in usage],
+        "ep_runtime_gb": [float(m) for m in _EP_RUNTIME.findall(log_text)],
     }
 
 

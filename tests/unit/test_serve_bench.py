@@ -266,9 +266,17 @@ def test_one_configuration_at_two_budgets_sits_side_by_side():
 
 # vLLM 0.33.0's own lines, as a served LL engine at budget 2048 logged them on an H100
 VLLM_LOG = """\
+(EngineCore pid=3344) INFO 12-07 02:11:56 [ep_runtime.py:88] flashinfer_ep: low_latency \
+runtime (hidden 2048, 2048 tokens per rank) loaded: 4.01 GB of GPU memory device-wide (fleet, \
+55 pooled handles for token counts 1, 2, ..., 2048); pool: 55 handles, 2344.6 MB device memory
 (EngineCore pid=3344) INFO 12-07 02:12:40 [gpu_worker.py:772] Available KV cache memory: 2.12 GiB
 (EngineCore pid=3344) INFO 12-07 02:12:40 [kv_cache_utils.py:1147] GPU KV cache size: 23,168 \
 tokens, Maximum concurrency for 4,096 tokens per request: 5.66x
+(EngineCore pid=3344) INFO 12-07 02:13:06 [gpu_worker.py:1066] Free memory on device \
+(78.48/79.18 GiB) on startup. Desired GPU memory utilization is (0.85, 67.3 GiB). Actual usage \
+is 62.79 GiB for consumed memory (weights + non-torch), 2.39 GiB for peak activation, and 0.48 \
+GiB for CUDAGraph memory. Replace gpu_memory_utilization config with \
+`--kv-cache-memory=1605332583` (1.5 GiB) to fit into requested memory.
 (APIServer pid=3279) INFO 12-07 02:13:47 [loggers.py:335] Engine 000: Avg prompt throughput: \
 614.3 tokens/s, Avg generation throughput: 152.4 tokens/s, Running: 1 reqs, Waiting: 0 reqs, \
 GPU KV cache usage: 1.4%, Prefix cache hit rate: 0.0%
@@ -279,14 +287,21 @@ reqs, GPU KV cache usage: 99.4%, Prefix cache hit rate: 0.1%
 
 
 def test_the_kv_cache_and_the_queue_are_read_from_vllm_s_log_lines():
-    assert serve_bench.kv_cache(VLLM_LOG) == {"gib": [2.12], "tokens": [23168]}
+    assert serve_bench.kv_cache(VLLM_LOG) == {
+        "gib": [2.12],
+        "tokens": [23168],
+        "consumed_gib": [62.79],
+        "peak_activation_gib": [2.39],
+        "cuda_graph_gib": [0.48],
+        "ep_runtime_gb": [4.01],
+    }
     assert serve_bench.queue(VLLM_LOG) == {
         "max_running": 79,
         "max_waiting": 49,
         "max_kv_usage_pct": 99.4,
     }
     assert serve_bench.queue(VLLM_LOG.split("(APIServer")[0]) is None
-    assert serve_bench.kv_cache("INFO ready\n") == {"gib": [], "tokens": []}
+    assert not any(serve_bench.kv_cache("INFO ready\n").values())
 
 
 def test_the_table_names_each_run_s_kv_cache():
@@ -454,7 +469,7 @@ def test_a_run_records_the_worker_s_budget_and_each_row(tmp_path, monkeypatch, c
     assert all(env["PYTHONPATH"] == os.environ["PYTHONPATH"] for env in bench.envs)
     assert len(set(bench.seeds)) == len(bench.seeds) == 3
     assert data["rows"]["8"]["prefix_cache_hit_share"] == 0.0
-    assert run["kv_cache"] == {"gib": [2.12], "tokens": [23168]}
+    assert run["kv_cache"]["tokens"] == [23168] and run["kv_cache"]["consumed_gib"] == [62.79]
     # each row's queue is what the server logged during its own wave (the warm wave of 8
     # requests came before the row of 4)
     assert data["rows"]["1"]["server_queue"]["max_running"] == 4
