@@ -198,19 +198,21 @@ def resolved(probe_doc: dict) -> dict:
 # its queue runs (the API server's stats, every 10 s): a server whose KV cache or step
 # budget cannot admit the load queues requests, and the row shows it only as TTFT.
 _KV_GIB = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
-_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")  # after "GPU", or another pool
 _USAGE = re.compile(
     r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) "
     r"GiB for peak activation, and ([\d.]+) GiB for CUDAGraph memory"
 )
 # the package's load line (runtime/ep_runtime.py): the runtime's device-wide growth
 _EP_RUNTIME = re.compile(r"runtime \(hidden \d+, \d+ tokens per rank\) loaded: ([\d.]+) GB")
-_QUEUE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, GPU KV cache usage: ([\d.]+)%")
+# a stats line: Running, Waiting, then optional parts (Deferred, KV fetch, Preemptions)
+_QUEUE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, (.*?)KV cache usage: ([\d.]+)%")
+_PREEMPTIONS = re.compile(r"Preemptions: (\d+)")
 
 
 def kv_cache(log_text: str) -> dict:
-    """The KV cache each engine sized at start and what took the rest of the memory it may
-    use (one entry per engine; "consumed": weights and memory outside torch's allocator,
+    """The KV cache each worker sized at start and what took the rest of the memory it may
+    use (one entry per worker that logged it; "consumed": weights and memory outside torch's allocator,
     NCCL-EP's buffers among it; "ep_runtime_gb": what each EP runtime took, in GB), from
     its log."""
     usage = _USAGE.findall(log_text)
@@ -225,15 +227,21 @@ def kv_cache(log_text: str) -> dict:
 
 
 def queue(log_text: str) -> dict | None:
-    """The fullest the server's queue ran in `log_text` (its 10 s stats lines; None:
-    no such line, as in a wave shorter than one interval)."""
-    seen = [(int(r), int(w), float(u)) for r, w, u in _QUEUE.findall(log_text)]
+    """The server's queue in `log_text`, from its stats lines (one per 10 s: samples, each
+    maximum taken on its own) and the requests preempted in those intervals (None: no
+    such line, as in a wave shorter than one interval)."""
+    seen = [
+        (int(r), int(w), float(u), sum(map(int, _PREEMPTIONS.findall(rest))))
+        for r, w, rest, u in _QUEUE.findall(log_text)
+    ]
     if not seen:
         return None
     return {
+        "samples": len(seen),
         "max_running": max(s[0] for s in seen),
         "max_waiting": max(s[1] for s in seen),
         "max_kv_usage_pct": max(s[2] for s in seen),
+        "preemptions": sum(s[3] for s in seen),
     }
 
 
@@ -465,13 +473,13 @@ def merge(docs: list[dict]) -> dict:
     runs: dict[tuple[str, str], dict] = {}
     notes = []
     for doc in map(_as_doc, docs):
-        notes += [doc["note"]] if doc.get("note") else []
+        notes += ([doc["note"]] if doc.get("note") else []) + doc.get("notes", [])
         for run in doc["runs"]:
             if run.get("warm_up"):
                 continue
             key = (label(run), run["compilation"])
-            if key in runs:
-                run = {**runs[key], **run, "datasets": {**runs[key]["datasets"], **run["datasets"]}}
+            if key in runs:  # the later run's settings, the earlier one's other datasets
+                run = {**run, "datasets": {**runs[key]["datasets"], **run["datasets"]}}
             runs[key] = run
     shapes = {r["shape"] for r in runs.values()}
     cards = {r.get("resolved", {}).get("device") for r in runs.values()} - {None}

@@ -284,6 +284,13 @@ GPU KV cache usage: 1.4%, Prefix cache hit rate: 0.0%
 6142.5 tokens/s, Avg generation throughput: 1238.5 tokens/s, Running: 79 reqs, Waiting: 49 \
 reqs, GPU KV cache usage: 99.4%, Prefix cache hit rate: 0.1%
 """
+# the parts vLLM 0.33.0's stats line adds between the queue and the KV use when they occur
+# (v1/metrics/loggers.py): skipped requests and preemptions, as a full KV cache causes
+PREEMPTING = (
+    "Engine 000: Avg prompt throughput: 1.0 tokens/s, Avg generation throughput: 2.0 tokens/s, "
+    "Running: 80 reqs, Waiting: 50 reqs, Deferred: 2 reqs, Preemptions: 3, GPU KV cache usage: "
+    "100.0%, Prefix cache hit rate: 0.1%\n"
+)
 
 
 def test_the_kv_cache_and_the_queue_are_read_from_vllm_s_log_lines():
@@ -296,10 +303,15 @@ def test_the_kv_cache_and_the_queue_are_read_from_vllm_s_log_lines():
         "ep_runtime_gb": [4.01],
     }
     assert serve_bench.queue(VLLM_LOG) == {
+        "samples": 2,
         "max_running": 79,
         "max_waiting": 49,
         "max_kv_usage_pct": 99.4,
+        "preemptions": 0,
     }
+    full = serve_bench.queue(VLLM_LOG + PREEMPTING + PREEMPTING)
+    assert full["max_running"] == 80 and full["max_waiting"] == 50
+    assert full["max_kv_usage_pct"] == 100.0 and full["preemptions"] == 6
     assert serve_bench.queue(VLLM_LOG.split("(APIServer")[0]) is None
     assert not any(serve_bench.kv_cache("INFO ready\n").values())
 
@@ -374,6 +386,19 @@ def test_merge_keeps_a_run_s_other_dataset():
     b = {"runs": [_run("ht", **{"2048x256": {"8": _row()}})]}
     got = serve_bench.merge([a, b])["runs"][0]["datasets"]
     assert set(got) == {"256x64", "2048x256"}
+
+
+def test_a_merged_file_merges_again_with_its_notes_and_the_later_run_s_settings():
+    """The published file is merged with later runs: its notes stay, and a run that
+    replaces one keeps none of the earlier run's settings (only its other datasets)."""
+    old = _run("ll", **{"256x64": {"1": _row()}}) | {"command": "earlier call"}
+    first = serve_bench.merge([{"runs": [old], "note": "first session"}])
+    new = _run("ll", **{"2048x256": {"8": _row()}}) | {"kv_cache": {"tokens": [1]}}
+    joined = serve_bench.merge([first, {"runs": [new], "note": "second session"}])
+    assert joined["notes"] == ["first session", "second session"]
+    run = joined["runs"][0]
+    assert "command" not in run and run["kv_cache"] == {"tokens": [1]}
+    assert set(run["datasets"]) == {"256x64", "2048x256"}
 
 
 def test_merge_refuses_two_cards():
