@@ -198,3 +198,22 @@ def test_doctor_estimates_ll_memory_for_a_model(tmp_path):
     )
     rounded = doctor.model_checks(write_model(tmp_path / "r", hidden_size=3072), 256)
     assert "hidden 4096" in next(c for c in rounded if c.name == "LL memory estimate").detail
+
+
+def test_doctor_says_what_ll_s_default_step_budget_means_for_serving(tmp_path, monkeypatch):
+    """With no --max-num-batched-tokens, LL steps take vLLM's 256 tokens: doctor says so,
+    that new prompts then queue (the served figures in docs/benchmarks.md), and what 2048
+    costs per GPU; a budget passed gets no such line."""
+    from vllm_flashinfer_ep.doctor import model_verdicts
+
+    path = write_model(tmp_path / "m", hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
+    assert line.ok and "LL steps take at most 256 tokens (vLLM's default for LL)" in line.detail
+    assert (
+        "--max-num-batched-tokens 2048 prefills more per step for about 3.83 GiB per GPU "
+        "against 1.04" in line.detail
+    )
+    assert not [c for c in doctor.model_checks(path, 2048) if c.name == "LL step budget"]
+    monkeypatch.setattr(model_verdicts, "vllm_default_tokens", lambda settings: 8192)
+    [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
+    assert "without EP vLLM gives 8192 on this GPU" in line.detail

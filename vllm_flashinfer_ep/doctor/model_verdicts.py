@@ -119,6 +119,15 @@ def model_checks(
         checks.append(_ht_tokens_check(flag, shape, settings))
     if fleet is not None:
         checks.append(_ll_memory_check(shape, fleet, settings, memory))
+        if settings.max_num_batched_tokens is None:
+            larger = replace(settings, max_num_batched_tokens=LARGER_LL_BUDGET)
+            checks.append(
+                _ll_budget_check(
+                    settings,
+                    memory,
+                    _ll_memory_verdict(flag, shape, fleet, larger, total, method, unquantized),
+                )
+            )
         rdma = _rdma_check(flag, fleet, settings, total)
         if rdma is not None:
             checks.append(rdma)
@@ -315,6 +324,29 @@ def _ll_memory_check(
             warn=True,
         )
     return Check(name, True, f"{detail}; fits the budget of {verdict.budget / gib:.2f} GiB")
+
+
+# The budget the serving benchmark measured beside LL's default (docs/benchmarks.md).
+LARGER_LL_BUDGET = 2048
+
+
+def _ll_budget_check(settings: ServeSettings, now, larger) -> Check:
+    """LL's step budget when none is passed: vLLM's LL default is small, and served under
+    many new prompts LL queues them for a share of a step; what a larger budget costs."""
+    gib = 1 << 30
+    without = vllm_default_tokens(settings)
+    others = f"; without EP vLLM gives {without} on this GPU" if without else ""
+    cost = f"about {larger.need / gib:.2f} GiB per GPU against {now.need / gib:.2f}"
+    if larger.refusal is not None or larger.lowered_to is not None:
+        cost += ", more than the engine allows here"
+    return Check(
+        "LL step budget",
+        True,
+        f"--max-num-batched-tokens unset: LL steps take at most {settings.tokens} tokens "
+        f"(vLLM's default for LL{others}), so under many new prompts requests wait for "
+        f"their prefill; --max-num-batched-tokens {LARGER_LL_BUDGET} prefills more per step "
+        f"for {cost}, taken from the KV cache",
+    )
 
 
 def _rdma_check(
