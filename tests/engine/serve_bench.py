@@ -212,9 +212,9 @@ _PREEMPTIONS = re.compile(r"Preemptions: (\d+)")
 
 def kv_cache(log_text: str) -> dict:
     """The KV cache each worker sized at start and what took the rest of the memory it may
-    use (one entry per worker that logged it; "consumed": weights and memory outside torch's allocator,
-    NCCL-EP's buffers among it; "ep_runtime_gb": what each EP runtime took, in GB), from
-    its log."""
+    use (one entry per worker that logged it; "consumed": weights and memory outside
+    torch's allocator, NCCL-EP's buffers among it; "ep_runtime_gb": what each EP runtime
+    took, in GB), from its log."""
     usage = _USAGE.findall(log_text)
     return {
         "gib": [float(m) for m in _KV_GIB.findall(log_text)],

@@ -290,7 +290,7 @@ def _ll_memory_check(
     """The LL fleet's estimated memory per GPU and the engine's verdict on it."""
     hidden, experts, top_k = fleet
     tokens = settings.tokens
-    parts, gib = verdict.parts, 1 << 30
+    parts, gib = verdict.parts, rules.GIB
     redundant = (
         f" ({shape.routed_experts} + {shape.redundant_experts} EPLB redundant)"
         if shape.redundant_experts
@@ -333,7 +333,7 @@ LARGER_LL_BUDGET = 2048
 def _ll_budget_check(settings: ServeSettings, now, larger) -> Check:
     """LL's step budget when none is passed: vLLM's LL default is small, and served under
     many new prompts LL queues them for a share of a step; what a larger budget costs."""
-    gib = 1 << 30
+    gib = rules.GIB
     without = vllm_default_tokens(settings)
     others = f"; without EP vLLM gives {without} on this GPU" if without else ""
     cost = f"about {larger.need / gib:.2f} GiB per GPU against {now.need / gib:.2f}"
