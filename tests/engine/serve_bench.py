@@ -261,7 +261,8 @@ def problems(doc: dict, log_text: str = "") -> list[str]:
         for dataset, data in run["datasets"].items():
             for c, r in data["rows"].items():
                 where = f"{name} {dataset} concurrency {c}"
-                if r.get("failed") or r.get("completed") != r.get("num_prompts"):
+                unfinished = r.get("completed") is None and r.get("problem")
+                if not unfinished and (r.get("failed") or r["completed"] != r["num_prompts"]):
                     found.append(f"{where}: {r.get('failed')} of {r['num_prompts']} failed")
                 if r.get("problem"):
                     found.append(f"{where}: {r['problem']}")
@@ -331,7 +332,11 @@ def _run(args, work: Path) -> int:
                 result = work / f"bench-{dataset}-c{c}{'-warm' if warm else ''}.json"
                 logged = log_path.stat().st_size
                 why = _drive(model, port, load, result, deadline, server)
-                if why:
+                if why:  # the row says so, and the table with it (a FAILED cell)
+                    row = {"problem": why, "num_prompts": wave.prompts, "completed": None}
+                    data.update({"warm_wave": row} if warm else {})
+                    data["rows"].update({} if warm else {str(c): row})
+                    out.write_text(json.dumps(doc, indent=1))
                     print(f"PROBLEM {dataset} concurrency {c}: {why}")
                     return 1
                 before, last = last, probe(port)  # this wave's handles: any fails it

@@ -523,9 +523,36 @@ def test_a_handle_made_while_serving_fails_its_row_and_the_run(tmp_path, monkeyp
 
 def test_a_server_that_dies_mid_run_is_a_problem(tmp_path, monkeypatch, capsys):
     _stand_ins(monkeypatch, [PROBES["at_load"]] * 4, server_exits_at=1)
-    rc, _, _ = _main(tmp_path, monkeypatch, "--config", "no_ep")
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", "no_ep")
     assert rc == 1
     assert "PROBLEM 256x64 concurrency 8: the server exited" in capsys.readouterr().out
+    data = json.loads(out.read_text())["runs"][0]["datasets"]["256x64"]
+    assert data["warm_wave"]["problem"] == "the server exited" and data["rows"] == {}
+
+
+def test_a_wave_past_the_deadline_is_a_failed_row_in_the_file_and_the_table(
+    tmp_path, monkeypatch, capsys
+):
+    """The row a run could not finish stays in its file, so the merged table says FAILED
+    for it instead of leaving the concurrency out."""
+    _, bench = _stand_ins(monkeypatch, [PROBES["at_load"]] * 4)
+    done = bench
+
+    def slow_second(cmd, env, check, timeout):
+        if int(cmd[cmd.index("--max-concurrency") + 1]) == 8 and done.seeds:
+            raise serve_bench.subprocess.TimeoutExpired(cmd, timeout)
+        return done(cmd, env, check, timeout)
+
+    monkeypatch.setattr(serve_bench.subprocess, "run", slow_second)
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", "ll")
+    assert rc == 1
+    doc = json.loads(out.read_text())
+    rows = doc["runs"][0]["datasets"]["256x64"]["rows"]
+    assert set(rows) == {"1", "8"} and rows["8"]["problem"] == "not done by --deadline-s"
+    assert "output_throughput" in rows["1"]
+    assert any("concurrency 8: not done" in p for p in serve_bench.problems(doc))
+    line = next(x for x in serve_bench.table(doc).splitlines() if x.startswith("| 8 |"))
+    assert "FAILED: not done by --deadline-s" in line
 
 
 def test_a_config_and_an_out_or_a_merge():
