@@ -471,6 +471,23 @@ def _labels(runs: dict[tuple[str, str], dict], comp: str) -> list[str]:
     return sorted((n for n, c in runs if c == comp), key=order)
 
 
+# A run's own keys; the rest are its server's facts (arguments, budget, KV cache, start).
+RUN_KEYS = ("config", "compilation", "shape", "datasets")
+
+
+def served_by(run: dict, dataset: str) -> dict:
+    """`run`'s entry for `dataset` with the facts of the server that served it under
+    "server" (a merged run keeps another server's datasets: they keep their own facts)."""
+    data = run["datasets"][dataset]
+    facts = {k: v for k, v in run.items() if k not in RUN_KEYS}
+    return data if "server" in data else {**data, "server": facts}
+
+
+def facts(run: dict, dataset: str) -> dict:
+    """The facts of the server that served `run`'s `dataset`."""
+    return run["datasets"][dataset].get("server") or run
+
+
 def merge(docs: list[dict]) -> dict:
     """One results file from several runs' files (one shape, one card): a later file's
     run of the same configuration, budget asked and compilation replaces its datasets.
@@ -484,7 +501,8 @@ def merge(docs: list[dict]) -> dict:
                 continue
             key = (label(run), run["compilation"])
             if key in runs:  # the later run's settings, the earlier one's other datasets
-                run = {**run, "datasets": {**runs[key]["datasets"], **run["datasets"]}}
+                kept = {d: served_by(runs[key], d) for d in runs[key]["datasets"]}
+                run = {**run, "datasets": {**kept, **run["datasets"]}}
             runs[key] = run
     shapes = {r["shape"] for r in runs.values()}
     cards = {r.get("resolved", {}).get("device") for r in runs.values()} - {None}
@@ -501,20 +519,22 @@ def _ratio(a, b) -> str:
 def table(doc: dict) -> str:
     """Markdown per compilation and dataset: each configuration's output tok/s, TPOT
     median and TTFT p99, EP configurations with their ratio to no EP in brackets, and
-    every run's step budget and KV cache; a failed row says FAILED instead of figures.
+    the step budget and KV cache of each configuration that served the dataset (one
+    that did not has no columns there); a failed row says FAILED instead of figures.
     The reference is no EP's run with no budget asked where there is one."""
     runs = {(label(r), r["compilation"]): r for r in _as_doc(doc)["runs"]}
     out = []
     for comp in COMPILATIONS:
-        names = _labels(runs, comp)
-        ref_name = next((n for n in names if runs[(n, comp)]["config"] == "no_ep"), None)
-        datasets = [d for d in DATASETS if any(d in runs[(c, comp)]["datasets"] for c in names)]
-        for dataset in datasets:
+        every = _labels(runs, comp)
+        datasets = [d for d in DATASETS if any(d in runs[(c, comp)]["datasets"] for c in every)]
+        for dataset in datasets:  # the configurations that served this dataset
+            names = [c for c in every if dataset in runs[(c, comp)]["datasets"]]
+            ref_name = next((n for n in names if runs[(n, comp)]["config"] == "no_ep"), None)
+            served = {c: facts(runs[(c, comp)], dataset) for c in names}
             budgets = ", ".join(
-                f"{c} {runs[(c, comp)].get('budget', {}).get('max_num_batched_tokens')}"
-                for c in names
+                f"{c} {served[c].get('budget', {}).get('max_num_batched_tokens')}" for c in names
             )
-            kv = ", ".join(f"{c} {_kv_tokens(runs[(c, comp)])}" for c in names)
+            kv = ", ".join(f"{c} {_kv_tokens(served[c])}" for c in names)
             head = ["concurrency", "requests"]
             for c in names:
                 head += [f"{c} out tok/s", f"{c} TPOT med ms", f"{c} TTFT p99 ms"]

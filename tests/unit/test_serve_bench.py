@@ -193,11 +193,17 @@ def test_the_served_table_in_the_docs_is_the_recorded_runs():
     doc = json.loads((RESULTS / "serve_world1_qwen3_30b_a3b.json").read_text())
     text = serve_bench.table(doc)
     page = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ll@2048 2048" in text
+    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ll@2048 2048;" in text
     assert "KV cache tokens: no_ep 76096, ll 85920, ll@2048 23168" in text
+    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ht 8192;" in text
+    assert "KV cache tokens: no_ep 76096, ll 85920, ht 77184" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(rows) == 4 and all(row in page for row in rows)
-    assert [r["resolved"]["handles_at_load"]["pooled_created"] for r in doc["runs"]] == [0, 35, 55]
+    assert len(rows) == 6 and all(row in page for row in rows)
+    pooled = [r["resolved"]["handles_at_load"]["pooled_created"] for r in doc["runs"]]
+    assert pooled == [0, 35, 55, 48]
+    assert serve_bench.problems(doc) == [
+        "ht/default 2048x256 concurrency 32: not done by --deadline-s"
+    ]
 
 
 def _run(config, compilation="default", device="NVIDIA H100 80GB HBM3", budget=8192, **rows):
@@ -239,6 +245,21 @@ def test_every_config_s_ratios_are_to_no_ep_and_every_budget_is_named():
         "| 8 | 64 | 100 | 5.00 | 20.0 | 80 (0.80) | 6.00 (1.20) | 30.0 (1.50) "
         "| 90 (0.90) | 5.50 (1.10) | 23.0 (1.15) |"
     ) in text
+
+
+def test_a_dataset_s_table_has_only_the_configurations_that_served_it():
+    """HT served only 2048x256: the 256x64 table names no HT budget and has no HT columns."""
+    doc = {
+        "runs": [
+            _run("no_ep", **{"256x64": {"8": _row()}, "2048x256": {"8": _row()}}),
+            _run("ll", budget=256, **{"256x64": {"8": _row()}, "2048x256": {"8": _row()}}),
+            _run("ht", **{"2048x256": {"8": _row(tput=50.0)}}),
+        ]
+    }
+    short, long = serve_bench.table(doc).split("2048x256 (input x output tokens)")
+    assert "ht" not in short and "--max-num-batched-tokens: no_ep 8192, ll 256;" in short
+    assert "no_ep 8192, ll 256, ht 8192;" in long and "| ht out tok/s |" in long
+    assert "| 50 (0.50) |" in long
 
 
 def test_one_configuration_at_two_budgets_sits_side_by_side():
@@ -388,17 +409,25 @@ def test_merge_keeps_a_run_s_other_dataset():
     assert set(got) == {"256x64", "2048x256"}
 
 
-def test_a_merged_file_merges_again_with_its_notes_and_the_later_run_s_settings():
-    """The published file is merged with later runs: its notes stay, and a run that
-    replaces one keeps none of the earlier run's settings (only its other datasets)."""
-    old = _run("ll", **{"256x64": {"1": _row()}}) | {"command": "earlier call"}
+def test_a_merged_file_merges_again_with_its_notes_and_each_server_s_facts():
+    """The published file is merged with later runs: its notes stay; the later run's
+    settings are the run's, and the earlier run's other datasets keep their own server's
+    (command, KV cache, budget), in the file and in their table's header."""
+    old = _run("ll", budget=256, **{"256x64": {"1": _row()}}) | {"command": "earlier call"}
+    old["kv_cache"] = {"tokens": [85920]}
     first = serve_bench.merge([{"runs": [old], "note": "first session"}])
-    new = _run("ll", **{"2048x256": {"8": _row()}}) | {"kv_cache": {"tokens": [1]}}
+    new = _run("ll", budget=256, **{"2048x256": {"8": _row()}}) | {"kv_cache": {"tokens": [1]}}
     joined = serve_bench.merge([first, {"runs": [new], "note": "second session"}])
     assert joined["notes"] == ["first session", "second session"]
     run = joined["runs"][0]
     assert "command" not in run and run["kv_cache"] == {"tokens": [1]}
     assert set(run["datasets"]) == {"256x64", "2048x256"}
+    assert run["datasets"]["256x64"]["server"]["command"] == "earlier call"
+    assert "server" not in run["datasets"]["2048x256"]
+    again = serve_bench.merge([joined])  # a third merge keeps them where they are
+    assert again["runs"][0]["datasets"]["256x64"]["server"]["command"] == "earlier call"
+    short, long = serve_bench.table(again).split("2048x256 (input x output tokens)")
+    assert "KV cache tokens: ll 85920" in short and "KV cache tokens: ll 1" in long
 
 
 def test_merge_refuses_two_cards():
