@@ -47,6 +47,8 @@ def test_high_throughput_engine_config(tiny_moe):
     d = cudagraph_policy.LAST_DECISION
     assert d.backend == HIGH_THROUGHPUT and d.mode_after == "NONE"
     assert "received-token count on the host" in d.reason
+    # what it means for serving, and the flag that keeps graphs for decodes
+    assert "decodes included" in d.reason and f"--all2all-backend {LOW_LATENCY}" in d.reason
 
 
 # --------------------------------------------------------------- policy table

@@ -20,7 +20,8 @@ KEEP_REASON = (
 )
 HT_REASON = (
     "high-throughput dispatch reads the received-token count on the host, a "
-    "synchronization CUDA graphs cannot capture"
+    "synchronization CUDA graphs cannot capture; every step, decodes included, runs "
+    "without graphs (for traffic that decodes, --all2all-backend flashinfer_ep_low_latency)"
 )
 
 
