@@ -262,7 +262,9 @@ def problems(doc: dict, log_text: str = "") -> list[str]:
             for c, r in data["rows"].items():
                 where = f"{name} {dataset} concurrency {c}"
                 unfinished = r.get("completed") is None and r.get("problem")
-                if not unfinished and (r.get("failed") or r["completed"] != r["num_prompts"]):
+                if not unfinished and (
+                    r.get("failed") or r.get("completed") != r.get("num_prompts")
+                ):
                     found.append(f"{where}: {r.get('failed')} of {r['num_prompts']} failed")
                 if r.get("problem"):
                     found.append(f"{where}: {r['problem']}")
@@ -334,22 +336,21 @@ def _run(args, work: Path) -> int:
                 why = _drive(model, port, load, result, deadline, server)
                 if why:  # the row says so, and the table with it (a FAILED cell)
                     row = {"problem": why, "num_prompts": wave.prompts, "completed": None}
-                    data.update({"warm_wave": row} if warm else {})
-                    data["rows"].update({} if warm else {str(c): row})
-                    out.write_text(json.dumps(doc, indent=1))
-                    print(f"PROBLEM {dataset} concurrency {c}: {why}")
-                    return 1
-                before, last = last, probe(port)  # this wave's handles: any fails it
-                row = check_row(keep(json.loads(result.read_text())), before, last)
-                cache_before, cache = cache, prefix_cache(port)
-                check_prefill(row, cache_before, cache)
-                row["server_queue"] = queue(_log_from(log_path, logged))
+                else:
+                    before, last = last, probe(port)  # this wave's handles: any fails it
+                    row = check_row(keep(json.loads(result.read_text())), before, last)
+                    cache_before, cache = cache, prefix_cache(port)
+                    check_prefill(row, cache_before, cache)
+                    row["server_queue"] = queue(_log_from(log_path, logged))
                 if warm:
                     data["warm_wave"] = row
                 else:
                     data["rows"][str(c)] = row
-                print(f"{args.config} {dataset} c={c}{' warm' if warm else ''}: {row}", flush=True)
                 out.write_text(json.dumps(doc, indent=1))
+                if why:
+                    print(f"PROBLEM {dataset} concurrency {c}: {why}")
+                    return 1
+                print(f"{args.config} {dataset} c={c}{' warm' if warm else ''}: {row}", flush=True)
     except serve_process.ServerError as exc:
         print(f"PROBLEM {exc}")
         return 1
