@@ -45,6 +45,10 @@ DEEP_GEMM_RECEIVED_ROWS = "VLLM_FLASHINFER_EP_DEEP_GEMM_RECEIVED_ROWS"
 # capture plan) may wait for the other ranks before every rank still running stops with a
 # named error (runtime/exchange.py). vLLM's gloo groups would wait 1,800 s.
 EXCHANGE_TIMEOUT_S = "VLLM_FLASHINFER_EP_EXCHANGE_TIMEOUT_S"
+# Tokens per rank one LL round carries (0: a whole step, the LL fleet sized for the step
+# budget). Above it, a MoE forward runs as several rounds (vllm/round_chunks.py), so the
+# budget can grow without LL's buffers.
+LL_ROUND_TOKENS = "VLLM_FLASHINFER_EP_LL_ROUND_TOKENS"
 
 DEFAULT_TRANSPORT = "nccl_ep"
 DEFAULT_FT_TIMEOUT_MS = 20_000
@@ -53,6 +57,12 @@ DEFAULT_FT_TIMEOUT_MS = 20_000
 FT_TIMEOUT_MAX_MS = 3_600_000
 FT_TIMEOUT_ACCEPTED = f"an integer number of milliseconds from 1 to {FT_TIMEOUT_MAX_MS} (one hour)"
 DEFAULT_EXCHANGE_TIMEOUT_S = 30
+# A range check only: config time checks the fleet's memory for the value (at hidden 2048
+# and 128 experts, 8192 tokens per round already take 13 GiB).
+LL_ROUND_TOKENS_MAX = 65_536
+LL_ROUND_TOKENS_ACCEPTED = (
+    f"0 (one round per step) or a number of tokens per rank from 1 to {LL_ROUND_TOKENS_MAX}"
+)
 EXCHANGE_TIMEOUT_MAX_S = 3600
 EXCHANGE_TIMEOUT_ACCEPTED = (
     f"an integer number of seconds from 1 to {EXCHANGE_TIMEOUT_MAX_S} (one hour)"
@@ -233,6 +243,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         _int_parser(1, EXCHANGE_TIMEOUT_ACCEPTED, EXCHANGE_TIMEOUT_MAX_S),
         "seconds a CPU exchange among the EP ranks waits for the others before it fails",
     ),
+    EnvVar(
+        LL_ROUND_TOKENS,
+        "0",
+        LL_ROUND_TOKENS_ACCEPTED,
+        _int_parser(0, LL_ROUND_TOKENS_ACCEPTED, LL_ROUND_TOKENS_MAX),
+        "LL: tokens per rank one round carries; steps above it run as several rounds, and "
+        "the fleet is sized for it instead of --max-num-batched-tokens",
+    ),
 )
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
 
@@ -303,6 +321,10 @@ def deep_gemm_received_rows() -> float:
 
 def exchange_timeout_s() -> int:
     return BY_NAME[EXCHANGE_TIMEOUT_S].value()
+
+
+def ll_round_tokens() -> int:
+    return BY_NAME[LL_ROUND_TOKENS].value()
 
 
 # How one rank checks its host, issues its calls, runs its own experts and how long it

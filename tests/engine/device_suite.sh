@@ -14,7 +14,7 @@
 #          vllm-combinations (vLLM's own modular-kernel combination test over the experts classes)
 #          bench-30b-fp8-CONFIG (FP8 engines of bench_engine.CONFIGS, comma-separated: no_ep, ll_graph, ll_graph_deepgemm, ll_graph_triton, ll_graph_deepgemm_only)
 #          serve-bench-ll serve-bench-noep (issue 46's runs: FULL_DECODE_ONLY, no torch.compile, budget 256, 256/64)
-#          serve-CONFIG-DATASET[-decode-only] (vllm serve + vllm bench serve, one call each; CONFIG noep ll ht,
+#          serve-CONFIG-DATASET[-decode-only] (vllm serve + vllm bench serve, one call each; CONFIG noep ll llrounds ht,
 #          DATASET 256x64 2048x256 all; vLLM's default compilation unless -decode-only; SERVE_TOKENS=N passes
 #          --max-num-batched-tokens N), serve-warm-CONFIG[-decode-only]
 #          (start, one unmeasured wave per dataset, stop: compile and JIT caches for later calls);
@@ -217,13 +217,14 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         if [ "$name" != "${name#warm-}" ]; then name=${name#warm-}; ds=all; extra=(--warm-only "${extra[@]}")
         else ds=${name#*-}; name=${name%%-*}; fi
       fi
-      cfg=$name; [ "$cfg" = noep ] && cfg=no_ep
+      cfg=$name; [ "$cfg" = noep ] && cfg=no_ep; [ "$cfg" = llrounds ] && cfg=ll_rounds
       [ "$ds" = all ] && ds=256x64,2048x256
       tag="${cfg}_${ds//,/_}_$comp$suffix"; [ ${#extra[@]} -gt 0 ] && [ "${extra[0]}" = --warm-only ] && tag="warm_$tag"
       case "$cfg:$ds" in
         no_ep:256x64|no_ep:2048x256|no_ep:256x64,2048x256|ll:256x64|ll:2048x256|ll:256x64,2048x256) ;;
         ht:256x64|ht:2048x256|ht:256x64,2048x256) ;;
-        *) echo "unknown step $step (serve-CONFIG-DATASET: CONFIG noep ll ht, DATASET 256x64 2048x256 all)"; rc=2; continue ;;
+        ll_rounds:256x64|ll_rounds:2048x256|ll_rounds:256x64,2048x256) ;;
+        *) echo "unknown step $step (serve-CONFIG-DATASET: CONFIG noep ll llrounds ht, DATASET 256x64 2048x256 all)"; rc=2; continue ;;
       esac
       # the model at a fixed path and vLLM's cache on /tmp: a later call's server finds the
       # compile cache an earlier one (serve-warm-*) filled; stop 550 s after the suite started

@@ -47,7 +47,10 @@ from world1_harness import PROBE_METHOD  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 HT = "flashinfer_ep_high_throughput"
-BACKENDS = {"no_ep": None, "ll": LL, "ht": HT}
+BACKENDS = {"no_ep": None, "ll": LL, "ll_rounds": LL, "ht": HT}
+# A configuration's package variables on top of SERVER_ENV: `ll_rounds` splits MoE forwards
+# above 512 tokens into rounds (vllm/round_chunks.py) and takes vLLM's budget without EP.
+CONFIG_ENV = {"ll_rounds": {"VLLM_FLASHINFER_EP_LL_ROUND_TOKENS": "512"}}
 CONFIGS = tuple(BACKENDS)  # the table's column order; no_ep is every ratio's reference
 COMPILATIONS = ("default", "decode-only")
 # input tokens, output tokens, {concurrency: requests}: a few hundred requests where a
@@ -289,7 +292,9 @@ def _run(args, work: Path) -> int:
     started = time.monotonic()
     deadline = started + args.deadline_s
     model = _model(args.shape, Path(args.model_dir) if args.model_dir else work)
-    env = engine_env(write_plugin_dist(work / "plugin"), SERVER_ENV)
+    env = engine_env(
+        write_plugin_dist(work / "plugin"), SERVER_ENV | CONFIG_ENV.get(args.config, {})
+    )
     port = args.port or free_port()
     log_path = Path(args.log or work / f"serve-{args.config}.log")
     vllm_args = serve_args(args.config, args.compilation, args.shape, args.max_num_batched_tokens)
@@ -298,7 +303,7 @@ def _run(args, work: Path) -> int:
         "compilation": args.compilation,
         "shape": args.shape,
         "vllm_args": vllm_args,
-        "server_env": SERVER_ENV,
+        "server_env": SERVER_ENV | CONFIG_ENV.get(args.config, {}),
         "warm_up": args.warm_only,
         "datasets": {},
     }

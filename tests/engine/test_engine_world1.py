@@ -255,6 +255,26 @@ def test_ll_rounds_hidden_3072_up_and_matches(engines, models, floor):
     _assert_close(run["prompt_logprobs"], reference["prompt_logprobs"], floor, "LL h3072 vs no EP")
 
 
+def test_ll_rounds_split_above_the_round_tokens_and_match(engines, models, no_ep, floor):
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=512, no budget passed: LL takes vLLM's budget
+    for engines without EP, its fleet holds 512 tokens per rank, the prefill of all 16
+    sequences in one step runs each MoE layer as several rounds on pooled handles, and
+    the logprobs match the engine without EP."""
+    run = engines.run(
+        "ll-rounds512-h2048",
+        _spec(models(2048), LL),
+        env={"VLLM_FLASHINFER_EP_LL_ROUND_TOKENS": "512"},
+    )
+    load = run["after_load"]
+    [rt] = load["runtimes"]
+    assert rt["capacity"] == 512 and load["max_num_batched_tokens"] > 512
+    assert load["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    after = run["after_decode"]["runtimes"][0]["counters"]
+    assert after["split_forwards"] > 0 and after["split_forwards"] % LAYERS == 0
+    assert after["fresh_created"] == 0
+    _assert_close(run["prompt_logprobs"], no_ep["prompt_logprobs"], floor, "LL rounds vs no EP")
+
+
 def test_tolerance_catches_a_planted_fault(engines, models, no_ep_eager, floor):
     run = engines.run(
         "ll-fault-h2048",

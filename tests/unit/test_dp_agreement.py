@@ -45,7 +45,7 @@ from tests.unit.test_prepare_finalize_cpu import (
 )
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.bench.reference import random_routing
-from vllm_flashinfer_ep.vllm import managers
+from vllm_flashinfer_ep.vllm import managers, round_chunks
 from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
 HIDDEN = 2048
@@ -118,12 +118,13 @@ class MoELayer:
         manager = cls.__new__(cls)  # no vLLM distributed state here
         manager._vllm_config = config
         manager._checks = RankChecks(None, config)  # every rank driven alike: no exchange
-        self.sizes = manager._pool_sizes(CAPACITY)  # what the manager pools for this engine
+        capacity, _ = manager._round_capacity(CAPACITY)  # one round's tokens (the fleet's)
+        self.sizes = manager._pool_sizes(capacity)  # what the manager pools for this engine
         self.rt, self.fleet = build_fake_runtime(
             ALGORITHM[backend],
             hidden=HIDDEN,
             num_experts=NUM_EXPERTS,
-            capacity=CAPACITY,
+            capacity=capacity,
             top_k=TOP_K,
             sizes=self.sizes,
             world_size=world,
@@ -143,6 +144,7 @@ class MoELayer:
         else:
             experts = TorchStandardExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
         self.kernel = mk.FusedMoEKernel(pf, experts)
+        round_chunks.split_rounds(self.kernel)  # as the kernel's patched constructor does
         e_local = NUM_EXPERTS // world
         w1, w2 = _weights()
         self.w1, self.w2 = (
@@ -241,6 +243,32 @@ def test_dp_ranks_with_different_loads_agree_through_vllm_and_match_the_referenc
         # every step pooled, plus the first round at load (a BF16 first layer)
         assert (counters.fresh_created, counters.pooled_rounds) == (0, len(STEPS[world]) + 1)
         assert counters.padded_rounds == padded
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_ll_rounds_split_alike_on_every_rank_and_match_the_reference(monkeypatch, runner, world):
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=64 under a 256-token budget: the step with a
+    200-token prefill runs every rank's MoE layer as rounds of 64, 64, 64 and 8 (the largest
+    rank's count cut at 64), idle and decoding ranks included; smaller steps stay one
+    round; every output is the MoE computed without EP."""
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "64")
+    results = _run(LOW_LATENCY, runner, world)
+    w1, w2 = _weights()
+    logs = [log for _, log, _, _ in results]
+    sizes = results[0][3]
+    assert max(sizes) == 64 and all(log == logs[0] for log in logs[1:])
+    for step, loads in enumerate(STEPS[world]):
+        largest = max(_count(load) for load in loads)
+        rounds = [min(64, largest - start) for start in range(0, largest, 64)]
+        pooled = [min(s for s in sizes if s >= count) for count in rounds]
+        for steps, _, _, _ in results:
+            x, ids, weights, out, calls = steps[step].result
+            assert [c.tokens for c in calls if c.op == "dispatch"] == pooled
+            expected = reference_moe(x, w1, w2, ids, weights, False)
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2 * scale)
+    assert all(counters.fresh_created == 0 for _, _, counters, _ in results)
 
 
 def test_the_forward_context_is_per_rank_thread_and_the_global_stays_unset():

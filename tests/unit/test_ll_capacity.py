@@ -138,3 +138,51 @@ def test_ht_is_not_sized_by_the_ll_estimate(qwen30b_shape, monkeypatch):
     _gpu(monkeypatch, 1 * GIB)
     cfg = _config(qwen30b_shape, backend=HIGH_THROUGHPUT, max_num_batched_tokens=4096)
     assert cfg.scheduler_config.max_num_batched_tokens == 4096
+
+
+# ------------------------------------------------- rounds split (VLLM_FLASHINFER_EP_LL_ROUND_TOKENS)
+
+
+def test_round_tokens_size_the_fleet_and_free_the_budget(qwen30b_shape, monkeypatch, caplog):
+    """Rounds of 512 under vLLM's budget for engines without EP: LL no longer counts as
+    batched DP MoE (no 256 default), the budget is not lowered for the buffers, and the
+    log says how many rounds a full step takes and what one round's fleet needs."""
+    _gpu(monkeypatch, 80 * GIB)
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "512")
+    with caplog.at_level(logging.INFO):
+        cfg = _config(qwen30b_shape, max_num_batched_tokens=16384)
+    assert cfg.scheduler_config.max_num_batched_tokens == 16384
+    assert "LL rounds carry at most 512 tokens per rank" in caplog.text
+    assert "runs each MoE layer as up to 32 rounds" in caplog.text
+    assert "needs about 1.44 GiB per GPU for --max-num-batched-tokens 512" in caplog.text
+    assert "lowered" not in caplog.text
+    assert cfg.parallel_config.use_batched_dp_moe is False
+
+
+def test_without_round_tokens_ll_keeps_the_batched_dp_default(qwen30b_shape, monkeypatch):
+    _gpu(monkeypatch, 80 * GIB)
+    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens == 256
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "512")
+    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens != 256
+
+
+def test_round_tokens_below_a_capture_size_are_refused(qwen30b_shape, monkeypatch):
+    _gpu(monkeypatch, 80 * GIB)
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "64")
+    with pytest.raises(FlashInferEPConfigError, match="VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=64"):
+        _config(
+            qwen30b_shape,
+            max_num_batched_tokens=4096,
+            compilation_config={
+                "cudagraph_mode": "FULL_DECODE_ONLY",
+                "cudagraph_capture_sizes": [1, 8, 128],
+            },
+        )
+
+
+def test_round_tokens_whose_fleet_does_not_fit_are_refused(qwen30b_shape, monkeypatch):
+    _gpu(monkeypatch, 16 * GIB)
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "4096")
+    with pytest.raises(FlashInferEPConfigError, match="Set it to at most") as info:
+        _config(qwen30b_shape, max_num_batched_tokens=8192)
+    assert "VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=4096" in str(info.value)

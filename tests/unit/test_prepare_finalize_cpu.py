@@ -295,6 +295,61 @@ def test_ll_modular_kernel_on_a_padded_pooled_handle_matches_torch_moe():
     assert rt.pool.counters.padded_rounds == 1 and rt.pool.counters.fresh_created == 0
 
 
+def _split_kernel(rt, top_k, step_agreement):
+    """An LL kernel whose forwards above the fleet capacity run as several rounds."""
+    from vllm_flashinfer_ep.vllm.round_chunks import RoundChunks
+
+    kernel = _ll_kernel(rt, top_k)
+    pf = kernel.prepare_finalize
+    kernel.apply = RoundChunks(kernel.apply, pf.agreed_as, rt.capacity, step_agreement)
+    return kernel
+
+
+@pytest.mark.parametrize("on_input", [False, True], ids=["weight-after", "weight-on-input"])
+def test_ll_forward_above_the_capacity_runs_as_rounds_and_matches_torch_moe(on_input):
+    """40 tokens through a 16-token fleet: rounds of 16, 16 and 8 on pooled handles."""
+    top_k = 1 if on_input else 2
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=top_k, sizes=[8, 16]
+    )
+    kernel = _split_kernel(rt, top_k, lambda n: "local")
+    x, w1, w2, ids, weights = _problem(40, top_k, seed=5)
+    out = _apply(kernel, x, w1, w2, ids, weights, on_input)
+    assert out.shape == x.shape
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, on_input))
+    rounds = [c.tokens for c in fleet.log if c.op == "dispatch"]
+    assert rounds == [16, 16, 8] and rt.pool.counters.fresh_created == 0
+
+
+def test_a_rank_whose_tokens_end_early_joins_every_round_of_the_largest_rank():
+    """The largest EP rank runs 50 tokens, this one 20: both run four rounds (16, 16, 16,
+    2); this rank's last two carry padding and one zero-weight row, and its 20 outputs
+    are the torch MoE's."""
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[2, 8, 16]
+    )
+    kernel = _split_kernel(rt, 2, lambda n: 50)
+    x, w1, w2, ids, weights = _problem(20, 2, seed=9)
+    out = _apply(kernel, x, w1, w2, ids, weights, False)
+    assert out.shape == x.shape
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
+    assert [c.tokens for c in fleet.log if c.op == "dispatch"] == [16, 16, 16, 2]
+    assert rt.round.in_flight is None
+
+
+def test_a_forward_within_the_capacity_is_one_round():
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[16]
+    )
+    kernel = _split_kernel(rt, 2, lambda n: 16)
+    x, w1, w2, ids, weights = _problem(13, 2, seed=2)
+    _assert_bf16_close(
+        _apply(kernel, x, w1, w2, ids, weights, False),
+        reference_moe(x, w1, w2, ids, weights, False),
+    )
+    assert [c.tokens for c in fleet.log if c.op == "dispatch"] == [16]
+
+
 def test_ll_combine_ignores_padding_rows_the_experts_compute(monkeypatch):
     # Under graphs NaiveBatchedExperts computes every row of the batched buffer,
     # including the padding past each expert's count (garbage; NaN in the fake).

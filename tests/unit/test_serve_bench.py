@@ -77,7 +77,9 @@ def test_vllm_serve_gets_only_what_the_configuration_names(config, compilation):
         comp = parsed["compilation_config"]
         assert comp.cudagraph_mode.name == "FULL_DECODE_ONLY" and int(comp.mode) == 0
     assert changed == expected
-    backend = {"no_ep": None, "ll": LOW_LATENCY, "ht": HIGH_THROUGHPUT}[config]
+    backend = {"no_ep": None, "ll": LOW_LATENCY, "ll_rounds": LOW_LATENCY, "ht": HIGH_THROUGHPUT}[
+        config
+    ]
     assert parsed["all2all_backend"] == (backend or bare["all2all_backend"])
     assert parsed["max_model_len"] == serve_bench.MAX_MODEL_LEN >= 2048 + 256
 
@@ -528,6 +530,19 @@ def test_a_run_records_the_worker_s_budget_and_each_row(tmp_path, monkeypatch, c
     # requests came before the row of 4)
     assert data["rows"]["1"]["server_queue"]["max_running"] == 4
     assert data["rows"]["8"]["server_queue"]["max_running"] == 8
+
+
+@pytest.mark.parametrize("config", ["ll", "ll_rounds"])
+def test_only_ll_rounds_serves_with_the_round_tokens_and_records_them(
+    config, tmp_path, monkeypatch, capsys
+):
+    served, _ = _stand_ins(monkeypatch, [PROBES["at_load"]] * 4)
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", config)
+    assert rc == 0, capsys.readouterr().out
+    got = served.env.get("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS")
+    assert got == ("512" if config == "ll_rounds" else None)
+    recorded = json.loads(out.read_text())["runs"][0]["server_env"]
+    assert recorded.get("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS") == got
 
 
 def test_prompts_the_prefix_cache_finds_fail_the_run(tmp_path, monkeypatch, capsys):

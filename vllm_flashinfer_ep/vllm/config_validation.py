@@ -142,6 +142,10 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
     shape = _ll_fleet_shape(vllm_config)
     if shape is None:
         return
+    round_tokens = envs.ll_round_tokens()
+    if 0 < round_tokens < sched.max_num_batched_tokens:
+        _check_ll_rounds(vllm_config, flag, shape, round_tokens)
+        return
     verdict = ll_memory_verdict(
         flag,
         shape,
@@ -163,6 +167,64 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
         raise FlashInferEPConfigError(verdict.refusal)
     if verdict.lowered_to is not None:
         _lower_step_budget(vllm_config, flag, verdict.lowered_to, f"{flag} {verdict.why}")
+
+
+def _check_ll_rounds(
+    vllm_config: Any, flag: str, shape: tuple[int, int, int], round_tokens: int
+) -> None:
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS below the step budget: the fleet is sized for one
+    round of that many tokens and longer forwards split (vllm/round_chunks.py). A captured
+    forward is one round, so the round covers every capture size; the fleet must fit."""
+    var = f"{envs.LL_ROUND_TOKENS}={round_tokens}"
+    sched, comp = vllm_config.scheduler_config, vllm_config.compilation_config
+    captured = [] if comp is None or not comp.cudagraph_mode else comp.cudagraph_capture_sizes
+    largest = max((int(s) for s in captured or ()), default=0)
+    if round_tokens < largest:
+        raise FlashInferEPConfigError(
+            f"{flag}: {var} is below the largest CUDA graph capture size, {largest}, and a "
+            f"captured forward runs as one round. Set it to at least {largest}, or capture "
+            f"smaller batches (--compilation-config "
+            f"'{{\"max_cudagraph_capture_size\": {round_tokens}}}')."
+        )
+    step = deep_gemm_step(
+        _budget_backend(vllm_config, flag), ep_world_size(vllm_config.parallel_config)
+    )
+    if round_tokens % step:
+        raise FlashInferEPConfigError(
+            f"{flag}: {var} is not a multiple of {step}, the tokens per rank DeepGEMM's "
+            f"experts take in whole row tiles here. Set a multiple of {step}."
+        )
+    model = vllm_config.model_config
+    verdict = ll_memory_verdict(
+        flag,
+        shape,
+        round_tokens,
+        config_rules.device_memory_bytes(),
+        vllm_config.cache_config.gpu_memory_utilization,
+        max_num_seqs=1,  # a step of more sequences than a round takes splits too
+        chunked_prefill=True,
+        max_model_len=model.max_model_len,
+        token_step=step,
+    )
+    if verdict.lowered_to is not None or verdict.refusal is not None:
+        fit = verdict.lowered_to or 0
+        raise FlashInferEPConfigError(
+            f"{flag}: {var}: the LL fleet for rounds of {round_tokens} tokens needs about "
+            f"{verdict.need / (1 << 30):.1f} GiB per GPU, more than "
+            f"{buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} of the memory vLLM may use. "
+            + (f"Set it to at most {fit}." if fit else "Raise --gpu-memory-utilization.")
+        )
+    budget = sched.max_num_batched_tokens
+    logger.info(
+        "%s: LL rounds carry at most %d tokens per rank (%s); a step of up to "
+        "--max-num-batched-tokens %d runs each MoE layer as up to %d rounds. %s",
+        flag,
+        round_tokens,
+        envs.LL_ROUND_TOKENS,
+        budget,
+        -(-budget // round_tokens),
+        verdict.summary,
+    )
 
 
 def _budget_backend(vllm_config: Any, flag: str) -> str | None:

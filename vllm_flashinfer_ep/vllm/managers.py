@@ -139,10 +139,11 @@ class _FlashInferEPManager(All2AllManagerBase):
         from vllm_flashinfer_ep.vllm.forward_state import agreed_token_count
         from vllm_flashinfer_ep.vllm.prepare_finalize import PREPARE_FINALIZE
 
+        capacity, split = self._round_capacity(moe.max_num_tokens)
         runtime = self.get_handle(
             dict(
                 num_experts=moe.num_experts,
-                max_num_tokens_per_rank=moe.max_num_tokens,
+                max_num_tokens_per_rank=capacity,
                 hidden_size=moe.hidden_dim,
                 top_k=moe.experts_per_token,
             )
@@ -156,11 +157,26 @@ class _FlashInferEPManager(All2AllManagerBase):
                 agreed_token_count, max_spread=pool_sizes.HT_MAX_PAD, capacity=runtime.capacity
             )
         agreement = self._checks.capture_checked(agreement)
-        prepare_finalize = cls(runtime, agreement_fn=agreement, fp8_dispatch=fp8)
+        prepare_finalize = cls(
+            runtime,
+            agreement_fn=agreement,
+            fp8_dispatch=fp8,
+            split_agreement=agreed_token_count if split else None,
+        )
         # The runtime's first layer: its first round now if that layer dispatches BF16
         # (FlashInfer's receive buffer; FP8 layers never allocate it), then the memory log.
         runtime.finish_load(first_round=not fp8)
         return prepare_finalize
+
+    def _round_capacity(self, step_tokens: int) -> tuple[int, bool]:
+        """The tokens per rank one round carries, and whether forwards above it split into
+        rounds: LL with VLLM_FLASHINFER_EP_LL_ROUND_TOKENS below the step's tokens."""
+        from vllm_flashinfer_ep import envs
+
+        round_tokens = envs.ll_round_tokens()
+        if self.algorithm != Algorithm.LOW_LATENCY or not 0 < round_tokens < step_tokens:
+            return step_tokens, False
+        return round_tokens, True
 
     def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:
         """Whether this layer sends FP8 on the wire (runtime/fp8_wire.py), decided at

@@ -10,7 +10,8 @@ FP8 on the wire for 128x128 block layers (runtime/fp8_wire.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -42,13 +43,18 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         runtime: EPRuntime,
         agreement_fn: AgreementFn | None = None,
         fp8_dispatch: bool = False,
+        split_agreement: AgreementFn | None = None,
     ) -> None:
         """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for this
-        forward (vllm/forward_state.py; default: each its own). `fp8_dispatch`: FP8 wire."""
+        forward (vllm/forward_state.py; default: each its own). `fp8_dispatch`: FP8 wire.
+        `split_agreement`: set where forwards above the fleet capacity run as several
+        rounds (vllm/round_chunks.py), the forward's agreed count without the capacity."""
         super().__init__()
         self.runtime = runtime
         self._round = runtime.round
         self._agreed = agreement_fn or _local
+        self._round_agreed: int | None = None  # one round of a split forward (round_chunks.py)
+        self.split_agreement = split_agreement
         self._fp8 = fp8_dispatch
         if fp8_dispatch:
             runtime.enable_fp8_wire(self._wire_quantizer())
@@ -78,6 +84,16 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
     def supports_async(self) -> bool:
         return False
 
+    @contextlib.contextmanager
+    def agreed_as(self, count: int) -> Iterator[None]:
+        """While one round of a forward split into rounds runs (vllm/round_chunks.py): the
+        count every EP rank agreed on for that round, in place of the forward's."""
+        self._round_agreed = count
+        try:
+            yield
+        finally:
+            self._round_agreed = None
+
     def prepare(
         self,
         a1: torch.Tensor,
@@ -93,7 +109,9 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
             a1,
             topk_ids,
             topk_weights,
-            agreed_tokens=self._agreed(a1.shape[0]),
+            agreed_tokens=self._agreed(a1.shape[0])
+            if self._round_agreed is None
+            else self._round_agreed,
             apply_router_weight_on_input=apply_router_weight_on_input,
             fp8=self._fp8 and not defer_input_quant,  # deferring experts quantize BF16 themselves
         )

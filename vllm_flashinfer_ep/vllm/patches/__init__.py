@@ -180,7 +180,8 @@ PATCHES: tuple[Patch, ...] = (
         W.make_kernel_init,
         ("self", "prepare_finalize", "fused_experts"),
         what="LL MoE kernels run the received-rows experts (experts/) in place of vLLM's "
-        "batched Triton and DeepGEMM experts",
+        "batched Triton and DeepGEMM experts, and split forwards above the fleet's round "
+        "capacity into rounds where VLLM_FLASHINFER_EP_LL_ROUND_TOKENS asks (round_chunks.py)",
         why="vLLM's batched experts launch programs over every row of the expert-major "
         "buffer whatever the batch; the empty ones set a decode step's time. vLLM's "
         "oracles pick experts classes from fixed tables, one per quantization family",

@@ -51,7 +51,12 @@ def make_use_sequence_parallel_moe(original):
 def make_use_batched_dp_moe(original):
     def use_batched_dp_moe(self) -> bool:
         if self.all2all_backend == LOW_LATENCY:
-            return self.enable_expert_parallel and self.data_parallel_size > 1
+            from vllm_flashinfer_ep import envs
+
+            # Rounds split above VLLM_FLASHINFER_EP_LL_ROUND_TOKENS: the step budget no
+            # longer sizes LL's buffers, so LL takes vLLM's budget for other engines.
+            split = envs.ll_round_tokens() > 0
+            return self.enable_expert_parallel and self.data_parallel_size > 1 and not split
         return original(self)
 
     return use_batched_dp_moe

@@ -178,7 +178,8 @@ def make_graph_capture(original):
 
 def make_kernel_init(original):
     """An LL prepare/finalize's kernel runs the experts wing's class in place of the one
-    vLLM's oracle built (experts/__init__.py), with the layer's wire decision."""
+    vLLM's oracle built (experts/__init__.py), with the layer's wire decision, and splits
+    forwards above its fleet capacity into rounds where the manager said so."""
 
     def __init__(self, prepare_finalize, fused_experts, *args, **kwargs) -> None:
         from vllm_flashinfer_ep.vllm.prepare_finalize import (
@@ -195,6 +196,10 @@ def make_kernel_init(original):
                 options=experts.ExpertsOptions.from_env(),
             )
         original(self, prepare_finalize, fused_experts, *args, **kwargs)
+        if isinstance(prepare_finalize, FlashInferEPLowLatencyPrepareAndFinalize):
+            from vllm_flashinfer_ep.vllm.round_chunks import split_rounds
+
+            split_rounds(self)
 
     return __init__
 

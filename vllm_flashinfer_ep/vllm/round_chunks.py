@@ -1,0 +1,106 @@
+"""An LL MoE forward longer than the fleet's round capacity, run as several rounds.
+
+LL's buffers grow with the tokens one round carries (experts x tokens x hidden per GPU),
+and the step budget sets how many prompt tokens a step prefills. Split into rounds of at
+most the capacity, a forward no longer needs buffers for the whole budget: served, the
+scheduler can take the budget vLLM gives an engine without EP while the buffers keep a
+decode-sized capacity. Every EP rank runs the same rounds: the largest rank's count for
+the forward (vLLM's DP metadata), cut at the capacity; a rank whose tokens end before a
+round sends one zero-weight row in it. Captured forwards are never split (config time
+keeps the capacity at or above the largest capture size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL
+
+StepAgreement = Callable[[int], "int | str | None"]
+
+
+def round_counts(agreed: int, capacity: int) -> list[int]:
+    """Each round's agreed count: the largest rank's tokens cut at the capacity."""
+    return [min(capacity, agreed - start) for start in range(0, agreed, capacity)]
+
+
+class RoundChunks:
+    """The modular kernel's `apply`, split into rounds above `capacity` tokens."""
+
+    def __init__(
+        self,
+        apply: Callable[..., torch.Tensor],
+        agreed_as: Callable[[int], contextlib.AbstractContextManager],
+        capacity: int,
+        step_agreement: StepAgreement,
+        counters: Any = None,
+    ) -> None:
+        """`counters`: the pool's (runtime/handle_pool.PoolCounters), which count the
+        forwards split."""
+        self._apply = apply
+        self._agreed_as = agreed_as
+        self.capacity = capacity
+        self._step_agreement = step_agreement
+        self._counters = counters
+
+    def _total(self, num_tokens: int) -> int:
+        agreed = self._step_agreement(num_tokens)
+        return num_tokens if agreed is None or agreed == LOCAL else int(agreed)
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        total = self._total(n)
+        if total <= self.capacity:
+            return self._apply(hidden_states, w1, w2, topk_weights, topk_ids, *args, **kwargs)
+        if self._counters is not None:
+            self._counters.split_forwards += 1
+        shared_input = kwargs.get("shared_experts_input")
+        outputs = []
+        for start, count in zip(range(0, total, self.capacity), round_counts(total, self.capacity)):
+            rows = slice(start, min(start + self.capacity, n))
+            x, ids, weights = hidden_states[rows], topk_ids[rows], topk_weights[rows]
+            real = x.shape[0] > 0
+            if not real:  # this rank's tokens ended: one zero-weight row keeps it in the round
+                x, ids, weights = _placeholder(hidden_states, topk_ids, topk_weights)
+            if shared_input is not None:
+                kwargs["shared_experts_input"] = shared_input[rows] if real else x
+            with self._agreed_as(count):
+                out = self._apply(x, w1, w2, weights, ids, *args, **kwargs)
+            if real:
+                outputs.append(out)
+        return torch.cat(outputs)
+
+
+def _placeholder(
+    hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row of zeros routed to the first top_k experts with weight 0 (its output is
+    dropped): vLLM's modular kernel takes no empty forward."""
+    top_k = topk_ids.shape[1]
+    x = hidden_states.new_zeros((1, hidden_states.shape[1]))
+    ids = torch.arange(top_k, dtype=topk_ids.dtype, device=topk_ids.device).unsqueeze(0)
+    return x, ids, topk_weights.new_zeros((1, top_k))
+
+
+def split_rounds(kernel: Any) -> None:
+    """Run `kernel`'s forwards above its fleet's capacity as several rounds, where its
+    prepare/finalize was made to (the manager, from VLLM_FLASHINFER_EP_LL_ROUND_TOKENS)."""
+    pf = kernel.prepare_finalize
+    agreement = getattr(pf, "split_agreement", None)
+    if agreement is not None and not isinstance(kernel.apply, RoundChunks):  # once per kernel
+        kernel.apply = RoundChunks(
+            kernel.apply, pf.agreed_as, pf.runtime.capacity, agreement, pf.runtime.pool.counters
+        )
