@@ -217,3 +217,18 @@ def test_doctor_says_what_ll_s_default_step_budget_means_for_serving(tmp_path, m
     monkeypatch.setattr(model_verdicts, "vllm_default_tokens", lambda settings: 8192)
     [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
     assert "without EP vLLM gives 8192 on this GPU" in line.detail
+
+
+def test_doctor_sizes_the_fleet_for_one_round_where_rounds_split(tmp_path, monkeypatch):
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=512 under a budget of 8192: the estimate is the
+    fleet of one 512-token round, a line says how many rounds a full step takes, and no
+    budget line; at or above the budget nothing splits."""
+    path = write_model(tmp_path / "m", hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "512")
+    checks = {c.name: c for c in doctor.model_checks(path, 8192)}
+    assert "about 1.44 GiB per GPU for rounds of 512 tokens" in checks["LL memory estimate"].detail
+    assert "runs each MoE layer as up to 16 rounds" in checks["LL rounds"].detail
+    assert "LL step budget" not in checks
+    checks = {c.name: c for c in doctor.model_checks(path, 512)}
+    assert "LL rounds" not in checks
+    assert "at --max-num-batched-tokens 512" in checks["LL memory estimate"].detail

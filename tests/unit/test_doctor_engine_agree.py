@@ -127,6 +127,20 @@ def test_memory_refusal_is_doctor_s_failure(big, monkeypatch):
     assert "--max-num-seqs 256" in reason
 
 
+def test_a_round_fleet_that_does_not_fit_fails_both_with_the_same_reason(big, monkeypatch):
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS sizes the LL fleet: one that does not fit is the
+    engine's refusal and doctor's failure, in the same words."""
+    _gpu(monkeypatch, 16 * GIB)
+    monkeypatch.setenv(envs.LL_ROUND_TOKENS, "4096")
+    reason = _engine_refusal(big, max_num_batched_tokens=8192, gpu_memory_utilization=0.9)
+    rc, checks = _doctor(
+        monkeypatch, big, "--max-num-batched-tokens", "8192", "--gpu-memory-utilization", "0.9"
+    )
+    est = checks["LL memory estimate"]
+    assert rc == 1 and not est.ok and est.fix == reason
+    assert f"{envs.LL_ROUND_TOKENS}=4096" in reason and "Set it to at most" in reason
+
+
 def test_thousands_of_gib_are_not_ok_on_a_gpu(big, monkeypatch):
     """vLLM's own parser for the flag (20m = 20,000,000); the engine lowers the budget, doctor
     says so as a warning with the engine's figure instead of [ok]."""

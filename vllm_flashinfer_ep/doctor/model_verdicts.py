@@ -98,9 +98,14 @@ def model_checks(
     fleet = shape.ll_fleet_shape() if low_latency else None
     total = rules.device_memory_bytes() if fleet is not None else None
     unquantized = fp8_choice.unquantized_moe(shape.unquantized_modules)
+    rounds = _split_rounds(settings) if fleet is not None else None
+    # the fleet holds one round: a whole step, or VLLM_FLASHINFER_EP_LL_ROUND_TOKENS
+    fleet_settings = (
+        settings if rounds is None else replace(settings, max_num_batched_tokens=rounds[0])
+    )
     memory = None
     if fleet is not None:
-        memory = _ll_memory_verdict(flag, shape, fleet, settings, total, method, unquantized)
+        memory = _ll_memory_verdict(flag, shape, fleet, fleet_settings, total, method, unquantized)
     if method is None and settings.moe_backend != "auto":
         asked = settings.moe_backend
         why = fp8_choice.unquantized_experts_reason(flag, backend, asked)
@@ -111,15 +116,17 @@ def model_checks(
         checks.append(Check("experts", why is None, f"MXFP4, --moe-backend {asked}", why or ""))
     if method in rules.FP8_METHODS and reason is None:
         # The engine checks the experts against the step budget after lowering it.
-        tokens = (memory.lowered_to if memory else None) or settings.tokens
+        tokens = (memory.lowered_to if memory else None) or fleet_settings.tokens
         checks.append(
             _fp8_experts_check(flag, backend, method, block, settings, tokens, unquantized)
         )
     if not low_latency:
         checks.append(_ht_tokens_check(flag, shape, settings))
     if fleet is not None:
-        checks.append(_ll_memory_check(shape, fleet, settings, memory))
-        if settings.max_num_batched_tokens is None:
+        checks.append(_ll_memory_check(shape, fleet, fleet_settings, memory, rounds is not None))
+        if rounds is not None:
+            checks.append(_ll_rounds_check(*rounds))
+        elif settings.max_num_batched_tokens is None:
             larger = replace(settings, max_num_batched_tokens=LARGER_LL_BUDGET)
             checks.append(
                 _ll_budget_check(
@@ -285,11 +292,21 @@ def _ll_memory_verdict(
 
 
 def _ll_memory_check(
-    shape: model_shape.ModelShape, fleet: tuple[int, int, int], settings: ServeSettings, verdict
+    shape: model_shape.ModelShape,
+    fleet: tuple[int, int, int],
+    settings: ServeSettings,
+    verdict,
+    rounds: bool = False,
 ) -> Check:
-    """The LL fleet's estimated memory per GPU and the engine's verdict on it."""
+    """The LL fleet's estimated memory per GPU and the engine's verdict on it (`rounds`:
+    the fleet holds one round of VLLM_FLASHINFER_EP_LL_ROUND_TOKENS, not a step)."""
     hidden, experts, top_k = fleet
     tokens = settings.tokens
+    sized_for = (
+        f"for rounds of {tokens} tokens ({envs.LL_ROUND_TOKENS})"
+        if rounds
+        else f"at --max-num-batched-tokens {tokens}"
+    )
     parts, gib = verdict.parts, rules.GIB
     redundant = (
         f" ({shape.routed_experts} + {shape.redundant_experts} EPLB redundant)"
@@ -297,13 +314,17 @@ def _ll_memory_check(
         else ""
     )
     detail = (
-        f"about {verdict.need / gib:.2f} GiB per GPU at --max-num-batched-tokens {tokens}: "
+        f"about {verdict.need / gib:.2f} GiB per GPU {sized_for}: "
         f"NCCL-EP fixed {parts['fixed'] / gib:.2f} + buffers {parts['buffers'] / gib:.2f} + "
         f"FlashInfer receive buffer {parts['receive'] / gib:.2f} + {verdict.handles} pooled handles and "
         f"their padding staging {parts['pool'] / 1e6:.1f} MB "
         f"({experts} experts{redundant}, hidden {hidden}, top_k {top_k})"
     )
     name = "LL memory estimate"
+    if rounds:
+        reason = rules.ll_rounds_memory_reason(f"--all2all-backend {LOW_LATENCY}", tokens, verdict)
+        if reason is not None:
+            return Check(name, False, detail, reason)
     if verdict.refusal is not None:
         return Check(name, False, detail, verdict.refusal)
     if verdict.budget is None:
@@ -324,6 +345,40 @@ def _ll_memory_check(
             warn=True,
         )
     return Check(name, True, f"{detail}; fits the budget of {verdict.budget / gib:.2f} GiB")
+
+
+def _split_rounds(settings: ServeSettings) -> tuple[int, int | None] | None:
+    """(round tokens, step budget or None where vLLM's default is unknown here) where
+    VLLM_FLASHINFER_EP_LL_ROUND_TOKENS splits LL forwards, as the engine decides it
+    (config_validation, managers); None where a round is a whole step. A bad value is
+    the environment check's to report."""
+    try:
+        round_tokens = envs.ll_round_tokens()
+    except FlashInferEPEnvVarError:
+        return None
+    if round_tokens == 0:
+        return None
+    # LL is then not batched DP MoE: vLLM's budget for engines without EP
+    budget = settings.max_num_batched_tokens or vllm_default_tokens(settings)
+    if budget is not None and budget <= round_tokens:
+        return None
+    return round_tokens, budget
+
+
+def _ll_rounds_check(round_tokens: int, budget: int | None) -> Check:
+    steps = (
+        f"a step of up to --max-num-batched-tokens {budget} runs each MoE layer as up to "
+        f"{-(-budget // round_tokens)} rounds"
+        if budget is not None
+        else "longer steps (vLLM's budget for engines without EP, set by the GPU) run as "
+        "several rounds per MoE layer"
+    )
+    return Check(
+        "LL rounds",
+        True,
+        f"at most {round_tokens} tokens per rank per round ({envs.LL_ROUND_TOKENS}); {steps}; "
+        "the engine refuses a value below its largest CUDA graph capture size",
+    )
 
 
 # The budget the serving benchmark measured beside LL's default (docs/benchmarks.md).

@@ -183,6 +183,20 @@ def ll_memory_verdict(
     return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
 
 
+def ll_rounds_memory_reason(flag: str, round_tokens: int, verdict: LLMemoryVerdict) -> str | None:
+    """Why the LL fleet for rounds of VLLM_FLASHINFER_EP_LL_ROUND_TOKENS cannot be built (a
+    fleet that does not fit is refused: lowering the step budget would not shrink it)."""
+    if verdict.lowered_to is None and verdict.refusal is None:
+        return None
+    fit = verdict.lowered_to or 0
+    return (
+        f"{flag}: {envs.LL_ROUND_TOKENS}={round_tokens}: the LL fleet for rounds of "
+        f"{round_tokens} tokens needs about {verdict.need / GIB:.1f} GiB per GPU, more than "
+        f"{buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} of the memory vLLM may use. "
+        + (f"Set it to at most {fit}." if fit else "Raise --gpu-memory-utilization.")
+    )
+
+
 def ep_world_size(par: Any) -> int:
     """Ranks of one EP group: DP x PCP x TP (vllm/distributed/parallel_state.py, `_EP`)."""
     pcp = getattr(par, "prefill_context_parallel_size", 1)

@@ -206,14 +206,9 @@ def _check_ll_rounds(
         max_model_len=model.max_model_len,
         token_step=step,
     )
-    if verdict.lowered_to is not None or verdict.refusal is not None:
-        fit = verdict.lowered_to or 0
-        raise FlashInferEPConfigError(
-            f"{flag}: {var}: the LL fleet for rounds of {round_tokens} tokens needs about "
-            f"{verdict.need / (1 << 30):.1f} GiB per GPU, more than "
-            f"{buffer_sizes.LL_BUFFER_BUDGET_FRACTION:.0%} of the memory vLLM may use. "
-            + (f"Set it to at most {fit}." if fit else "Raise --gpu-memory-utilization.")
-        )
+    reason = config_rules.ll_rounds_memory_reason(flag, round_tokens, verdict)
+    if reason is not None:
+        raise FlashInferEPConfigError(reason)
     budget = sched.max_num_batched_tokens
     logger.info(
         "%s: LL rounds carry at most %d tokens per rank (%s); a step of up to "
