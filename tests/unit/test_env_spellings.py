@@ -215,6 +215,18 @@ CASES: dict[str, dict] = {
             str(envs.EXCHANGE_TIMEOUT_MAX_S + 1),
         ],
     },
+    envs.LL_ROUND_TOKENS: {
+        "default": 0,
+        "accepted": [
+            ("0", 0),
+            ("512", 512),
+            (" 1024 ", 1024),
+            ("+256", 256),
+            (str(envs.LL_ROUND_TOKENS_MAX), envs.LL_ROUND_TOKENS_MAX),
+            ("", 0),
+        ],
+        "bad": ["-1", "0.5", "512 tokens", "1e3", "5_12", "inf", str(envs.LL_ROUND_TOKENS_MAX + 1)],
+    },
 }
 
 ACCEPTED = [(name, raw, value) for name, c in CASES.items() for raw, value in c["accepted"]]
