@@ -124,6 +124,23 @@ def test_deep_gemm_where_it_cannot_run_is_one_clear_error(tiny_moe, backend, kwa
     assert message in str(info.value) and "--moe-backend triton" in str(info.value)
 
 
+def test_with_rounds_the_round_not_the_budget_must_fill_whole_tiles(tiny_moe, monkeypatch):
+    """Under VLLM_FLASHINFER_EP_LL_ROUND_TOKENS DeepGEMM's experts are built for one round:
+    a budget of 1000 (refused alone: 2000 rows per expert) serves with rounds of 512, and
+    rounds of 500 are refused naming the variable (dp=2: a multiple of 64 is needed)."""
+    block = dict(quantization="fp8_per_block", moe_backend="deep_gemm")
+    monkeypatch.setenv(envs.LL_ROUND_TOKENS, "512")
+    cfg = engine_config(tiny_moe, LOW_LATENCY, max_num_batched_tokens=1000, **block)
+    assert cfg.kernel_config.moe_backend == "deep_gemm"
+    monkeypatch.setenv(envs.LL_ROUND_TOKENS, "500")
+    with pytest.raises(FlashInferEPConfigError, match="Set a multiple of 64") as info:
+        engine_config(tiny_moe, LOW_LATENCY, max_num_batched_tokens=1000, **block)
+    assert f"{envs.LL_ROUND_TOKENS}=500" in str(info.value)
+    monkeypatch.delenv(envs.LL_ROUND_TOKENS)
+    with pytest.raises(FlashInferEPConfigError, match="a multiple of 64"):
+        engine_config(tiny_moe, LOW_LATENCY, max_num_batched_tokens=1000, **block)
+
+
 def test_a_capacity_that_fills_whole_tiles_is_kept(tiny_moe):
     cfg = engine_config(
         tiny_moe,

@@ -46,6 +46,7 @@ from tests.unit.test_prepare_finalize_cpu import (
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.bench.reference import random_routing
 from vllm_flashinfer_ep.vllm import managers, round_chunks
+from vllm_flashinfer_ep.vllm.config_rules import round_capacity
 from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
 HIDDEN = 2048
@@ -118,7 +119,7 @@ class MoELayer:
         manager = cls.__new__(cls)  # no vLLM distributed state here
         manager._vllm_config = config
         manager._checks = RankChecks(None, config)  # every rank driven alike: no exchange
-        capacity, _ = manager._round_capacity(CAPACITY)  # one round's tokens (the fleet's)
+        capacity = round_capacity(CAPACITY, backend)  # one round's tokens, as the manager's
         self.sizes = manager._pool_sizes(capacity)  # what the manager pools for this engine
         self.rt, self.fleet = build_fake_runtime(
             ALGORITHM[backend],

@@ -350,7 +350,7 @@ def _ll_memory_check(
 def _split_rounds(settings: ServeSettings) -> tuple[int, int | None] | None:
     """(round tokens, step budget or None where vLLM's default is unknown here) where
     VLLM_FLASHINFER_EP_LL_ROUND_TOKENS splits LL forwards, as the engine decides it
-    (config_validation, managers); None where a round is a whole step. A bad value is
+    (config_rules.round_capacity); None where a round is a whole step. A bad value is
     the environment check's to report."""
     try:
         round_tokens = envs.ll_round_tokens()
@@ -360,9 +360,10 @@ def _split_rounds(settings: ServeSettings) -> tuple[int, int | None] | None:
         return None
     # LL is then not batched DP MoE: vLLM's budget for engines without EP
     budget = settings.max_num_batched_tokens or vllm_default_tokens(settings)
-    if budget is not None and budget <= round_tokens:
-        return None
-    return round_tokens, budget
+    if budget is None:
+        return round_tokens, None
+    capacity = rules.round_capacity(budget, LOW_LATENCY)
+    return (capacity, budget) if capacity < budget else None
 
 
 def _ll_rounds_check(round_tokens: int, budget: int | None) -> Check:

@@ -183,6 +183,14 @@ def ll_memory_verdict(
     return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
 
 
+def round_capacity(step_tokens: int, backend: str) -> int:
+    """The tokens per rank one round carries: a whole step, or LL's
+    VLLM_FLASHINFER_EP_LL_ROUND_TOKENS below it (forwards then split, vllm/round_chunks.py).
+    Config time and the manager decide it here alike."""
+    round_tokens = envs.ll_round_tokens() if backend == backends.LOW_LATENCY else 0
+    return round_tokens if 0 < round_tokens < step_tokens else step_tokens
+
+
 def ll_rounds_memory_reason(flag: str, round_tokens: int, verdict: LLMemoryVerdict) -> str | None:
     """Why the LL fleet for rounds of VLLM_FLASHINFER_EP_LL_ROUND_TOKENS cannot be built (a
     fleet that does not fit is refused: lowering the step budget would not shrink it)."""

@@ -142,8 +142,8 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
     shape = _ll_fleet_shape(vllm_config)
     if shape is None:
         return
-    round_tokens = envs.ll_round_tokens()
-    if 0 < round_tokens < sched.max_num_batched_tokens:
+    round_tokens = config_rules.round_capacity(sched.max_num_batched_tokens, backends.LOW_LATENCY)
+    if round_tokens < sched.max_num_batched_tokens:
         _check_ll_rounds(vllm_config, flag, shape, round_tokens)
         return
     verdict = ll_memory_verdict(
@@ -349,7 +349,9 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         model.quantization,
         shape.weight_block_size,
         kernel.moe_backend,
-        sched.max_num_batched_tokens if sched is not None else None,
+        config_rules.round_capacity(sched.max_num_batched_tokens, backend)
+        if sched is not None
+        else None,
         ep_world_size(vllm_config.parallel_config),
         os.environ,
         unquantized,

@@ -26,6 +26,7 @@ from vllm_flashinfer_ep.runtime.exchange import cpu_exchange
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.vllm import rank_checks
+from vllm_flashinfer_ep.vllm.config_rules import round_capacity
 
 logger = get_logger(__name__)
 
@@ -139,7 +140,9 @@ class _FlashInferEPManager(All2AllManagerBase):
         from vllm_flashinfer_ep.vllm.forward_state import agreed_token_count
         from vllm_flashinfer_ep.vllm.prepare_finalize import PREPARE_FINALIZE
 
-        capacity, split = self._round_capacity(moe.max_num_tokens)
+        # one round's tokens: the step's, or fewer where forwards split (round_chunks.py)
+        capacity = round_capacity(int(moe.max_num_tokens), self.backend_name)
+        split = capacity < moe.max_num_tokens
         runtime = self.get_handle(
             dict(
                 num_experts=moe.num_experts,
@@ -167,16 +170,6 @@ class _FlashInferEPManager(All2AllManagerBase):
         # (FlashInfer's receive buffer; FP8 layers never allocate it), then the memory log.
         runtime.finish_load(first_round=not fp8)
         return prepare_finalize
-
-    def _round_capacity(self, step_tokens: int) -> tuple[int, bool]:
-        """The tokens per rank one round carries, and whether forwards above it split into
-        rounds: LL with VLLM_FLASHINFER_EP_LL_ROUND_TOKENS below the step's tokens."""
-        from vllm_flashinfer_ep import envs
-
-        round_tokens = envs.ll_round_tokens()
-        if self.algorithm != Algorithm.LOW_LATENCY or not 0 < round_tokens < step_tokens:
-            return step_tokens, False
-        return round_tokens, True
 
     def _fp8_dispatch(self, runtime: EPRuntime, moe: Any, quant_config: Any) -> bool:
         """Whether this layer sends FP8 on the wire (runtime/fp8_wire.py), decided at
