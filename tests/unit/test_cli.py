@@ -230,5 +230,6 @@ def test_doctor_sizes_the_fleet_for_one_round_where_rounds_split(tmp_path, monke
     assert "runs each MoE layer as up to 16 rounds" in checks["LL rounds"].detail
     assert "LL step budget" not in checks
     checks = {c.name: c for c in doctor.model_checks(path, 512)}
-    assert "LL rounds" not in checks
+    assert checks["LL rounds"].warn and "no forward splits" in checks["LL rounds"].detail
     assert "at --max-num-batched-tokens 512" in checks["LL memory estimate"].detail
+    assert "LL step budget" not in checks  # that line is about LL's 256 default

@@ -272,6 +272,21 @@ def test_ll_rounds_split_alike_on_every_rank_and_match_the_reference(monkeypatch
     assert all(counters.fresh_created == 0 for _, _, counters, _ in results)
 
 
+def test_rounds_below_a_final_capture_size_are_refused_at_load(monkeypatch):
+    """Config time may not see vLLM's final capture sizes; the manager checks them when a
+    layer's prepare/finalize is made, before any fleet or handle exists."""
+    from vllm_flashinfer_ep.errors import FlashInferEPConfigError
+
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "64")
+    monkeypatch.setattr(managers, "pool_sizes_from_config", lambda config: [1, 8, 128])
+    cls = managers.MANAGERS[LOW_LATENCY]
+    manager = cls.__new__(cls)
+    manager._vllm_config = dp_world.vllm_config(2, 0)
+    manager.get_handle = lambda kwargs: pytest.fail("a fleet was asked for")
+    with pytest.raises(FlashInferEPConfigError, match="largest CUDA graph capture size, 128"):
+        manager.make_prepare_finalize(_moe_config(LOW_LATENCY, 2, 0), None)
+
+
 def test_the_forward_context_is_per_rank_thread_and_the_global_stays_unset():
     """What dp_world replaces: each thread sees its own forward context; vLLM's process
     global is never set; the DP all-reduces pair across ranks."""

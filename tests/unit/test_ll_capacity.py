@@ -186,3 +186,17 @@ def test_round_tokens_whose_fleet_does_not_fit_are_refused(qwen30b_shape, monkey
     with pytest.raises(FlashInferEPConfigError, match="Set it to at most") as info:
         _config(qwen30b_shape, max_num_batched_tokens=8192)
     assert "VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=4096" in str(info.value)
+
+
+def test_round_tokens_at_or_above_the_budget_are_said_to_change_nothing(
+    qwen30b_shape, monkeypatch, caplog
+):
+    _gpu(monkeypatch, 80 * GIB)
+    monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "4096")
+    with caplog.at_level(logging.INFO):
+        cfg = _config(qwen30b_shape, max_num_batched_tokens=2048)
+    assert cfg.scheduler_config.max_num_batched_tokens == 2048
+    assert (
+        "VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=4096 is at or above --max-num-batched-tokens 2048"
+        in (caplog.text)
+    )

@@ -295,13 +295,12 @@ def test_ll_modular_kernel_on_a_padded_pooled_handle_matches_torch_moe():
     assert rt.pool.counters.padded_rounds == 1 and rt.pool.counters.fresh_created == 0
 
 
-def _split_kernel(rt, top_k, step_agreement):
+def _split_kernel(rt, top_k, step_agreement, world_size=1):
     """An LL kernel whose forwards above the fleet capacity run as several rounds."""
     from vllm_flashinfer_ep.vllm.round_chunks import RoundChunks
 
     kernel = _ll_kernel(rt, top_k)
-    pf = kernel.prepare_finalize
-    kernel.apply = RoundChunks(kernel.apply, pf.agreed_as, rt.capacity, step_agreement)
+    kernel.apply = RoundChunks(kernel, rt.capacity, world_size, step_agreement)
     return kernel
 
 
@@ -335,6 +334,55 @@ def test_a_rank_whose_tokens_end_early_joins_every_round_of_the_largest_rank():
     _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
     assert [c.tokens for c in fleet.log if c.op == "dispatch"] == [16, 16, 16, 2]
     assert rt.round.in_flight is None
+
+
+def test_without_an_agreed_count_several_ranks_refuse_to_split_before_any_round():
+    """No count agreed (no DP metadata) and two EP ranks: each would cut its own rounds
+    and mis-pair the collectives, so a forward above the capacity is refused; one rank
+    alone splits."""
+    from vllm_flashinfer_ep.errors import DispatchCapacityError
+
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[16]
+    )
+    kernel = _split_kernel(rt, 2, lambda n: "local", world_size=2)
+    x, w1, w2, ids, weights = _problem(40, 2, seed=4)
+    with pytest.raises(DispatchCapacityError, match="no count agreed"):
+        _apply(kernel, x, w1, w2, ids, weights, False)
+    assert not [c for c in fleet.log if c.op == "dispatch"]
+
+
+def test_a_rank_with_no_token_in_a_split_forward_returns_an_empty_output():
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[1, 16]
+    )
+    kernel = _split_kernel(rt, 2, lambda n: 20)
+    x, w1, w2, ids, weights = _problem(1, 2, seed=4)
+    out = _apply(kernel, x[:0], w1, w2, ids[:0], weights[:0], False)
+    assert out.shape == (0, HIDDEN)
+    assert [c.tokens for c in fleet.log if c.op == "dispatch"] == [16, 16]
+
+
+def test_a_kernel_whose_implementation_vllm_swaps_still_splits():
+    """vLLM may rebuild the kernel's implementation after load (LoRA): the round's count
+    goes to the prepare/finalize the kernel holds at the call."""
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[8, 16]
+    )
+    kernel = _split_kernel(rt, 2, lambda n: 40)
+    # a new prepare/finalize whose own agreement is the forward's count (40, above the
+    # capacity), as vLLM's DP metadata would give it
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, agreement_fn=lambda n: 40)
+    experts = TorchActNaiveBatchedExperts(
+        _moe_config(2, LL_BACKEND),
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        max_num_tokens=pf.max_num_tokens_per_rank(),
+        num_dispatchers=pf.num_dispatchers(),
+    )
+    kernel.impl = mk.FusedMoEKernel(pf, experts).impl
+    x, w1, w2, ids, weights = _problem(40, 2, seed=6)
+    out = _apply(kernel, x, w1, w2, ids, weights, False)
+    _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
 
 
 def test_a_forward_within_the_capacity_is_one_round():

@@ -99,6 +99,11 @@ def model_checks(
     total = rules.device_memory_bytes() if fleet is not None else None
     unquantized = fp8_choice.unquantized_moe(shape.unquantized_modules)
     rounds = _split_rounds(settings) if fleet is not None else None
+    asked_rounds = _round_tokens() if fleet is not None else 0
+    if asked_rounds and rounds is None and settings.max_num_batched_tokens is None:
+        # the variable set: LL takes vLLM's budget for engines without EP, not 256
+        default = vllm_default_tokens(settings)
+        settings = replace(settings, max_num_batched_tokens=default) if default else settings
     # the fleet holds one round: a whole step, or VLLM_FLASHINFER_EP_LL_ROUND_TOKENS
     fleet_settings = (
         settings if rounds is None else replace(settings, max_num_batched_tokens=rounds[0])
@@ -126,6 +131,18 @@ def model_checks(
         checks.append(_ll_memory_check(shape, fleet, fleet_settings, memory, rounds is not None))
         if rounds is not None:
             checks.append(_ll_rounds_check(*rounds))
+        elif asked_rounds:
+            checks.append(
+                Check(
+                    "LL rounds",
+                    True,
+                    f"{envs.LL_ROUND_TOKENS}={asked_rounds} is at or above the step budget "
+                    f"({settings.max_num_batched_tokens or 'vLLM default, set by the GPU'}): "
+                    "no forward splits, and the fleet holds a whole step",
+                    "set it below --max-num-batched-tokens, or unset it",
+                    warn=True,
+                )
+            )
         elif settings.max_num_batched_tokens is None:
             larger = replace(settings, max_num_batched_tokens=LARGER_LL_BUDGET)
             checks.append(
@@ -347,15 +364,20 @@ def _ll_memory_check(
     return Check(name, True, f"{detail}; fits the budget of {verdict.budget / gib:.2f} GiB")
 
 
+def _round_tokens() -> int:
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS (0 where unset or bad: the environment check's)."""
+    try:
+        return envs.ll_round_tokens()
+    except FlashInferEPEnvVarError:
+        return 0
+
+
 def _split_rounds(settings: ServeSettings) -> tuple[int, int | None] | None:
     """(round tokens, step budget or None where vLLM's default is unknown here) where
     VLLM_FLASHINFER_EP_LL_ROUND_TOKENS splits LL forwards, as the engine decides it
     (config_rules.round_capacity); None where a round is a whole step. A bad value is
     the environment check's to report."""
-    try:
-        round_tokens = envs.ll_round_tokens()
-    except FlashInferEPEnvVarError:
-        return None
+    round_tokens = _round_tokens()
     if round_tokens == 0:
         return None
     # LL is then not batched DP MoE: vLLM's budget for engines without EP

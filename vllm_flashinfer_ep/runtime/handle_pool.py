@@ -45,7 +45,7 @@ class PoolCounters:
     padded_rounds: int = 0  # pooled rounds padded up to the next pooled size
     fresh_rounds: int = 0
     created_during_capture: int = 0  # attempts, each refused
-    split_forwards: int = 0  # MoE forwards run as several rounds (vllm/round_chunks.py)
+    split_forwards: int = 0  # MoE layer forwards run as several rounds (round_chunks.py)
 
 
 class HandlePool:

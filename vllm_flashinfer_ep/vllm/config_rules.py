@@ -191,6 +191,20 @@ def round_capacity(step_tokens: int, backend: str) -> int:
     return round_tokens if 0 < round_tokens < step_tokens else step_tokens
 
 
+def round_capture_reason(flag: str, round_tokens: int, capture_sizes: Any) -> str | None:
+    """Why rounds of `round_tokens` cannot serve these CUDA graph capture sizes (a captured
+    forward is one round), or None."""
+    largest = max((int(s) for s in capture_sizes or ()), default=0)
+    if round_tokens >= largest:
+        return None
+    return (
+        f"{flag}: {envs.LL_ROUND_TOKENS}={round_tokens} is below the largest CUDA graph "
+        f"capture size, {largest}, and a captured forward runs as one round. Set it to at "
+        f"least {largest}, or capture smaller batches (--compilation-config "
+        f"'{{\"max_cudagraph_capture_size\": {round_tokens}}}')."
+    )
+
+
 def ll_rounds_memory_reason(flag: str, round_tokens: int, verdict: LLMemoryVerdict) -> str | None:
     """Why the LL fleet for rounds of VLLM_FLASHINFER_EP_LL_ROUND_TOKENS cannot be built (a
     fleet that does not fit is refused: lowering the step budget would not shrink it)."""

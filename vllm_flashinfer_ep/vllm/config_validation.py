@@ -146,6 +146,16 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
     if round_tokens < sched.max_num_batched_tokens:
         _check_ll_rounds(vllm_config, flag, shape, round_tokens)
         return
+    if envs.ll_round_tokens() > 0:  # set, but a round already holds a whole step
+        logger.warning(
+            "%s: %s=%d is at or above --max-num-batched-tokens %d: no forward splits into "
+            "rounds and the fleet holds a whole step (with the variable set, the budget is "
+            "vLLM's for engines without EP unless passed). Set it below the budget, or unset it.",
+            flag,
+            envs.LL_ROUND_TOKENS,
+            envs.ll_round_tokens(),
+            sched.max_num_batched_tokens,
+        )
     verdict = ll_memory_verdict(
         flag,
         shape,
@@ -177,15 +187,12 @@ def _check_ll_rounds(
     forward is one round, so the round covers every capture size; the fleet must fit."""
     var = f"{envs.LL_ROUND_TOKENS}={round_tokens}"
     sched, comp = vllm_config.scheduler_config, vllm_config.compilation_config
+    # The sizes are final only after vLLM's own checks (a set cudagraph mode has them
+    # here); the manager checks again at load (managers.py).
     captured = [] if comp is None or not comp.cudagraph_mode else comp.cudagraph_capture_sizes
-    largest = max((int(s) for s in captured or ()), default=0)
-    if round_tokens < largest:
-        raise FlashInferEPConfigError(
-            f"{flag}: {var} is below the largest CUDA graph capture size, {largest}, and a "
-            f"captured forward runs as one round. Set it to at least {largest}, or capture "
-            f"smaller batches (--compilation-config "
-            f"'{{\"max_cudagraph_capture_size\": {round_tokens}}}')."
-        )
+    reason = config_rules.round_capture_reason(flag, round_tokens, captured)
+    if reason is not None:
+        raise FlashInferEPConfigError(reason)
     step = deep_gemm_step(
         _budget_backend(vllm_config, flag), ep_world_size(vllm_config.parallel_config)
     )

@@ -26,7 +26,7 @@ from vllm_flashinfer_ep.runtime.exchange import cpu_exchange
 from vllm_flashinfer_ep.runtime.fault_tolerance import FaultToleranceAdapter
 from vllm_flashinfer_ep.runtime.fleet import FleetCache, FleetSpec
 from vllm_flashinfer_ep.vllm import rank_checks
-from vllm_flashinfer_ep.vllm.config_rules import round_capacity
+from vllm_flashinfer_ep.vllm.config_rules import round_capacity, round_capture_reason
 
 logger = get_logger(__name__)
 
@@ -143,6 +143,10 @@ class _FlashInferEPManager(All2AllManagerBase):
         # one round's tokens: the step's, or fewer where forwards split (round_chunks.py)
         capacity = round_capacity(int(moe.max_num_tokens), self.backend_name)
         split = capacity < moe.max_num_tokens
+        if split:  # the capture sizes are final here (config time may not see them)
+            why = round_capture_reason(flag, capacity, pool_sizes_from_config(self._vllm_config))
+            if why is not None:
+                raise FlashInferEPConfigError(why)
         runtime = self.get_handle(
             dict(
                 num_experts=moe.num_experts,

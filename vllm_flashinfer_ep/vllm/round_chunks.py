@@ -12,13 +12,12 @@ keeps the capacity at or above the largest capture size).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from vllm_flashinfer_ep.runtime.round_plan import LOCAL
+from vllm_flashinfer_ep.runtime.round_plan import LOCAL, over_capacity
 
 StepAgreement = Callable[[int], "int | str | None"]
 
@@ -33,23 +32,32 @@ class RoundChunks:
 
     def __init__(
         self,
-        apply: Callable[..., torch.Tensor],
-        agreed_as: Callable[[int], contextlib.AbstractContextManager],
+        kernel: Any,
         capacity: int,
+        world_size: int,
         step_agreement: StepAgreement,
         counters: Any = None,
     ) -> None:
-        """`counters`: the pool's (runtime/handle_pool.PoolCounters), which count the
-        forwards split."""
-        self._apply = apply
-        self._agreed_as = agreed_as
+        """`kernel`: vLLM's FusedMoEKernel, whose prepare/finalize is looked up at each call
+        (vLLM may swap the kernel's implementation after load, e.g. for LoRA).
+        `counters`: the pool's (runtime/handle_pool.PoolCounters): MoE layer forwards split."""
+        self._kernel = kernel
+        self._apply = kernel.apply
         self.capacity = capacity
+        self._world_size = world_size
         self._step_agreement = step_agreement
         self._counters = counters
 
     def _total(self, num_tokens: int) -> int:
+        """The largest EP rank's tokens in this forward; this rank's own where every rank
+        runs its own count (one rank). Without an agreed count several ranks cannot cut the
+        same rounds: refused above the capacity, before any collective."""
         agreed = self._step_agreement(num_tokens)
-        return num_tokens if agreed is None or agreed == LOCAL else int(agreed)
+        if agreed is not None and agreed != LOCAL:
+            return int(agreed)
+        if num_tokens > self.capacity and self._world_size > 1:
+            raise over_capacity(num_tokens, self.capacity, "this rank, with no count agreed")
+        return num_tokens
 
     def __call__(
         self,
@@ -68,7 +76,7 @@ class RoundChunks:
         if self._counters is not None:
             self._counters.split_forwards += 1
         shared_input = kwargs.get("shared_experts_input")
-        outputs = []
+        outputs, out = [], None
         for start, count in zip(range(0, total, self.capacity), round_counts(total, self.capacity)):
             rows = slice(start, min(start + self.capacity, n))
             x, ids, weights = hidden_states[rows], topk_ids[rows], topk_weights[rows]
@@ -77,11 +85,11 @@ class RoundChunks:
                 x, ids, weights = _placeholder(hidden_states, topk_ids, topk_weights)
             if shared_input is not None:
                 kwargs["shared_experts_input"] = shared_input[rows] if real else x
-            with self._agreed_as(count):
+            with self._kernel.prepare_finalize.agreed_as(count):
                 out = self._apply(x, w1, w2, weights, ids, *args, **kwargs)
             if real:
                 outputs.append(out)
-        return torch.cat(outputs)
+        return torch.cat(outputs) if outputs else out[:0]
 
 
 def _placeholder(
@@ -101,6 +109,5 @@ def split_rounds(kernel: Any) -> None:
     pf = kernel.prepare_finalize
     agreement = getattr(pf, "split_agreement", None)
     if agreement is not None and not isinstance(kernel.apply, RoundChunks):  # once per kernel
-        kernel.apply = RoundChunks(
-            kernel.apply, pf.agreed_as, pf.runtime.capacity, agreement, pf.runtime.pool.counters
-        )
+        rt = pf.runtime
+        kernel.apply = RoundChunks(kernel, rt.capacity, rt.world_size, agreement, rt.pool.counters)
