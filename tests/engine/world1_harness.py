@@ -7,9 +7,10 @@ same objects a dp=2 engine builds on each rank:
 
 1. `ParallelConfig.use_all2all` -> True (vLLM: dp > 1, or SP, or EP with pcp > 1).
    Effect: `initialize_model_parallel` asks the EP group for an all2all manager.
-2. `ParallelConfig.use_batched_dp_moe` -> True for low latency (the package: EP and
-   dp > 1). Effect: --max-num-batched-tokens defaults to 256, the LL per-rank capacity
-   a dp=2 engine gets.
+2. `ParallelConfig.use_batched_dp_moe` -> the package's answer for low latency at dp=2
+   (EP, and no VLLM_FLASHINFER_EP_LL_ROUND_TOKENS). Effect: --max-num-batched-tokens
+   defaults to 256, the LL per-rank capacity a dp=2 engine gets, or to vLLM's budget for
+   engines without EP where rounds split.
 3. `GroupCoordinator.__init__`: the EP group of world size 1 gets its device communicator
    (vLLM builds none at world size 1). Effect: vLLM's own `CudaCommunicator`, through
    the package's patch, builds the package's manager over the EP group's CPU group.
@@ -137,9 +138,10 @@ def _patch_parallel_config() -> None:
 
     def use_batched_dp_moe(self) -> bool:
         from vllm_flashinfer_ep.backends import LOW_LATENCY
+        from vllm_flashinfer_ep.vllm.patches.platform import ll_counts_as_batched_dp
 
         if _active(self) and self.all2all_backend == LOW_LATENCY:
-            return True
+            return ll_counts_as_batched_dp(self, data_parallel_size=2)
         return batched(self)
 
     ParallelConfig.use_all2all = property(use_all2all)

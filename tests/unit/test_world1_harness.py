@@ -21,7 +21,7 @@ from tests.unit.script_result import script_result
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import json, sys
+import json, os, sys
 import world1_harness
 world1_harness.install()
 from tiny_models import write_model
@@ -37,8 +37,12 @@ for name, kwargs in {
     "ht": dict(enable_expert_parallel=True, all2all_backend="flashinfer_ep_high_throughput"),
     "ll_no_ep": dict(all2all_backend="flashinfer_ep_low_latency"),
     "default_ep": dict(enable_expert_parallel=True),
+    "ll_rounds": dict(enable_expert_parallel=True, all2all_backend="flashinfer_ep_low_latency"),
 }.items():
     cudagraph_policy.LAST_DECISION = None
+    os.environ.pop("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", None)
+    if name == "ll_rounds":
+        os.environ["VLLM_FLASHINFER_EP_LL_ROUND_TOKENS"] = "512"
     cfg = EngineArgs(model=model, skip_tokenizer_init=True, **kwargs).create_engine_config()
     par = cfg.parallel_config
     moe = FusedMoEParallelConfig.make(
@@ -76,6 +80,15 @@ def test_low_latency_at_world1_looks_like_one_rank_of_dp2(harness_result):
     assert ll["batched_format"]  # oracles pick BatchedExperts, as for dp=2
     assert ll["max_num_batched_tokens"] == 256  # the batched-DP default LL capacity
     assert ll["decided"]  # the package's CUDA-graph policy ran as for dp=2
+
+
+def test_low_latency_rounds_at_world1_take_the_budget_a_dp2_rank_takes(harness_result):
+    """With VLLM_FLASHINFER_EP_LL_ROUND_TOKENS a dp=2 LL rank no longer counts as batched
+    DP MoE (patches/platform.py): the harness answers as the package does for dp=2, so
+    the step budget is vLLM's for engines without EP, not 256."""
+    rounds, default_ep = harness_result["ll_rounds"], harness_result["default_ep"]
+    assert rounds["batched_format"] and rounds["all2all_kernels"]
+    assert rounds["max_num_batched_tokens"] == default_ep["max_num_batched_tokens"] > 512
 
 
 def test_high_throughput_at_world1(harness_result):

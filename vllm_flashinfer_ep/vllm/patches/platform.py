@@ -48,15 +48,21 @@ def make_use_sequence_parallel_moe(original):
     return use_sequence_parallel_moe
 
 
+def ll_counts_as_batched_dp(par, data_parallel_size: int) -> bool:
+    """Whether an LL engine takes vLLM's batched-DP step budget (256, the LL per-rank
+    capacity). Rounds split above VLLM_FLASHINFER_EP_LL_ROUND_TOKENS: the step budget no
+    longer sizes LL's buffers, so LL takes vLLM's budget for other engines. The world-1
+    test harness asks with data_parallel_size=2."""
+    from vllm_flashinfer_ep import envs
+
+    split = envs.ll_round_tokens() > 0
+    return par.enable_expert_parallel and data_parallel_size > 1 and not split
+
+
 def make_use_batched_dp_moe(original):
     def use_batched_dp_moe(self) -> bool:
         if self.all2all_backend == LOW_LATENCY:
-            from vllm_flashinfer_ep import envs
-
-            # Rounds split above VLLM_FLASHINFER_EP_LL_ROUND_TOKENS: the step budget no
-            # longer sizes LL's buffers, so LL takes vLLM's budget for other engines.
-            split = envs.ll_round_tokens() > 0
-            return self.enable_expert_parallel and self.data_parallel_size > 1 and not split
+            return ll_counts_as_batched_dp(self, self.data_parallel_size)
         return original(self)
 
     return use_batched_dp_moe
