@@ -421,6 +421,34 @@ def test_a_budget_lowered_under_auto_keeps_deep_gemm_tiles(tmp_path, monkeypatch
 
 
 @pytest.mark.usefixtures("hopper")
+def test_under_rounds_auto_decides_for_the_round(tiny_moe, monkeypatch, caplog):
+    """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS with `auto`: rounds of whole tiles get DeepGEMM,
+    rounds of part tiles keep Triton with the reason logged (only deep_gemm asked by name
+    refuses them), as doctor says."""
+    monkeypatch.setenv(envs.LL_ROUND_TOKENS, "512")
+    cfg = engine_config(
+        tiny_moe, LOW_LATENCY, max_num_batched_tokens=1000, quantization="fp8_per_block"
+    )
+    assert cfg.kernel_config.moe_backend == "deep_gemm"
+    monkeypatch.setenv(envs.LL_ROUND_TOKENS, "500")
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(
+            tiny_moe, LOW_LATENCY, max_num_batched_tokens=1000, quantization="fp8_per_block"
+        )
+    assert cfg.kernel_config.moe_backend == "triton"
+    assert "--moe-backend auto -> triton" in caplog.text and "multiple of 64" in caplog.text
+    seen = []
+    real = doctor.model_checks
+    monkeypatch.setattr(doctor, "model_checks", lambda *a, **k: seen.extend(real(*a, **k)) or seen)
+    argv = ["doctor", "--model", tiny_moe, "-q", "fp8_per_block", "-dp", "2", "-ep"]
+    for tokens, choice in (("500", "triton"), ("512", "deep_gemm")):
+        monkeypatch.setenv(envs.LL_ROUND_TOKENS, tokens)
+        seen.clear()
+        cli.main([*argv, "--max-num-batched-tokens", "1000"])
+        assert f"--moe-backend auto -> {choice}" in {c.name: c for c in seen}["FP8 experts"].detail
+
+
+@pytest.mark.usefixtures("hopper")
 def test_a_moe_draft_quantized_otherwise_keeps_auto_off_deep_gemm(mtp_target):
     """A MoE draft that is not 128x128 block FP8 (an EAGLE head of a BF16 checkpoint; on
     CPU, the real MTP config with its draft's quantization taken away) cannot take

@@ -141,6 +141,22 @@ def test_a_round_fleet_that_does_not_fit_fails_both_with_the_same_reason(big, mo
     assert f"{envs.LL_ROUND_TOKENS}=4096" in reason and "Set it to at most" in reason
 
 
+def test_rounds_without_data_parallel_ranks_fail_both_with_the_same_reason(big, monkeypatch):
+    """Rounds are cut from vLLM's data parallel token counts: an EP group of two context
+    parallel ranks without DP has none, so the engine refuses at config time (not a
+    startup crash or a hang) and doctor fails in the same words."""
+    _gpu(monkeypatch, 80 * GIB)
+    monkeypatch.setenv(envs.LL_ROUND_TOKENS, "512")
+    sizes = dict(data_parallel_size=1, prefill_context_parallel_size=2)
+    reason = _engine_refusal(big, max_num_batched_tokens=4096, **sizes)
+    rc, checks = _doctor(
+        monkeypatch, big, "-dp", "1", "-pcp", "2", "-ep", "--max-num-batched-tokens", "4096"
+    )
+    rounds = checks["LL rounds"]
+    assert rc == 1 and not rounds.ok and rounds.fix == reason
+    assert "needs --data-parallel-size > 1" in reason and f"{envs.LL_ROUND_TOKENS}=512" in reason
+
+
 def test_thousands_of_gib_are_not_ok_on_a_gpu(big, monkeypatch):
     """vLLM's own parser for the flag (20m = 20,000,000); the engine lowers the budget, doctor
     says so as a warning with the engine's figure instead of [ok]."""

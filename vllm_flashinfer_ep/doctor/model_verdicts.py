@@ -130,7 +130,7 @@ def model_checks(
     if fleet is not None:
         checks.append(_ll_memory_check(shape, fleet, fleet_settings, memory, rounds is not None))
         if rounds is not None:
-            checks.append(_ll_rounds_check(*rounds))
+            checks.append(_ll_rounds_check(flag, settings, *rounds))
         elif asked_rounds:
             checks.append(
                 Check(
@@ -388,7 +388,14 @@ def _split_rounds(settings: ServeSettings) -> tuple[int, int | None] | None:
     return (capacity, budget) if capacity < budget else None
 
 
-def _ll_rounds_check(round_tokens: int, budget: int | None) -> Check:
+def _ll_rounds_check(
+    flag: str, settings: ServeSettings, round_tokens: int, budget: int | None
+) -> Check:
+    refused = rules.round_agreement_reason(
+        flag, round_tokens, settings.ep_world, settings.data_parallel_size
+    )
+    if refused is not None:
+        return Check("LL rounds", False, f"{envs.LL_ROUND_TOKENS}={round_tokens}", refused)
     steps = (
         f"a step of up to --max-num-batched-tokens {budget} runs each MoE layer as up to "
         f"{-(-budget // round_tokens)} rounds"

@@ -205,6 +205,21 @@ def round_capture_reason(flag: str, round_tokens: int, capture_sizes: Any) -> st
     )
 
 
+def round_agreement_reason(
+    flag: str, round_tokens: int, ep_world: int, data_parallel_size: int
+) -> str | None:
+    """Why the EP ranks could not agree on a forward's rounds (None: they can). Every rank
+    cuts a forward into the rounds the largest rank needs, read from vLLM's data parallel
+    token counts (its DP metadata), which exist only with data parallel ranks."""
+    if ep_world <= 1 or data_parallel_size > 1:
+        return None
+    return (
+        f"{flag}: {envs.LL_ROUND_TOKENS}={round_tokens} needs --data-parallel-size > 1 where "
+        f"the EP group has {ep_world} ranks: the ranks agree on each forward's rounds from "
+        "vLLM's data parallel token counts. Unset the variable or run data parallel."
+    )
+
+
 def ll_rounds_memory_reason(flag: str, round_tokens: int, verdict: LLMemoryVerdict) -> str | None:
     """Why the LL fleet for rounds of VLLM_FLASHINFER_EP_LL_ROUND_TOKENS cannot be built (a
     fleet that does not fit is refused: lowering the step budget would not shrink it)."""

@@ -187,15 +187,22 @@ def _check_ll_rounds(
     forward is one round, so the round covers every capture size; the fleet must fit."""
     var = f"{envs.LL_ROUND_TOKENS}={round_tokens}"
     sched, comp = vllm_config.scheduler_config, vllm_config.compilation_config
+    par = vllm_config.parallel_config
+    reason = config_rules.round_agreement_reason(
+        flag, round_tokens, ep_world_size(par), par.data_parallel_size
+    )
+    if reason is not None:
+        raise FlashInferEPConfigError(reason)
     # The sizes are final only after vLLM's own checks (a set cudagraph mode has them
     # here); the manager checks again at load (managers.py).
     captured = [] if comp is None or not comp.cudagraph_mode else comp.cudagraph_capture_sizes
     reason = config_rules.round_capture_reason(flag, round_tokens, captured)
     if reason is not None:
         raise FlashInferEPConfigError(reason)
-    step = deep_gemm_step(
-        _budget_backend(vllm_config, flag), ep_world_size(vllm_config.parallel_config)
-    )
+    # Only DeepGEMM asked by name refuses a round of part tiles: `auto` decides for the
+    # round itself (_pin_fp8_experts) and keeps Triton where DeepGEMM cannot take it.
+    asked = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
+    step = deep_gemm_step(asked, ep_world_size(vllm_config.parallel_config))
     if round_tokens % step:
         raise FlashInferEPConfigError(
             f"{flag}: {var} is not a multiple of {step}, the tokens per rank DeepGEMM's "
@@ -350,15 +357,19 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
     shape = model_shape.from_vllm_config(vllm_config)
     sched = vllm_config.scheduler_config
     unquantized = _served_unquantized(vllm_config, shape)
+    # the LL buffer's tokens per rank: one round's where rounds split, else the budget's
+    tokens = (
+        config_rules.round_capacity(sched.max_num_batched_tokens, backend)
+        if sched is not None
+        else None
+    )
     reason = fp8_experts_reason(
         flag,
         backend,
         model.quantization,
         shape.weight_block_size,
         kernel.moe_backend,
-        config_rules.round_capacity(sched.max_num_batched_tokens, backend)
-        if sched is not None
-        else None,
+        tokens,
         ep_world_size(vllm_config.parallel_config),
         os.environ,
         unquantized,
@@ -381,7 +392,7 @@ def _pin_fp8_experts(vllm_config: Any, backend: str, flag: str) -> None:
         backend,
         model.quantization,
         shape.weight_block_size,
-        sched.max_num_batched_tokens if sched is not None else None,
+        tokens,
         ep_world_size(vllm_config.parallel_config),
         os.environ,
         unquantized,
