@@ -50,7 +50,8 @@ HT = "flashinfer_ep_high_throughput"
 BACKENDS = {"no_ep": None, "ll": LL, "ll_rounds": LL, "ht": HT}
 # A configuration's package variables on top of SERVER_ENV: `ll_rounds` splits MoE forwards
 # above 512 tokens into rounds (vllm/round_chunks.py) and takes vLLM's budget without EP.
-CONFIG_ENV = {"ll_rounds": {"VLLM_FLASHINFER_EP_LL_ROUND_TOKENS": "512"}}
+ROUND_VAR = "VLLM_FLASHINFER_EP_LL_ROUND_TOKENS"
+CONFIG_ENV = {"ll_rounds": {ROUND_VAR: "512"}}  # --round-tokens N serves other rounds
 CONFIGS = tuple(BACKENDS)  # the table's column order; no_ep is every ratio's reference
 COMPILATIONS = ("default", "decode-only")
 # input tokens, output tokens, {concurrency: requests}: a few hundred requests where a
@@ -293,7 +294,7 @@ def _run(args, work: Path) -> int:
     deadline = started + args.deadline_s
     model = _model(args.shape, Path(args.model_dir) if args.model_dir else work)
     env = engine_env(
-        write_plugin_dist(work / "plugin"), SERVER_ENV | CONFIG_ENV.get(args.config, {})
+        write_plugin_dist(work / "plugin"), SERVER_ENV | config_env(args.config, args.round_tokens)
     )
     port = args.port or free_port()
     log_path = Path(args.log or work / f"serve-{args.config}.log")
@@ -303,7 +304,7 @@ def _run(args, work: Path) -> int:
         "compilation": args.compilation,
         "shape": args.shape,
         "vllm_args": vllm_args,
-        "server_env": SERVER_ENV | CONFIG_ENV.get(args.config, {}),
+        "server_env": SERVER_ENV | config_env(args.config, args.round_tokens),
         "warm_up": args.warm_only,
         "datasets": {},
     }
@@ -459,20 +460,34 @@ def _as_doc(doc: dict) -> dict:
     return {"runs": [run], "note": doc.get("note")}
 
 
+def config_env(config: str, round_tokens: int | None = None) -> dict[str, str]:
+    """A configuration's package variables: `ll_rounds` at `round_tokens` (None: 512)."""
+    env = dict(CONFIG_ENV.get(config, {}))
+    if round_tokens is not None and ROUND_VAR in env:
+        env[ROUND_VAR] = str(round_tokens)
+    return env
+
+
 def label(run: dict) -> str:
-    """A run's name in tables: its configuration, with the step budget where one was
-    passed (`ll@2048`), so one configuration at several budgets can sit side by side."""
+    """A run's name in tables: its configuration, with its round where rounds split
+    (`ll_rounds/1024`) and the step budget where one was passed (`ll@2048`), so one
+    configuration at several rounds or budgets can sit side by side."""
     asked = run.get("budget", {}).get("asked")
-    return run["config"] if asked is None else f"{run['config']}@{asked}"
+    name = run["config"]
+    rounds = (run.get("server_env") or {}).get(ROUND_VAR)
+    name += f"/{rounds}" if rounds is not None else ""
+    return name if asked is None else f"{name}@{asked}"
 
 
 def _labels(runs: dict[tuple[str, str], dict], comp: str) -> list[str]:
-    """The labels of one compilation's runs, in CONFIGS order, then by budget asked."""
+    """The labels of one compilation's runs, in CONFIGS order, then by round, then by
+    budget asked."""
 
     def order(name: str) -> tuple:
         run = runs[(name, comp)]
         asked = run.get("budget", {}).get("asked")
-        return CONFIGS.index(run["config"]), asked is not None, asked or 0
+        rounds = int((run.get("server_env") or {}).get(ROUND_VAR, 0))
+        return CONFIGS.index(run["config"]), rounds, asked is not None, asked or 0
 
     return sorted((n for n, c in runs if c == comp), key=order)
 
@@ -598,6 +613,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the step budget to pass (default: none passed; vLLM's and the package's own)",
     )
     ap.add_argument(
+        "--round-tokens",
+        type=int,
+        default=None,
+        help="ll_rounds only: VLLM_FLASHINFER_EP_LL_ROUND_TOKENS for the server (default 512)",
+    )
+    ap.add_argument(
         "--model-dir",
         help="where the config-only model is written (a fixed folder keeps vLLM's compile "
         "cache valid across device calls; default: a temporary folder)",
@@ -640,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [d for d in args.datasets if d not in DATASETS]
     if not args.config or not args.out or unknown:
         ap.error(f"--config and --out are needed, datasets from {list(DATASETS)} (or --merge)")
+    if args.round_tokens is not None and (args.config != "ll_rounds" or args.round_tokens < 1):
+        ap.error("--round-tokens takes a positive count, with --config ll_rounds only")
     return run(args)
 
 

@@ -545,6 +545,22 @@ def test_only_ll_rounds_serves_with_the_round_tokens_and_records_them(
     assert recorded.get("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS") == got
 
 
+def test_rounds_of_another_size_serve_with_it_and_sit_beside_512(tmp_path, monkeypatch, capsys):
+    """--round-tokens 1024 reaches the server and names the run (`ll_rounds/1024`), so a
+    merge keeps it beside the run at 512 instead of replacing it; other configs refuse it."""
+    served, _ = _stand_ins(monkeypatch, [PROBES["at_load"]] * 8)
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", "ll_rounds", "--round-tokens", "1024")
+    assert rc == 0, capsys.readouterr().out
+    assert served.env["VLLM_FLASHINFER_EP_LL_ROUND_TOKENS"] == "1024"
+    wide = json.loads(out.read_text())
+    rc, out, _ = _main(tmp_path, monkeypatch, "--config", "ll_rounds")
+    joined = serve_bench.merge([json.loads(out.read_text()), wide])
+    assert [serve_bench.label(r) for r in joined["runs"]] == ["ll_rounds/512", "ll_rounds/1024"]
+    assert "| ll_rounds/1024 out tok/s |" in serve_bench.table(joined)
+    with pytest.raises(SystemExit):
+        _main(tmp_path, monkeypatch, "--config", "ll", "--round-tokens", "1024")
+
+
 def test_prompts_the_prefix_cache_finds_fail_the_run(tmp_path, monkeypatch, capsys):
     _stand_ins(monkeypatch, [PROBES["at_load"]] * 4, repeats=True)
     rc, out, _ = _main(tmp_path, monkeypatch, "--config", "no_ep")
