@@ -188,8 +188,9 @@ def _check_ll_rounds(
     var = f"{envs.LL_ROUND_TOKENS}={round_tokens}"
     sched, comp = vllm_config.scheduler_config, vllm_config.compilation_config
     par = vllm_config.parallel_config
+    ep_world = ep_world_size(par)
     reason = config_rules.round_agreement_reason(
-        flag, round_tokens, ep_world_size(par), par.data_parallel_size
+        flag, round_tokens, ep_world, par.data_parallel_size
     )
     if reason is not None:
         raise FlashInferEPConfigError(reason)
@@ -202,7 +203,7 @@ def _check_ll_rounds(
     # Only DeepGEMM asked by name refuses a round of part tiles: `auto` decides for the
     # round itself (_pin_fp8_experts) and keeps Triton where DeepGEMM cannot take it.
     asked = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
-    step = deep_gemm_step(asked, ep_world_size(vllm_config.parallel_config))
+    step = deep_gemm_step(asked, ep_world)
     if round_tokens % step:
         raise FlashInferEPConfigError(
             f"{flag}: {var} is not a multiple of {step}, the tokens per rank DeepGEMM's "

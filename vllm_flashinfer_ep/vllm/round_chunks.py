@@ -22,11 +22,6 @@ from vllm_flashinfer_ep.runtime.round_plan import LOCAL, over_capacity
 StepAgreement = Callable[[int], "int | str | None"]
 
 
-def round_counts(agreed: int, capacity: int) -> list[int]:
-    """Each round's agreed count: the largest rank's tokens cut at the capacity."""
-    return [min(capacity, agreed - start) for start in range(0, agreed, capacity)]
-
-
 class RoundChunks:
     """The modular kernel's `apply`, split into rounds above `capacity` tokens."""
 
@@ -77,8 +72,9 @@ class RoundChunks:
             self._counters.split_forwards += 1
         shared_input = kwargs.get("shared_experts_input")
         outputs, out = [], None
-        for start, count in zip(range(0, total, self.capacity), round_counts(total, self.capacity)):
-            rows = slice(start, min(start + self.capacity, n))
+        for start in range(0, total, self.capacity):
+            count = min(self.capacity, total - start)  # the largest rank's tokens in this round
+            rows = slice(start, start + self.capacity)  # this rank's rows, to its own end
             x, ids, weights = hidden_states[rows], topk_ids[rows], topk_weights[rows]
             real = x.shape[0] > 0
             if not real:  # this rank's tokens ended: one zero-weight row keeps it in the round
