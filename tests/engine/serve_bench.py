@@ -293,9 +293,8 @@ def _run(args, work: Path) -> int:
     started = time.monotonic()
     deadline = started + args.deadline_s
     model = _model(args.shape, Path(args.model_dir) if args.model_dir else work)
-    env = engine_env(
-        write_plugin_dist(work / "plugin"), SERVER_ENV | config_env(args.config, args.round_tokens)
-    )
+    server_env = SERVER_ENV | config_env(args.config, args.round_tokens)
+    env = engine_env(write_plugin_dist(work / "plugin"), server_env)
     port = args.port or free_port()
     log_path = Path(args.log or work / f"serve-{args.config}.log")
     vllm_args = serve_args(args.config, args.compilation, args.shape, args.max_num_batched_tokens)
@@ -304,7 +303,7 @@ def _run(args, work: Path) -> int:
         "compilation": args.compilation,
         "shape": args.shape,
         "vllm_args": vllm_args,
-        "server_env": SERVER_ENV | config_env(args.config, args.round_tokens),
+        "server_env": server_env,
         "warm_up": args.warm_only,
         "datasets": {},
     }
