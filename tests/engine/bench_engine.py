@@ -49,6 +49,9 @@ CONFIGS = {
     "no_ep": ({"backend": None}, {}),
     "ll_graph": ({"backend": LL}, {}),
     "ll_pooloff": ({"backend": LL}, {"VLLM_FLASHINFER_EP_HANDLE_POOL": "0"}),
+    # LL with its fleet sized for rounds of 512 (a longer forward runs as several rounds):
+    # for steps above 512 tokens (--max-num-batched-tokens), e.g. --profile-mixed's prompt
+    "ll_rounds": ({"backend": LL}, {"VLLM_FLASHINFER_EP_LL_ROUND_TOKENS": "512"}),
     # FP8 (--quantization fp8_per_block): ll_graph is what `--moe-backend auto` picks, vLLM's
     # batched DeepGEMM experts on Hopper with small forwards on the received rows (the
     # JSON's "kernels" name the classes); ll_graph_deepgemm names them explicitly,

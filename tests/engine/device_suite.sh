@@ -267,9 +267,10 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
       done ;;
     profile-mixed)  # issue 50's mixed step: what a 2048-token prompt's chunks add to 127 decodes' steps
       # vLLM's default compilation; PROFILE_CONFIGS one per call if two engines' compiles do not fit
+      # PROFILE_ARGS="--max-num-batched-tokens 2175": the long prompt in steps of up to 2175 tokens (ll_rounds: rounds of 512)
       FLASHINFER_EP_TEST_ENGINE_LOG_DIR="$out/elogs/profile-mixed" \
         python3 tests/engine/bench_engine.py --shape qwen3-30b-a3b --configs "${PROFILE_CONFIGS:-no_ep,ll_graph}" \
-        --profile-mixed 128 --compilation default --no-bench --engine-timeout "$(left)" \
+        --profile-mixed 128 --compilation default --no-bench --engine-timeout "$(left)" ${PROFILE_ARGS:-} \
         --out "$out/profile_mixed.json" >> "$out/profile-mixed.txt" 2>&1 || rc=1
       for f in "$out"/elogs/profile-mixed/engine-bench-qwen3-30b-a3b-*.log; do
         echo "== $f"; grep -h -A16 "engine_run: mixed" "$f" | head -18

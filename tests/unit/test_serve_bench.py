@@ -197,12 +197,18 @@ def test_the_served_table_in_the_docs_is_the_recorded_runs():
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     assert "--max-num-batched-tokens: no_ep 8192, ll 256, ll@2048 2048;" in text
     assert "KV cache tokens: no_ep 76096, ll 85920, ll@2048 23168" in text
-    assert "--max-num-batched-tokens: no_ep 8192, ll 256, ht 8192;" in text
-    assert "KV cache tokens: no_ep 76096, ll 85920, ht 77184" in text
+    assert (
+        "--max-num-batched-tokens: no_ep 8192, ll 256, ll@2048 2048, ll_rounds/512 8192, ht 8192;"
+        in text
+    )
+    assert (
+        "KV cache tokens: no_ep 76096, ll 85920, ll@2048 23168, ll_rounds/512 60080, ht 77184"
+        in text
+    )
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 6 and all(row in page for row in rows)
     pooled = [r["resolved"]["handles_at_load"]["pooled_created"] for r in doc["runs"]]
-    assert pooled == [0, 35, 55, 48]
+    assert pooled == [0, 35, 55, 48, 51]
     assert serve_bench.problems(doc) == [
         "ht/default 2048x256 concurrency 32: not done by --deadline-s"
     ]
