@@ -218,3 +218,22 @@ def vllm_apply(body):
     names = ("self", *APPLY_PARAMS)
     apply.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])
     return apply
+
+
+@contextlib.contextmanager
+def patch_row(name: str):
+    """One row of the patch table applied for a test, then put back as it was (other test
+    modules register every patch for the session)."""
+    from vllm_flashinfer_ep.vllm import patches
+    from vllm_flashinfer_ep.vllm.patches import _helper
+
+    patch = patches.BY_NAME[name]
+    was = _helper.is_applied(patch)
+    _helper.apply(patch)
+    try:
+        yield patch
+    finally:
+        if was:
+            _helper.apply(patch)
+        else:
+            _helper.undo(patch)

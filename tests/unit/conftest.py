@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fakes.runtime import hide_cuda, installed_fake
+from tests.helpers import patch_row
 from vllm_flashinfer_ep.runtime import transport
 
 
@@ -15,3 +16,10 @@ def fake(monkeypatch):
     with installed_fake() as module:
         yield module
     assert transport._override is None
+
+
+@pytest.fixture()
+def round_split_row():
+    """The `round_split` row: kernels whose prepare/finalize carries a RoundSplit split."""
+    with patch_row("round_split") as patch:
+        yield patch

@@ -45,7 +45,7 @@ from tests.unit.test_prepare_finalize_cpu import (
 )
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.bench.reference import random_routing
-from vllm_flashinfer_ep.vllm import managers, round_chunks
+from vllm_flashinfer_ep.vllm import managers
 from vllm_flashinfer_ep.vllm.config_rules import round_capacity
 from vllm_flashinfer_ep.vllm.rank_checks import RankChecks
 
@@ -145,7 +145,6 @@ class MoELayer:
         else:
             experts = TorchStandardExperts(moe, FUSED_MOE_UNQUANTIZED_CONFIG)
         self.kernel = mk.FusedMoEKernel(pf, experts)
-        round_chunks.split_rounds(self.kernel)  # as the kernel's patched constructor does
         e_local = NUM_EXPERTS // world
         w1, w2 = _weights()
         self.w1, self.w2 = (
@@ -248,6 +247,7 @@ def test_dp_ranks_with_different_loads_agree_through_vllm_and_match_the_referenc
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("runner", ["v2", "v1"])
+@pytest.mark.usefixtures("round_split_row")
 def test_ll_rounds_split_alike_on_every_rank_and_match_the_reference(monkeypatch, runner, world):
     """VLLM_FLASHINFER_EP_LL_ROUND_TOKENS=64 under a 256-token budget: the step with a
     200-token prefill runs every rank's MoE layer as rounds of 64, 64, 64 and 8 (the largest

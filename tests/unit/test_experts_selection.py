@@ -215,26 +215,6 @@ def test_the_bound_is_the_variable_s_when_the_kernel_is_built(monkeypatch):
 
 
 @pytest.mark.usefixtures("selection")
-def test_a_kernel_over_an_ll_prepare_that_splits_rounds_splits_them_once():
-    """The manager gives the prepare/finalize the forward's agreement where rounds split
-    (VLLM_FLASHINFER_EP_LL_ROUND_TOKENS): the patched constructor wraps the kernel's
-    `apply`, and only then; building a kernel again does not wrap it twice."""
-    from vllm_flashinfer_ep.vllm.round_chunks import RoundChunks, split_rounds
-
-    plain = mk.FusedMoEKernel(ll_pf(), vllm_experts(BatchedTritonExperts))
-    assert "apply" not in vars(plain)
-    rt, _ = build_fake_runtime(
-        Algorithm.LOW_LATENCY, hidden=HIDDEN, num_experts=EXPERTS, capacity=ROWS, sizes=[1]
-    )
-    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, split_agreement=lambda n: n)
-    kernel = mk.FusedMoEKernel(pf, vllm_experts(BatchedTritonExperts))
-    assert isinstance(kernel.apply, RoundChunks) and kernel.apply.capacity == ROWS
-    wrapped = kernel.apply
-    split_rounds(kernel)
-    assert kernel.apply is wrapped
-
-
-@pytest.mark.usefixtures("selection")
 def test_the_wing_s_experts_are_left_as_built_by_the_kernel():
     """The prepare/finalize's setup hook asks its experts questions only."""
     pf = ll_pf()

@@ -39,7 +39,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 )
 
 from tests.fakes.runtime import build_fake_runtime
-from tests.helpers import moe_config
+from tests.helpers import moe_config, patch_row
 from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT as HT_BACKEND
 from vllm_flashinfer_ep.backends import LOW_LATENCY as LL_BACKEND
 from vllm_flashinfer_ep.backends import Algorithm
@@ -212,9 +212,9 @@ def _assert_bf16_close(out, expected):
     torch.testing.assert_close(out.float(), expected, rtol=3e-2, atol=3e-2 * scale)
 
 
-def _ll_kernel(rt, top_k, experts_cls=TorchActNaiveBatchedExperts, uniform=True):
+def _ll_kernel(rt, top_k, experts_cls=TorchActNaiveBatchedExperts, uniform=True, rounds=None):
     pf = FlashInferEPLowLatencyPrepareAndFinalize(
-        rt, agreement_fn=lambda n: "local" if uniform else None
+        rt, agreement_fn=lambda n: "local" if uniform else None, round_split=rounds
     )
     # Built the way vLLM's oracle builds batched experts (oracle/unquantized.py).
     experts = experts_cls(
@@ -296,15 +296,15 @@ def test_ll_modular_kernel_on_a_padded_pooled_handle_matches_torch_moe():
 
 
 def _split_kernel(rt, top_k, step_agreement, world_size=1):
-    """An LL kernel whose forwards above the fleet capacity run as several rounds."""
-    from vllm_flashinfer_ep.vllm.round_chunks import RoundChunks
+    """An LL kernel whose forwards above the fleet capacity run as several rounds (its
+    prepare/finalize carries a RoundSplit; the test applies the `round_split` row)."""
+    from vllm_flashinfer_ep.vllm.round_chunks import RoundSplit
 
-    kernel = _ll_kernel(rt, top_k)
-    kernel.apply = RoundChunks(kernel, rt.capacity, world_size, step_agreement)
-    return kernel
+    return _ll_kernel(rt, top_k, rounds=RoundSplit(rt.capacity, world_size, step_agreement))
 
 
 @pytest.mark.parametrize("on_input", [False, True], ids=["weight-after", "weight-on-input"])
+@pytest.mark.usefixtures("round_split_row")
 def test_ll_forward_above_the_capacity_runs_as_rounds_and_matches_torch_moe(on_input):
     """40 tokens through a 16-token fleet: rounds of 16, 16 and 8 on pooled handles."""
     top_k = 1 if on_input else 2
@@ -320,6 +320,7 @@ def test_ll_forward_above_the_capacity_runs_as_rounds_and_matches_torch_moe(on_i
     assert rounds == [16, 16, 8] and rt.pool.counters.fresh_created == 0
 
 
+@pytest.mark.usefixtures("round_split_row")
 def test_a_rank_whose_tokens_end_early_joins_every_round_of_the_largest_rank():
     """The largest EP rank runs 50 tokens, this one 20: both run four rounds (16, 16, 16,
     2); this rank's last two carry padding and one zero-weight row, and its 20 outputs
@@ -336,6 +337,7 @@ def test_a_rank_whose_tokens_end_early_joins_every_round_of_the_largest_rank():
     assert rt.round.in_flight is None
 
 
+@pytest.mark.usefixtures("round_split_row")
 def test_without_an_agreed_count_several_ranks_refuse_to_split_before_any_round():
     """No count agreed (no DP metadata) and two EP ranks: each would cut its own rounds
     and mis-pair the collectives, so a forward above the capacity is refused; one rank
@@ -352,6 +354,7 @@ def test_without_an_agreed_count_several_ranks_refuse_to_split_before_any_round(
     assert not [c for c in fleet.log if c.op == "dispatch"]
 
 
+@pytest.mark.usefixtures("round_split_row")
 def test_a_rank_with_no_token_in_a_split_forward_returns_an_empty_output():
     rt, fleet = build_fake_runtime(
         Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[1, 16]
@@ -363,6 +366,7 @@ def test_a_rank_with_no_token_in_a_split_forward_returns_an_empty_output():
     assert [c.tokens for c in fleet.log if c.op == "dispatch"] == [16, 16]
 
 
+@pytest.mark.usefixtures("round_split_row")
 def test_a_kernel_whose_implementation_vllm_swaps_still_splits():
     """vLLM may rebuild the kernel's implementation after load (LoRA): the round's count
     goes to the prepare/finalize the kernel holds at the call."""
@@ -371,8 +375,10 @@ def test_a_kernel_whose_implementation_vllm_swaps_still_splits():
     )
     kernel = _split_kernel(rt, 2, lambda n: 40)
     # a new prepare/finalize whose own agreement is the forward's count (40, above the
-    # capacity), as vLLM's DP metadata would give it
-    pf = FlashInferEPLowLatencyPrepareAndFinalize(rt, agreement_fn=lambda n: 40)
+    # capacity), as vLLM's DP metadata would give it, with the manager's RoundSplit
+    pf = FlashInferEPLowLatencyPrepareAndFinalize(
+        rt, agreement_fn=lambda n: 40, round_split=kernel.prepare_finalize.round_split
+    )
     experts = TorchActNaiveBatchedExperts(
         _moe_config(2, LL_BACKEND),
         FUSED_MOE_UNQUANTIZED_CONFIG,
@@ -385,6 +391,35 @@ def test_a_kernel_whose_implementation_vllm_swaps_still_splits():
     _assert_bf16_close(out, reference_moe(x, w1, w2, ids, weights, False))
 
 
+def test_the_round_split_row_wraps_vllm_s_apply_on_the_class_and_undo_restores_it():
+    """Rounds reach a kernel through the patch table only: applied, vLLM's class carries
+    the split and no kernel object is changed; undone, the same kernel runs a 40-token
+    forward whole, which its 16-token fleet refuses before any round."""
+    from vllm_flashinfer_ep.errors import DispatchCapacityError
+    from vllm_flashinfer_ep.vllm.patches import _helper
+
+    rt, fleet = build_fake_runtime(
+        Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[8, 16]
+    )
+    kernel = _split_kernel(rt, 2, lambda n: "local")
+    x, w1, w2, ids, weights = _problem(40, 2, seed=7)
+    with patch_row("round_split") as row:
+        vllm_s = _helper.original(row)
+        assert mk.FusedMoEKernel.apply is not vllm_s and "apply" not in vars(kernel)
+        _assert_bf16_close(
+            _apply(kernel, x, w1, w2, ids, weights, False),
+            reference_moe(x, w1, w2, ids, weights, False),
+        )
+        assert [c.tokens for c in fleet.log if c.op == "dispatch"] == [16, 16, 8]
+        _helper.undo(row)
+        assert mk.FusedMoEKernel.apply is vllm_s
+        before = len(fleet.log)
+        with pytest.raises(DispatchCapacityError):
+            _apply(kernel, x, w1, w2, ids, weights, False)
+        assert not [c for c in fleet.log[before:] if c.op == "dispatch"]
+
+
+@pytest.mark.usefixtures("round_split_row")
 def test_a_forward_within_the_capacity_is_one_round():
     rt, fleet = build_fake_runtime(
         Algorithm.LOW_LATENCY, hidden=HIDDEN, capacity=CAPACITY, top_k=2, sizes=[16]

@@ -43,7 +43,7 @@ from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import Batch
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 
 from tests.fakes.runtime import build_fake_runtime
-from tests.helpers import moe_config
+from tests.helpers import moe_config, patch_row
 from vllm_flashinfer_ep import fp8_numerics as num
 from vllm_flashinfer_ep.backends import LOW_LATENCY, Algorithm
 from vllm_flashinfer_ep.bench.reference import random_routing
@@ -53,8 +53,7 @@ from vllm_flashinfer_ep.experts.kernels import activation as act_kernel
 from vllm_flashinfer_ep.experts.kernels import quantize
 from vllm_flashinfer_ep.experts.kernels.row_blocks import max_blocks
 from vllm_flashinfer_ep.experts.received_rows import ReceivedRowsExperts, senders_tokens
-from vllm_flashinfer_ep.vllm import patches, receive_quant
-from vllm_flashinfer_ep.vllm.patches import _helper
+from vllm_flashinfer_ep.vllm import receive_quant
 from vllm_flashinfer_ep.vllm.prepare_finalize import FlashInferEPLowLatencyPrepareAndFinalize
 
 HIDDEN, INTER, EXPERTS, CAP = 2048, 128, 8, 64  # w1 [E, 2 * INTER, HIDDEN], w2 [E, HIDDEN, INTER]
@@ -414,16 +413,9 @@ def standins(monkeypatch, fake):
 
 @pytest.fixture
 def selection():
-    """The patch table's `experts_selection` row applied for the test, then put back as
-    it was (other test modules register every patch for the session)."""
-    patch = patches.BY_NAME["experts_selection"]
-    was = _helper.is_applied(patch)
-    _helper.apply(patch)
-    yield patch
-    if was:
-        _helper.apply(patch)
-    else:
-        _helper.undo(patch)
+    """The patch table's `experts_selection` row applied for the test."""
+    with patch_row("experts_selection") as patch:
+        yield patch
 
 
 # ------------------------------------------------------------------ layers and buffers

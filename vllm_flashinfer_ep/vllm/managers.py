@@ -139,6 +139,7 @@ class _FlashInferEPManager(All2AllManagerBase):
             raise FlashInferEPConfigError(reason)
         from vllm_flashinfer_ep.vllm.forward_state import agreed_token_count
         from vllm_flashinfer_ep.vllm.prepare_finalize import PREPARE_FINALIZE
+        from vllm_flashinfer_ep.vllm.round_chunks import RoundSplit
 
         # one round's tokens: the step's, or fewer where forwards split (round_chunks.py)
         capacity = round_capacity(int(moe.max_num_tokens), self.backend_name)
@@ -164,11 +165,13 @@ class _FlashInferEPManager(All2AllManagerBase):
                 agreed_token_count, max_spread=pool_sizes.HT_MAX_PAD, capacity=runtime.capacity
             )
         agreement = self._checks.capture_checked(agreement)
+        rounds = None
+        if split:
+            rounds = RoundSplit(
+                runtime.capacity, runtime.world_size, agreed_token_count, runtime.pool.counters
+            )
         prepare_finalize = cls(
-            runtime,
-            agreement_fn=agreement,
-            fp8_dispatch=fp8,
-            split_agreement=agreed_token_count if split else None,
+            runtime, agreement_fn=agreement, fp8_dispatch=fp8, round_split=rounds
         )
         # The runtime's first layer: its first round now if that layer dispatches BF16
         # (FlashInfer's receive buffer; FP8 layers never allocate it), then the memory log.

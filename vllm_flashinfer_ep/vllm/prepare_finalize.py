@@ -27,6 +27,7 @@ from vllm_flashinfer_ep.runtime.ep_runtime import EPRuntime
 from vllm_flashinfer_ep.runtime.fp8_wire import Quantizer
 from vllm_flashinfer_ep.runtime.round_plan import LOCAL
 from vllm_flashinfer_ep.vllm import receive_quant
+from vllm_flashinfer_ep.vllm.round_chunks import RoundSplit
 
 AgreementFn = Callable[[int], "int | str | None"]
 
@@ -43,18 +44,18 @@ class _Base(mk.FusedMoEPrepareAndFinalizeModular):
         runtime: EPRuntime,
         agreement_fn: AgreementFn | None = None,
         fp8_dispatch: bool = False,
-        split_agreement: AgreementFn | None = None,
+        round_split: RoundSplit | None = None,
     ) -> None:
         """`agreement_fn(num_tokens)`: the token count all EP ranks agreed on for this
         forward (vllm/forward_state.py; default: each its own). `fp8_dispatch`: FP8 wire.
-        `split_agreement`: set where forwards above the fleet capacity run as several
-        rounds (vllm/round_chunks.py), the forward's agreed count without the capacity."""
+        `round_split`: set where forwards above the fleet capacity run as several rounds
+        (vllm/round_chunks.py; the kernel's `apply` reads it, patch row `round_split`)."""
         super().__init__()
         self.runtime = runtime
         self._round = runtime.round
         self._agreed = agreement_fn or _local
         self._round_agreed: int | None = None  # one round of a split forward (round_chunks.py)
-        self.split_agreement = split_agreement
+        self.round_split = round_split
         self._fp8 = fp8_dispatch
         if fp8_dispatch:
             runtime.enable_fp8_wire(self._wire_quantizer())

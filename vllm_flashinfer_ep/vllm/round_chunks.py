@@ -20,24 +20,27 @@ import torch
 from vllm_flashinfer_ep.runtime.round_plan import LOCAL, over_capacity
 
 StepAgreement = Callable[[int], "int | str | None"]
+# vLLM's FusedMoEKernel.apply bound to one kernel, called with keywords past the routing
+Apply = Callable[..., torch.Tensor]
 
 
-class RoundChunks:
-    """The modular kernel's `apply`, split into rounds above `capacity` tokens."""
+class RoundSplit:
+    """How an LL prepare/finalize's forwards split: rounds of at most `capacity` tokens.
+
+    Set on the prepare/finalize by the manager (VLLM_FLASHINFER_EP_LL_ROUND_TOKENS); the
+    patch table's `round_split` row runs every kernel whose prepare/finalize carries one
+    through `run`."""
 
     def __init__(
         self,
-        kernel: Any,
         capacity: int,
         world_size: int,
         step_agreement: StepAgreement,
         counters: Any = None,
     ) -> None:
-        """`kernel`: vLLM's FusedMoEKernel, whose prepare/finalize is looked up at each call
-        (vLLM may swap the kernel's implementation after load, e.g. for LoRA).
-        `counters`: the pool's (runtime/handle_pool.PoolCounters): MoE layer forwards split."""
-        self._kernel = kernel
-        self._apply = kernel.apply
+        """`step_agreement(num_tokens)`: the forward's count agreed by every EP rank
+        (vllm/forward_state.py), without the capacity. `counters`: the pool's
+        (runtime/handle_pool.PoolCounters): MoE layer forwards split."""
         self.capacity = capacity
         self._world_size = world_size
         self._step_agreement = step_agreement
@@ -54,20 +57,22 @@ class RoundChunks:
             raise over_capacity(num_tokens, self.capacity, "this rank, with no count agreed")
         return num_tokens
 
-    def __call__(
+    def run(
         self,
+        apply: Apply,
+        prepare_finalize: Any,
         hidden_states: torch.Tensor,
         w1: torch.Tensor,
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-        *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        total = self._total(n)
+        """`apply` on the whole forward, or once per round above the capacity, each round
+        under the count every rank agreed for it (`prepare_finalize.agreed_as`)."""
+        total = self._total(hidden_states.shape[0])
         if total <= self.capacity:
-            return self._apply(hidden_states, w1, w2, topk_weights, topk_ids, *args, **kwargs)
+            return apply(hidden_states, w1, w2, topk_weights, topk_ids, **kwargs)
         if self._counters is not None:
             self._counters.split_forwards += 1
         shared_input = kwargs.get("shared_experts_input")
@@ -81,8 +86,8 @@ class RoundChunks:
                 x, ids, weights = _placeholder(hidden_states, topk_ids, topk_weights)
             if shared_input is not None:
                 kwargs["shared_experts_input"] = shared_input[rows] if real else x
-            with self._kernel.prepare_finalize.agreed_as(count):
-                out = self._apply(x, w1, w2, weights, ids, *args, **kwargs)
+            with prepare_finalize.agreed_as(count):
+                out = apply(x, w1, w2, weights, ids, **kwargs)
             if real:
                 outputs.append(out)
         return torch.cat(outputs) if outputs else out[:0]
@@ -97,13 +102,3 @@ def _placeholder(
     x = hidden_states.new_zeros((1, hidden_states.shape[1]))
     ids = torch.arange(top_k, dtype=topk_ids.dtype, device=topk_ids.device).unsqueeze(0)
     return x, ids, topk_weights.new_zeros((1, top_k))
-
-
-def split_rounds(kernel: Any) -> None:
-    """Run `kernel`'s forwards above its fleet's capacity as several rounds, where its
-    prepare/finalize was made to (the manager, from VLLM_FLASHINFER_EP_LL_ROUND_TOKENS)."""
-    pf = kernel.prepare_finalize
-    agreement = getattr(pf, "split_agreement", None)
-    if agreement is not None and not isinstance(kernel.apply, RoundChunks):  # once per kernel
-        rt = pf.runtime
-        kernel.apply = RoundChunks(kernel, rt.capacity, rt.world_size, agreement, rt.pool.counters)

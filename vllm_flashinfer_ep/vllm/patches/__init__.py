@@ -180,8 +180,7 @@ PATCHES: tuple[Patch, ...] = (
         W.make_kernel_init,
         ("self", "prepare_finalize", "fused_experts"),
         what="LL MoE kernels run the received-rows experts (experts/) in place of vLLM's "
-        "batched Triton and DeepGEMM experts, and split forwards above the fleet's round "
-        "capacity into rounds where VLLM_FLASHINFER_EP_LL_ROUND_TOKENS asks (round_chunks.py)",
+        "batched Triton and DeepGEMM experts",
         why="vLLM's batched experts launch programs over every row of the expert-major "
         "buffer whatever the batch; the empty ones set a decode step's time. vLLM's "
         "oracles pick experts classes from fixed tables, one per quantization family",
@@ -189,6 +188,37 @@ PATCHES: tuple[Patch, ...] = (
         "an LL prepare/finalize, the wing's class built with the arguments of vLLM's pick",
         upstream="an out-of-tree experts registry, or experts picked per prepare/finalize "
         "(PR #50556's registry extended to experts)",
+        removal="then",
+    ),
+    Patch(
+        "round_split",
+        "worker",
+        "vllm.model_executor.layers.fused_moe.modular_kernel:FusedMoEKernel.apply",
+        WRAP,
+        W.make_kernel_apply,
+        (
+            "self",
+            "hidden_states",
+            "w1",
+            "w2",
+            "topk_weights",
+            "topk_ids",
+            "activation",
+            "global_num_experts",
+            "expert_map",
+            "apply_router_weight_on_input",
+            "shared_experts",
+            "shared_experts_input",
+        ),
+        what="an LL MoE forward above the fleet's round capacity runs as several rounds "
+        "where VLLM_FLASHINFER_EP_LL_ROUND_TOKENS asks (round_chunks.py); other kernels "
+        "call vLLM's apply unchanged",
+        why="a modular kernel runs one prepare, experts and finalize per forward: nothing "
+        "in vLLM cuts a forward into pieces the transport's buffers hold",
+        how="wrap the kernel's apply (every quantization method calls it): a "
+        "prepare/finalize carrying a RoundSplit runs it once per round",
+        upstream="a prepare/finalize hook in vLLM's modular kernel that bounds the tokens "
+        "of one dispatch and runs a longer forward in pieces (no upstream change known)",
         removal="then",
     ),
     Patch(

@@ -7,6 +7,7 @@ Each `make_*` takes what vLLM 0.33.0 has and returns what replaces it; the table
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 from vllm_flashinfer_ep.backends import BACKENDS, LOW_LATENCY, is_ours
@@ -178,8 +179,7 @@ def make_graph_capture(original):
 
 def make_kernel_init(original):
     """An LL prepare/finalize's kernel runs the experts wing's class in place of the one
-    vLLM's oracle built (experts/__init__.py), with the layer's wire decision, and splits
-    forwards above its fleet capacity into rounds where the manager said so."""
+    vLLM's oracle built (experts/__init__.py), with the layer's wire decision."""
 
     def __init__(self, prepare_finalize, fused_experts, *args, **kwargs) -> None:
         from vllm_flashinfer_ep.vllm.prepare_finalize import (
@@ -196,12 +196,48 @@ def make_kernel_init(original):
                 options=experts.ExpertsOptions.from_env(),
             )
         original(self, prepare_finalize, fused_experts, *args, **kwargs)
-        if isinstance(prepare_finalize, FlashInferEPLowLatencyPrepareAndFinalize):
-            from vllm_flashinfer_ep.vllm.round_chunks import split_rounds
-
-            split_rounds(self)
 
     return __init__
+
+
+def make_kernel_apply(original):
+    """A kernel whose prepare/finalize carries a RoundSplit (LL with
+    VLLM_FLASHINFER_EP_LL_ROUND_TOKENS) runs forwards above the fleet's capacity as several
+    rounds (round_chunks.py); every other kernel calls vLLM's `apply` as it was called.
+    The prepare/finalize is read at each call: vLLM may swap a kernel's parts after load."""
+
+    def apply(
+        self,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        apply_router_weight_on_input,
+        shared_experts=None,
+        shared_experts_input=None,
+    ):
+        rest = dict(
+            activation=activation,
+            global_num_experts=global_num_experts,
+            expert_map=expert_map,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            shared_experts=shared_experts,
+            shared_experts_input=shared_experts_input,
+        )
+        prepare_finalize = self.prepare_finalize
+        rounds = getattr(prepare_finalize, "round_split", None)
+        if rounds is None:
+            return original(self, hidden_states, w1, w2, topk_weights, topk_ids, **rest)
+        bound = functools.partial(original, self)
+        return rounds.run(
+            bound, prepare_finalize, hidden_states, w1, w2, topk_weights, topk_ids, **rest
+        )
+
+    return apply
 
 
 def ep_managers() -> list:
