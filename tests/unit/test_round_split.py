@@ -21,23 +21,31 @@ ROW = patches.BY_NAME["round_split"]
 
 
 class Recorder:
-    """vLLM's `apply` stand-in: each call's arguments by name, returning its input."""
+    """vLLM's `apply` stand-in with its parameters (and one it may add later): each call's
+    arguments by name, returning its input."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    def __call__(self, kernel, hidden_states, w1, w2, topk_weights, topk_ids, **rest):
-        self.calls.append(
-            dict(
-                kernel=kernel,
-                hidden_states=hidden_states,
-                topk_weights=topk_weights,
-                topk_ids=topk_ids,
-                w1=w1,
-                w2=w2,
-                **rest,
-            )
-        )
+    def __call__(
+        self,
+        kernel,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        apply_router_weight_on_input,
+        shared_experts=None,
+        shared_experts_input=None,
+        added_later=None,
+    ):
+        call = dict(locals())
+        del call["self"]
+        self.calls.append(call)
         return hidden_states.clone()
 
 
@@ -91,6 +99,18 @@ def test_a_kernel_without_rounds_gets_every_argument_by_vllm_s_name():
     assert {name: call[name] for name in rest} == rest
     assert call["shared_experts_input"] is shared_in
     assert kernel.prepare_finalize.counts == []
+
+
+def test_an_argument_this_package_does_not_know_reaches_vllm_on_both_paths():
+    """A later vLLM 0.33.x may add a parameter to `apply`: a kernel without rounds passes
+    it as called, a split one to every round."""
+    x, weights, ids = _forward(20, seed=3)
+    args = (None, None, weights, ids, "silu", 4, None, False)
+    for rounds, calls in ((None, 1), (RoundSplit(16, 1, lambda n: "local"), 2)):
+        vllm_s = Recorder()
+        kernel = SimpleNamespace(prepare_finalize=PrepareFinalize(rounds))
+        worker.make_kernel_apply(vllm_s)(kernel, x, *args, added_later="kept")
+        assert [c["added_later"] for c in vllm_s.calls] == ["kept"] * calls
 
 
 def test_a_split_forward_gives_each_round_its_rows_and_its_agreed_count():

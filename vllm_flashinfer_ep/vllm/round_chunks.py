@@ -20,8 +20,9 @@ import torch
 from vllm_flashinfer_ep.runtime.round_plan import LOCAL, over_capacity
 
 StepAgreement = Callable[[int], "int | str | None"]
-# vLLM's FusedMoEKernel.apply bound to one kernel, called with keywords past the routing
-Apply = Callable[..., torch.Tensor]
+# vLLM's FusedMoEKernel.apply bound to one kernel, called by name (its routing arguments
+# come in another order than its implementation's); what it returns passes through
+Apply = Callable[..., Any]
 
 
 class RoundSplit:
@@ -67,12 +68,14 @@ class RoundSplit:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         **kwargs: Any,
-    ) -> torch.Tensor:
-        """`apply` on the whole forward, or once per round above the capacity, each round
-        under the count every rank agreed for it (`prepare_finalize.agreed_as`)."""
+    ) -> Any:
+        """`apply` on the whole forward (its result as it returns it), or once per round
+        above the capacity, each round under the count every rank agreed for it
+        (`prepare_finalize.agreed_as`), the rounds' outputs joined in order."""
         total = self._total(hidden_states.shape[0])
         if total <= self.capacity:
-            return apply(hidden_states, w1, w2, topk_weights, topk_ids, **kwargs)
+            routing = dict(topk_weights=topk_weights, topk_ids=topk_ids)
+            return apply(hidden_states=hidden_states, w1=w1, w2=w2, **routing, **kwargs)
         if self._counters is not None:
             self._counters.split_forwards += 1
         shared_input = kwargs.get("shared_experts_input")
@@ -87,7 +90,8 @@ class RoundSplit:
             if shared_input is not None:
                 kwargs["shared_experts_input"] = shared_input[rows] if real else x
             with prepare_finalize.agreed_as(count):
-                out = apply(x, w1, w2, weights, ids, **kwargs)
+                routing = dict(topk_weights=weights, topk_ids=ids)
+                out = apply(hidden_states=x, w1=w1, w2=w2, **routing, **kwargs)
             if real:
                 outputs.append(out)
         return torch.cat(outputs) if outputs else out[:0]

@@ -203,39 +203,19 @@ def make_kernel_init(original):
 def make_kernel_apply(original):
     """A kernel whose prepare/finalize carries a RoundSplit (LL with
     VLLM_FLASHINFER_EP_LL_ROUND_TOKENS) runs forwards above the fleet's capacity as several
-    rounds (round_chunks.py); every other kernel calls vLLM's `apply` as it was called.
-    The prepare/finalize is read at each call: vLLM may swap a kernel's parts after load."""
+    rounds (round_chunks.py); every other kernel calls vLLM's `apply` exactly as it was
+    called, whatever its arguments. The prepare/finalize is read at each call: vLLM may
+    swap a kernel's parts after load."""
+    signature = inspect.signature(original)
 
-    def apply(
-        self,
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation,
-        global_num_experts,
-        expert_map,
-        apply_router_weight_on_input,
-        shared_experts=None,
-        shared_experts_input=None,
-    ):
-        rest = dict(
-            activation=activation,
-            global_num_experts=global_num_experts,
-            expert_map=expert_map,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-            shared_experts=shared_experts,
-            shared_experts_input=shared_experts_input,
-        )
+    def apply(self, *args, **kwargs):
         prepare_finalize = self.prepare_finalize
         rounds = getattr(prepare_finalize, "round_split", None)
         if rounds is None:
-            return original(self, hidden_states, w1, w2, topk_weights, topk_ids, **rest)
-        bound = functools.partial(original, self)
-        return rounds.run(
-            bound, prepare_finalize, hidden_states, w1, w2, topk_weights, topk_ids, **rest
-        )
+            return original(self, *args, **kwargs)
+        named = signature.bind(self, *args, **kwargs).arguments  # every argument by name
+        del named[next(iter(signature.parameters))]  # the kernel itself
+        return rounds.run(functools.partial(original, self), prepare_finalize, **named)
 
     return apply
 
