@@ -179,10 +179,19 @@ def created_after_load(at_load: dict, now: dict) -> dict[str, int]:
     return {k: b[k] - a[k] for k in CREATED if b[k] != a[k]}
 
 
+def split_forwards(probe_doc: dict) -> int:
+    """MoE layer forwards run as several rounds so far (VLLM_FLASHINFER_EP_LL_ROUND_TOKENS),
+    summed over the worker's runtimes."""
+    runtimes = probe_doc.get("runtimes") or []
+    return sum(int(rt["counters"].get("split_forwards", 0)) for rt in runtimes)
+
+
 def check_row(row: dict, before: dict, after: dict) -> dict:
-    """Mark `row` with the handles created during it; any makes it a failed row."""
+    """Mark `row` with the handles created during it (any makes it a failed row) and the
+    MoE layer forwards that ran as several rounds during it."""
     grown = created_after_load(before, after)
     row["handles_created"] = grown
+    row["split_forwards"] = split_forwards(after) - split_forwards(before)
     if grown:
         row["problem"] = f"handles created after load: {grown}"
     return row

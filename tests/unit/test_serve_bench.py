@@ -4,6 +4,7 @@ and ratios from recorded runs, the handle counters failing a row, and the merge.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import fields
@@ -361,6 +362,17 @@ def test_the_fixture_counters_are_the_pool_s():
     for key in ("at_load", "after_pooled_row", "after_fresh_row"):
         assert set(PROBES[key]["runtimes"][0]["counters"]) == names
     assert set(serve_bench.CREATED) <= names
+
+
+def test_a_row_records_the_forwards_split_into_rounds_during_it():
+    """48 MoE layers each split twice while the row ran: 96, counted from the probes around
+    it (none for a probe without runtimes: an engine without EP)."""
+    before, after = copy.deepcopy(PROBES["at_load"]), copy.deepcopy(PROBES["after_pooled_row"])
+    before["runtimes"][0]["counters"]["split_forwards"] = 7
+    after["runtimes"][0]["counters"]["split_forwards"] = 7 + 96
+    assert serve_bench.check_row(_row(), before, after)["split_forwards"] == 96
+    no_ep = {"runtimes": []}
+    assert serve_bench.check_row(_row(), no_ep, no_ep)["split_forwards"] == 0
 
 
 def test_a_row_served_on_the_pool_passes_and_one_with_a_new_handle_fails():
