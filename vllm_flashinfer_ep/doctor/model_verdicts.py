@@ -98,8 +98,8 @@ def model_checks(
     fleet = shape.ll_fleet_shape() if low_latency else None
     total = rules.device_memory_bytes() if fleet is not None else None
     unquantized = fp8_choice.unquantized_moe(shape.unquantized_modules)
-    rounds = _split_rounds(settings) if fleet is not None else None
     asked_rounds = _round_tokens() if fleet is not None else 0
+    rounds = _split_rounds(settings, asked_rounds)
     if asked_rounds and rounds is None and settings.max_num_batched_tokens is None:
         # the variable set: LL takes vLLM's budget for engines without EP, not 256
         default = vllm_default_tokens(settings)
@@ -372,12 +372,11 @@ def _round_tokens() -> int:
         return 0
 
 
-def _split_rounds(settings: ServeSettings) -> tuple[int, int | None] | None:
+def _split_rounds(settings: ServeSettings, round_tokens: int) -> tuple[int, int | None] | None:
     """(round tokens, step budget or None where vLLM's default is unknown here) where
     VLLM_FLASHINFER_EP_LL_ROUND_TOKENS splits LL forwards, as the engine decides it
     (config_rules.round_capacity); None where a round is a whole step. A bad value is
     the environment check's to report."""
-    round_tokens = _round_tokens()
     if round_tokens == 0:
         return None
     # LL is then not batched DP MoE: vLLM's budget for engines without EP

@@ -146,14 +146,15 @@ def _check_ll_capacity(vllm_config: Any, flag: str) -> None:
     if round_tokens < sched.max_num_batched_tokens:
         _check_ll_rounds(vllm_config, flag, shape, round_tokens)
         return
-    if envs.ll_round_tokens() > 0:  # set, but a round already holds a whole step
+    asked = envs.ll_round_tokens()
+    if asked > 0:  # set, but a round already holds a whole step
         logger.warning(
             "%s: %s=%d is at or above --max-num-batched-tokens %d: no forward splits into "
             "rounds and the fleet holds a whole step (with the variable set, the budget is "
             "vLLM's for engines without EP unless passed). Set it below the budget, or unset it.",
             flag,
             envs.LL_ROUND_TOKENS,
-            envs.ll_round_tokens(),
+            asked,
             sched.max_num_batched_tokens,
         )
     verdict = ll_memory_verdict(

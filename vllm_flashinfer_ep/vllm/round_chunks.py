@@ -74,8 +74,14 @@ class RoundSplit:
         (`prepare_finalize.agreed_as`), the rounds' outputs joined in order."""
         total = self._total(hidden_states.shape[0])
         if total <= self.capacity:
-            routing = dict(topk_weights=topk_weights, topk_ids=topk_ids)
-            return apply(hidden_states=hidden_states, w1=w1, w2=w2, **routing, **kwargs)
+            return apply(
+                hidden_states=hidden_states,
+                w1=w1,
+                w2=w2,
+                topk_weights=topk_weights,
+                topk_ids=topk_ids,
+                **kwargs,
+            )
         if self._counters is not None:
             self._counters.split_forwards += 1
         shared_input = kwargs.get("shared_experts_input")
@@ -90,8 +96,9 @@ class RoundSplit:
             if shared_input is not None:
                 kwargs["shared_experts_input"] = shared_input[rows] if real else x
             with prepare_finalize.agreed_as(count):
-                routing = dict(topk_weights=weights, topk_ids=ids)
-                out = apply(hidden_states=x, w1=w1, w2=w2, **routing, **kwargs)
+                out = apply(
+                    hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids, **kwargs
+                )
             if real:
                 outputs.append(out)
         return torch.cat(outputs) if outputs else out[:0]
