@@ -173,7 +173,7 @@ def test_low_latency_with_cuda_graphs_matches_the_engine_without_ep(engines, mat
     assert load["cudagraph_mode"] == reference["after_load"]["cudagraph_mode"]
     assert load["cudagraph_mode"] != "NONE"  # vLLM's mode for the model (Llama-4: PIECEWISE)
     rt = _check_layers(load, name, LL)
-    assert load["max_num_batched_tokens"] == rt["capacity"] == 256  # a dp=2 LL rank's
+    assert load["max_num_batched_tokens"] == rt["capacity"] == 512  # a dp=2 LL rank's
     if MODELS[name].quantization == "mxfp4":  # vLLM's batched MXFP4 experts, kept
         # (BatchedHummingGroupedExperts where VLLM_HUMMING_MOE_GEMM_TYPE=grouped_masked)
         kept = ("+BatchedMarlinExperts", "+BatchedHummingGroupedExperts")

@@ -40,7 +40,7 @@ LAYERS = qwen3_moe_config(2048)["num_hidden_layers"]
 SEQUENCES = token_sequences(16, VOCAB)
 DECODE = {"num_prompts": 8, "prompt_len": 16, "max_tokens": 32}
 MEAN_MIN, P95_MIN = 0.02, 0.1
-LL_CAPACITY = 256  # what a dp=2 LL engine defaults --max-num-batched-tokens to
+LL_CAPACITY = 512  # what a dp=2 LL engine defaults --max-num-batched-tokens to
 
 
 def _spec(model: str, backend: str | None = None, **kw) -> dict:

@@ -9,8 +9,8 @@ same objects a dp=2 engine builds on each rank:
    Effect: `initialize_model_parallel` asks the EP group for an all2all manager.
 2. `ParallelConfig.use_batched_dp_moe` -> the package's answer for low latency at dp=2
    (EP, and no VLLM_FLASHINFER_EP_LL_ROUND_TOKENS). Effect: --max-num-batched-tokens
-   defaults to 256, the LL per-rank capacity a dp=2 engine gets, or to vLLM's budget for
-   engines without EP where rounds split.
+   defaults to LL's 512 (the default_step_budget patch), the LL per-rank capacity a dp=2
+   engine gets, or to vLLM's budget for engines without EP where rounds split.
 3. `GroupCoordinator.__init__`: the EP group of world size 1 gets its device communicator
    (vLLM builds none at world size 1). Effect: vLLM's own `CudaCommunicator`, through
    the package's patch, builds the package's manager over the EP group's CPU group.

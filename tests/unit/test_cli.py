@@ -201,18 +201,21 @@ def test_doctor_estimates_ll_memory_for_a_model(tmp_path):
 
 
 def test_doctor_says_what_ll_s_default_step_budget_means_for_serving(tmp_path, monkeypatch):
-    """With no --max-num-batched-tokens, LL steps take vLLM's 256 tokens: doctor says so,
-    that new prompts then queue (the served figures in docs/benchmarks.md), and what 2048
-    costs per GPU; a budget passed gets no such line."""
+    """With no --max-num-batched-tokens, LL steps take the package's 512 tokens: doctor
+    says so, and what a larger budget costs per GPU and did when served
+    (docs/benchmarks.md); a budget passed gets no such line."""
     from vllm_flashinfer_ep.doctor import model_verdicts
 
     path = write_model(tmp_path / "m", hidden_size=2048, num_experts=128, num_experts_per_tok=8)
     [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
-    assert line.ok and "LL steps take at most 256 tokens (vLLM's default for LL)" in line.detail
     assert (
-        "--max-num-batched-tokens 2048 prefills more per step for about 3.83 GiB per GPU "
-        "against 1.04" in line.detail
+        line.ok and "LL steps take at most 512 tokens (the package's default for LL" in line.detail
     )
+    assert (
+        "--max-num-batched-tokens 1024 runs steps above the capture size without graphs for "
+        "about 2.24 GiB per GPU against 1.44" in line.detail
+    )
+    assert "served slower than the default" in line.detail
     assert not [c for c in doctor.model_checks(path, 2048) if c.name == "LL step budget"]
     monkeypatch.setattr(model_verdicts, "vllm_default_tokens", lambda settings: 8192)
     [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
@@ -232,4 +235,4 @@ def test_doctor_sizes_the_fleet_for_one_round_where_rounds_split(tmp_path, monke
     checks = {c.name: c for c in doctor.model_checks(path, 512)}
     assert checks["LL rounds"].warn and "no forward splits" in checks["LL rounds"].detail
     assert "at --max-num-batched-tokens 512" in checks["LL memory estimate"].detail
-    assert "LL step budget" not in checks  # that line is about LL's 256 default
+    assert "LL step budget" not in checks  # that line is about LL's default budget

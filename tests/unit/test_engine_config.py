@@ -30,13 +30,52 @@ def test_low_latency_engine_config(tiny_moe, caplog):
     par = cfg.parallel_config
     assert par.all2all_backend == LOW_LATENCY and par.use_all2all
     assert par.use_batched_dp_moe  # patched property
-    # --max-num-batched-tokens unset -> vLLM's batched-DP default = LL per-rank capacity
-    assert cfg.scheduler_config.max_num_batched_tokens == 256
+    # --max-num-batched-tokens unset -> LL's default (not vLLM's 256) = LL per-rank capacity
+    assert cfg.scheduler_config.max_num_batched_tokens == 512
+    assert "LL steps take up to 512 tokens (vLLM gives 256 for batched DP MoE)" in caplog.text
     d = cudagraph_policy.LAST_DECISION
     assert d is not None and d.backend == LOW_LATENCY
     assert d.mode_after == d.mode_before == cfg.compilation_config.cudagraph_mode.name
     assert "updated inside each captured forward" in d.reason
     assert "cudagraph_mode" in caplog.text and LOW_LATENCY in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs, budget, logged",
+    [
+        ({"max_num_batched_tokens": 256}, 256, False),  # asked: kept, no line
+        ({"max_num_batched_tokens": 2048}, 2048, False),
+        ({"max_cudagraph_capture_size": 256}, 256, False),  # steps stay within the graphs
+        ({"cudagraph_capture_sizes": [1, 2, 4, 384]}, 384, True),
+        ({"compilation_config": {"max_cudagraph_capture_size": 128}}, 256, False),  # vLLM's floor
+        ({"max_num_seqs": 2, "max_model_len": 160}, 320, True),  # vLLM's own cap
+        ({"enforce_eager": True}, 512, True),
+    ],
+)
+def test_ll_default_budget_yields_to_what_the_user_set(tiny_moe, caplog, kwargs, budget, logged):
+    """LL's 512 applies only where --max-num-batched-tokens is unset, never above a
+    largest CUDA graph capture size the user set or vLLM's max_num_seqs x max_model_len,
+    never below vLLM's 256; every raise is logged."""
+    with caplog.at_level(logging.INFO):
+        cfg = engine_config(tiny_moe, LOW_LATENCY, **kwargs)
+    assert cfg.scheduler_config.max_num_batched_tokens == budget
+    assert ("LL steps take up to" in caplog.text) is logged
+
+
+def test_ll_default_budget_leaves_other_engines_alone(tiny_moe, caplog):
+    """HT, deepep_low_latency (vLLM's own batched DP MoE backend) and an LL engine without
+    DP keep vLLM's defaults."""
+    from vllm.config import SchedulerConfig
+
+    with caplog.at_level(logging.INFO):
+        assert (
+            engine_config(tiny_moe, "deepep_low_latency").scheduler_config.max_num_batched_tokens
+            == SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP
+        )
+        ht = engine_config(tiny_moe, HIGH_THROUGHPUT).scheduler_config.max_num_batched_tokens
+        single = engine_config(tiny_moe, LOW_LATENCY, data_parallel_size=1)
+    assert ht > 512 and single.scheduler_config.max_num_batched_tokens > 512
+    assert "LL steps take up to" not in caplog.text
 
 
 def test_high_throughput_engine_config(tiny_moe):

@@ -194,10 +194,10 @@ def test_the_gpu_cases_build_their_engine_configs(built, name, backend):
         if backend is None:
             assert verdict["moe_backend"] == "triton", verdict
     if backend is None:
-        assert not verdict["use_all2all"] and verdict["max_num_batched_tokens"] == 256
+        assert not verdict["use_all2all"] and verdict["max_num_batched_tokens"] == 512
         assert verdict["cudagraphs"] is None  # the plugin's policy did not run
     elif backend == LL:
-        assert verdict["use_all2all"] and verdict["max_num_batched_tokens"] == 256, verdict
+        assert verdict["use_all2all"] and verdict["max_num_batched_tokens"] == 512, verdict
         assert verdict["cudagraphs"] == cudagraph_policy.KEEP_REASON, verdict
     else:
         assert verdict["use_all2all"] and verdict["max_num_batched_tokens"] <= 8192, verdict

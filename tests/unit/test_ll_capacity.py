@@ -99,10 +99,10 @@ def test_budget_that_fits_is_kept_and_the_estimate_logged(qwen30b_shape, monkeyp
     _gpu(monkeypatch, 141 * GIB)
     with caplog.at_level(logging.INFO):
         cfg = _config(qwen30b_shape)
-    assert cfg.scheduler_config.max_num_batched_tokens == 256  # batched-DP default
+    assert cfg.scheduler_config.max_num_batched_tokens == 512  # LL's default budget
     assert "lowered" not in caplog.text
-    # 0.64 GiB fixed + 0.27 NCCL-EP buffers + 0.12 receive buffer + 2 MB padding staging
-    assert "needs about 1.04 GiB per GPU for --max-num-batched-tokens 256" in caplog.text
+    # 0.64 GiB fixed + 0.54 NCCL-EP buffers + 0.25 receive buffer + 4 MB padding staging
+    assert "needs about 1.44 GiB per GPU for --max-num-batched-tokens 512" in caplog.text
 
 
 def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(
@@ -145,7 +145,7 @@ def test_ht_is_not_sized_by_the_ll_estimate(qwen30b_shape, monkeypatch):
 
 def test_round_tokens_size_the_fleet_and_free_the_budget(qwen30b_shape, monkeypatch, caplog):
     """Rounds of 512 under vLLM's budget for engines without EP: LL no longer counts as
-    batched DP MoE (no 256 default), the budget is not lowered for the buffers, and the
+    batched DP MoE (no LL default budget), the budget is not lowered for the buffers, and the
     log says how many rounds a full step takes and what one round's fleet needs."""
     _gpu(monkeypatch, 80 * GIB)
     monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "512")
@@ -159,11 +159,11 @@ def test_round_tokens_size_the_fleet_and_free_the_budget(qwen30b_shape, monkeypa
     assert cfg.parallel_config.use_batched_dp_moe is False
 
 
-def test_without_round_tokens_ll_keeps_the_batched_dp_default(qwen30b_shape, monkeypatch):
+def test_without_round_tokens_ll_keeps_its_default_budget(qwen30b_shape, monkeypatch):
     _gpu(monkeypatch, 80 * GIB)
-    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens == 256
+    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens == 512
     monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "512")
-    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens != 256
+    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens > 512
 
 
 def test_round_tokens_below_a_capture_size_are_refused(qwen30b_shape, monkeypatch):

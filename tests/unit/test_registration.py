@@ -77,7 +77,7 @@ def test_register_twice_is_harmless():
     patches.apply_all()  # direct re-apply is idempotent too
     assert arg_utils.get_kwargs is get_kwargs
     assert all(patches.status().values()), patches.status()
-    assert len(patches.PATCHES) == len(patches.BY_NAME) == 17
+    assert len(patches.PATCHES) == len(patches.BY_NAME) == 18
 
 
 def test_unsupported_vllm_version_registers_nothing(monkeypatch, caplog):

@@ -215,6 +215,21 @@ def test_the_served_table_in_the_docs_is_the_recorded_runs():
     ]
 
 
+def test_the_budget_table_in_the_docs_is_the_recorded_runs():
+    """LL at 512 and 1024 tokens per step beside no EP (one machine): every row
+    docs/benchmarks.md shows is the one the results file tables, every request completed
+    and no handle was created after load."""
+    doc = json.loads((RESULTS / "serve_world1_qwen3_30b_a3b_budgets_h100.json").read_text())
+    text = serve_bench.table(doc)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "--max-num-batched-tokens: no_ep 8192, ll@512 512, ll@1024 1024;" in text
+    assert "KV cache tokens: no_ep 76096, ll@512 68960, ll@1024 47984" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4 and all(row in page for row in rows)
+    assert [r["resolved"]["handles_at_load"]["pooled_created"] for r in doc["runs"]] == [0, 53, 51]
+    assert serve_bench.problems(doc) == []
+
+
 def _run(config, compilation="default", device="NVIDIA H100 80GB HBM3", budget=8192, **rows):
     return {
         "config": config,

@@ -78,14 +78,14 @@ def test_low_latency_at_world1_looks_like_one_rank_of_dp2(harness_result):
     assert ll["use_all2all"] and ll["use_ep"] and ll["all2all_kernels"]
     assert ll["ep_size"] == 1
     assert ll["batched_format"]  # oracles pick BatchedExperts, as for dp=2
-    assert ll["max_num_batched_tokens"] == 256  # the batched-DP default LL capacity
+    assert ll["max_num_batched_tokens"] == 512  # LL's default budget = its per-rank capacity
     assert ll["decided"]  # the package's CUDA-graph policy ran as for dp=2
 
 
 def test_low_latency_rounds_at_world1_take_the_budget_a_dp2_rank_takes(harness_result):
     """With VLLM_FLASHINFER_EP_LL_ROUND_TOKENS a dp=2 LL rank no longer counts as batched
     DP MoE (patches/platform.py): the harness answers as the package does for dp=2, so
-    the step budget is vLLM's for engines without EP, not 256."""
+    the step budget is vLLM's for engines without EP, not LL's 512."""
     rounds, default_ep = harness_result["ll_rounds"], harness_result["default_ep"]
     assert rounds["batched_format"] and rounds["all2all_kernels"]
     assert rounds["max_num_batched_tokens"] == default_ep["max_num_batched_tokens"] > 512

@@ -173,7 +173,7 @@ def add_parser(subparsers) -> None:
         type=tokens,
         default=None,
         metavar="N",
-        help="tokens per rank the LL fleet is sized for (default: vLLM's 256 for LL)",
+        help="tokens per rank the LL fleet is sized for (default: the package's 512 for LL)",
     )
     serve.add_argument("--dtype", default="auto", choices=model_shape.DTYPE_CHOICES)
     serve.add_argument("--quantization", "-q", default=None)

@@ -74,8 +74,8 @@ class ServeSettings:
 
     @property
     def tokens(self) -> int:
-        # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP (LL: DP+EP)
-        return self.max_num_batched_tokens or 256
+        # LL's default step budget (the default_step_budget patch; doctor reads no capture size)
+        return self.max_num_batched_tokens or rules.LL_DEFAULT_STEP_TOKENS
 
     @property
     def ep_world(self) -> int:

@@ -183,6 +183,23 @@ def ll_memory_verdict(
     return LLMemoryVerdict(need, parts, handles, budget, summary, why, lowered, refusal)
 
 
+# vLLM 0.33.0's largest default CUDA graph capture size on Hopper (config/vllm.py,
+# `default_max_graph_size`). LL's step budget when none is passed: every step then runs
+# in a graph, and a step prefills twice what vLLM's 256 for batched DP MoE does, which
+# queued prompts when served (docs/benchmarks.md).
+LL_DEFAULT_STEP_TOKENS = 512
+
+
+def ll_default_step_tokens(vllm_default: int, capture_max: int | None, limit: int) -> int:
+    """LL's --max-num-batched-tokens when none is passed: LL_DEFAULT_STEP_TOKENS, not above
+    a largest capture size the user set (steps above it would run without graphs) nor
+    vLLM's own cap (`limit`: max_num_seqs x max_model_len), never below vLLM's choice."""
+    target = LL_DEFAULT_STEP_TOKENS
+    if capture_max is not None:
+        target = min(target, capture_max)
+    return max(vllm_default, min(target, limit))
+
+
 def round_capacity(step_tokens: int, backend: str) -> int:
     """The tokens per rank one round carries: a whole step, or LL's
     VLLM_FLASHINFER_EP_LL_ROUND_TOKENS below it (forwards then split, vllm/round_chunks.py).

@@ -80,10 +80,25 @@ PATCHES: tuple[Patch, ...] = (
         PROPERTY,
         P.make_use_batched_dp_moe,
         ("self",),
-        what="LL counts as batched DP MoE (256-token default = the LL per-rank capacity)",
+        what="LL counts as batched DP MoE (its step budget = the LL per-rank capacity)",
         why="deepep_low_latency / nixl_ep only",
         how="replace the property, defer otherwise",
         upstream="backend capability flag in the registry",
+        removal="with backend_names",
+    ),
+    Patch(
+        "default_step_budget",
+        "platform",
+        "vllm.engine.arg_utils:EngineArgs._set_default_max_num_seqs_and_batched_tokens_args",
+        WRAP,
+        P.make_default_step_budget,
+        ("self", "usage_context", "model_config", "parallel_config"),
+        what="LL's default --max-num-batched-tokens is 512 (the largest default CUDA graph "
+        "capture size), not vLLM's 256 for batched DP MoE; logged, only where unset",
+        why="vLLM's 256 queued prompts when LL was served under load (docs/benchmarks.md); "
+        "vLLM keeps one default for every batched DP MoE backend",
+        how="wrap: after vLLM's defaults, raise an unset LL budget (config_rules)",
+        upstream="a per-backend default step budget in the registry",
         removal="with backend_names",
     ),
     Patch(

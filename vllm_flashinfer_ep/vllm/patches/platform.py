@@ -49,10 +49,11 @@ def make_use_sequence_parallel_moe(original):
 
 
 def ll_counts_as_batched_dp(par, data_parallel_size: int) -> bool:
-    """Whether an LL engine takes vLLM's batched-DP step budget (256, the LL per-rank
-    capacity). Rounds split above VLLM_FLASHINFER_EP_LL_ROUND_TOKENS: the step budget no
-    longer sizes LL's buffers, so LL takes vLLM's budget for other engines. The world-1
-    test harness asks with data_parallel_size=2."""
+    """Whether an LL engine takes vLLM's batched-DP step budget (the LL per-rank capacity;
+    vLLM's 256, raised by make_default_step_budget). Rounds split above
+    VLLM_FLASHINFER_EP_LL_ROUND_TOKENS: the step budget no longer sizes LL's buffers, so LL
+    takes vLLM's budget for other engines. The world-1 test harness asks with
+    data_parallel_size=2."""
     from vllm_flashinfer_ep import envs
 
     split = envs.ll_round_tokens() > 0
@@ -66,6 +67,57 @@ def make_use_batched_dp_moe(original):
         return original(self)
 
     return use_batched_dp_moe
+
+
+def make_default_step_budget(original):
+    """LL's default step budget (config_rules.ll_default_step_tokens) where vLLM would give
+    its 256 for batched DP MoE; set only when --max-num-batched-tokens is unset, logged."""
+    from vllm_flashinfer_ep.log import get_logger
+    from vllm_flashinfer_ep.vllm import config_rules
+
+    logger = get_logger(__name__)
+
+    def _set_default_max_num_seqs_and_batched_tokens_args(
+        self, usage_context, model_config, parallel_config
+    ):
+        asked = self.max_num_batched_tokens
+        original(self, usage_context, model_config, parallel_config)
+        if asked is not None or parallel_config.all2all_backend != LOW_LATENCY:
+            return
+        if not parallel_config.use_batched_dp_moe:
+            return  # rounds asked (vLLM's budget without EP) or no DP+EP
+        vllm_chose = self.max_num_batched_tokens
+        chosen = config_rules.ll_default_step_tokens(
+            vllm_chose,
+            explicit_capture_max(self),
+            self.max_num_seqs * model_config.max_model_len,
+        )
+        if chosen == vllm_chose:
+            return
+        self.max_num_batched_tokens = chosen
+        logger.info(
+            "--all2all-backend %s: --max-num-batched-tokens unset, LL steps take up to %d "
+            "tokens (vLLM gives %d for batched DP MoE), within the largest CUDA graph capture "
+            "size; pass --max-num-batched-tokens to choose another.",
+            LOW_LATENCY,
+            chosen,
+            vllm_chose,
+        )
+
+    return _set_default_max_num_seqs_and_batched_tokens_args
+
+
+def explicit_capture_max(args) -> int | None:
+    """The largest CUDA graph capture size the user set on EngineArgs (flags or
+    --compilation-config), None where vLLM picks its default."""
+    cc = args.compilation_config
+    for value in (args.max_cudagraph_capture_size, getattr(cc, "max_cudagraph_capture_size", None)):
+        if value is not None:
+            return int(value)
+    for sizes in (args.cudagraph_capture_sizes, getattr(cc, "cudagraph_capture_sizes", None)):
+        if sizes:
+            return max(sizes)
+    return None
 
 
 def make_post_init(original):
