@@ -207,10 +207,18 @@ def test_doctor_says_what_ll_s_default_step_budget_means_for_serving(tmp_path, m
     from vllm_flashinfer_ep.doctor import model_verdicts
 
     path = write_model(tmp_path / "m", hidden_size=2048, num_experts=128, num_experts_per_tok=8)
+    # vLLM's 128 sequences on this machine (no GPU): capture sizes to 256, LL keeps 256
     [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
-    assert (
-        line.ok and "LL steps take at most 512 tokens (the package's default for LL" in line.detail
+    assert "LL steps take at most 256 tokens (the package's default for LL" in line.detail
+    assert "about 2.24 GiB per GPU against 1.04" in line.detail
+    from vllm_flashinfer_ep.doctor import settings as doctor_settings
+
+    real = doctor_settings.vllm_defaults
+    monkeypatch.setattr(  # `vllm serve` on an H100: 256 sequences, capture sizes to 512
+        doctor_settings, "vllm_defaults", lambda s: (real(s)[0], 256, real(s)[2])
     )
+    [line] = [c for c in doctor.model_checks(path) if c.name == "LL step budget"]
+    assert line.ok and "LL steps take at most 512 tokens (the package's default" in line.detail
     assert (
         "--max-num-batched-tokens 1024 runs steps above the capture size without graphs for "
         "about 2.24 GiB per GPU against 1.44" in line.detail

@@ -16,7 +16,6 @@ from vllm_flashinfer_ep.backends import HIGH_THROUGHPUT, LOW_LATENCY
 from vllm_flashinfer_ep.errors import FlashInferEPConfigError, FlashInferEPEnvVarError
 from vllm_flashinfer_ep.runtime import buffer_sizes
 from vllm_flashinfer_ep.vllm import config_rules
-from vllm_flashinfer_ep.vllm.config_rules import LL_DEFAULT_STEP_TOKENS
 
 vllm_flashinfer_ep.register()
 
@@ -33,6 +32,7 @@ def _clean_env(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     # hidden 128 -> LL 2048, 8 experts, top_k 2; dp 2: EP world 2, 256 tokens per rank
+    # vLLM gives 128 sequences on this machine (no GPU): capture sizes to 256, LL keeps 256
     return write_model(tmp_path_factory.mktemp("tiny-qwen3-moe-bounds"))
 
 
@@ -96,7 +96,7 @@ def test_out_of_range_value_is_refused_with_the_range(tiny_moe, monkeypatch, raw
     )
 
 
-def _layout_of_tiny(tokens: int = LL_DEFAULT_STEP_TOKENS) -> int:
+def _layout_of_tiny(tokens: int = 256) -> int:
     return buffer_sizes.ll_layout_bytes(tokens, 2048, 8, 2, 2)
 
 
@@ -111,7 +111,7 @@ def test_below_the_fleet_s_layout_is_refused_naming_the_range(tiny_moe, monkeypa
         f"{envs.RDMA_BUFFER_BYTES}={need - 128} is outside the range this fleet accepts" in message
     )
     assert (
-        f"from {need} (NCCL-EP's low-latency layout for {LL_DEFAULT_STEP_TOKENS} tokens per rank, hidden 2048, 8 experts, top_k 2, EP world 2)"
+        f"from {need} (NCCL-EP's low-latency layout for 256 tokens per rank, hidden 2048, 8 experts, top_k 2, EP world 2)"
         in message
     )
     assert f"to {envs.RDMA_MAX_BYTES} (1 TiB; no GPU is visible here)" in message
@@ -131,7 +131,7 @@ def test_tensor_parallel_widens_the_ep_world(tmp_path, monkeypatch):
     model = write_model(tmp_path / "few", num_experts=2, num_experts_per_tok=1)
     monkeypatch.setenv(
         envs.RDMA_BUFFER_BYTES,
-        str(buffer_sizes.ll_layout_bytes(LL_DEFAULT_STEP_TOKENS, 2048, 2, 1, 2)),
+        str(buffer_sizes.ll_layout_bytes(256, 2048, 2, 1, 2)),
     )
     engine_config(model, LOW_LATENCY)
     with pytest.raises(FlashInferEPConfigError, match="2 experts do not split evenly over 4 EP"):

@@ -26,13 +26,14 @@ def tiny_moe(tmp_path_factory):
 def test_low_latency_engine_config(tiny_moe, caplog):
     cudagraph_policy.LAST_DECISION = None
     with caplog.at_level(logging.INFO):
-        cfg = engine_config(tiny_moe, LOW_LATENCY)
+        # 256 sequences, vLLM's for `vllm serve` on an H100: capture sizes to 512
+        cfg = engine_config(tiny_moe, LOW_LATENCY, max_num_seqs=256)
     par = cfg.parallel_config
     assert par.all2all_backend == LOW_LATENCY and par.use_all2all
     assert par.use_batched_dp_moe  # patched property
     # --max-num-batched-tokens unset -> LL's default (not vLLM's 256) = LL per-rank capacity
     assert cfg.scheduler_config.max_num_batched_tokens == 512
-    assert "LL steps take up to 512 tokens (vLLM gives 256 for batched DP MoE)" in caplog.text
+    assert "LL steps take up to 512 tokens (vLLM chose 256)" in caplog.text
     d = cudagraph_policy.LAST_DECISION
     assert d is not None and d.backend == LOW_LATENCY
     assert d.mode_after == d.mode_before == cfg.compilation_config.cudagraph_mode.name
@@ -48,18 +49,28 @@ def test_low_latency_engine_config(tiny_moe, caplog):
         ({"max_cudagraph_capture_size": 256}, 256, False),  # steps stay within the graphs
         ({"cudagraph_capture_sizes": [1, 2, 4, 384]}, 384, True),
         ({"compilation_config": {"max_cudagraph_capture_size": 128}}, 256, False),  # vLLM's floor
-        ({"max_num_seqs": 2, "max_model_len": 160}, 320, True),  # vLLM's own cap
-        ({"enforce_eager": True}, 512, True),
+        ({"max_num_seqs": 200}, 400, True),  # vLLM's capture sizes: 2 x max_num_seqs
+        ({"max_num_seqs": 64}, 256, False),
+        ({"max_num_seqs": 2, "max_model_len": 160, "max_cudagraph_capture_size": 512}, 320, True),
+        ({"enforce_eager": True, "max_num_seqs": 256}, 512, True),
+        ({}, 256, False),  # vLLM's 128 sequences here (no GPU): capture sizes to 256
     ],
 )
 def test_ll_default_budget_yields_to_what_the_user_set(tiny_moe, caplog, kwargs, budget, logged):
-    """LL's 512 applies only where --max-num-batched-tokens is unset, never above a
-    largest CUDA graph capture size the user set or vLLM's max_num_seqs x max_model_len,
-    never below vLLM's 256; every raise is logged."""
+    """LL's 512 applies only where --max-num-batched-tokens is unset, never above the
+    largest CUDA graph capture size (set, or vLLM's from --max-num-seqs) or vLLM's
+    max_num_seqs x max_model_len, never below vLLM's 256; every raise is logged. Doctor
+    sizes the fleet for the same budget and vLLM's --max-num-seqs."""
+    from vllm_flashinfer_ep.doctor.settings import ServeSettings, vllm_defaults
+
     with caplog.at_level(logging.INFO):
         cfg = engine_config(tiny_moe, LOW_LATENCY, **kwargs)
     assert cfg.scheduler_config.max_num_batched_tokens == budget
     assert ("LL steps take up to" in caplog.text) is logged
+    if set(kwargs) <= {"max_num_batched_tokens", "max_num_seqs"}:  # what doctor reads
+        settings = ServeSettings(data_parallel_size=2, enable_expert_parallel=True, **kwargs)
+        assert settings.tokens == budget
+        assert vllm_defaults(settings)[1] == cfg.scheduler_config.max_num_seqs
 
 
 def test_ll_default_budget_leaves_other_engines_alone(tiny_moe, caplog):
@@ -67,6 +78,10 @@ def test_ll_default_budget_leaves_other_engines_alone(tiny_moe, caplog):
     DP keep vLLM's defaults."""
     from vllm.config import SchedulerConfig
 
+    from vllm_flashinfer_ep.vllm import config_rules
+
+    batched_dp = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP
+    assert config_rules.VLLM_BATCHED_DP_STEP_TOKENS == batched_dp
     with caplog.at_level(logging.INFO):
         assert (
             engine_config(tiny_moe, "deepep_low_latency").scheduler_config.max_num_batched_tokens

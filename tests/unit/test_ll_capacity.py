@@ -99,10 +99,10 @@ def test_budget_that_fits_is_kept_and_the_estimate_logged(qwen30b_shape, monkeyp
     _gpu(monkeypatch, 141 * GIB)
     with caplog.at_level(logging.INFO):
         cfg = _config(qwen30b_shape)
-    assert cfg.scheduler_config.max_num_batched_tokens == 512  # LL's default budget
+    assert cfg.scheduler_config.max_num_batched_tokens == 256  # LL's default at 128 sequences
     assert "lowered" not in caplog.text
-    # 0.64 GiB fixed + 0.54 NCCL-EP buffers + 0.25 receive buffer + 4 MB padding staging
-    assert "needs about 1.44 GiB per GPU for --max-num-batched-tokens 512" in caplog.text
+    # 0.64 GiB fixed + 0.27 NCCL-EP buffers + 0.12 receive buffer + 2 MB padding staging
+    assert "needs about 1.04 GiB per GPU for --max-num-batched-tokens 256" in caplog.text
 
 
 def test_unknown_gpu_memory_logs_the_estimate_and_changes_nothing(
@@ -161,9 +161,10 @@ def test_round_tokens_size_the_fleet_and_free_the_budget(qwen30b_shape, monkeypa
 
 def test_without_round_tokens_ll_keeps_its_default_budget(qwen30b_shape, monkeypatch):
     _gpu(monkeypatch, 80 * GIB)
-    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens == 512
+    seqs = {"max_num_seqs": 256}  # vLLM's for `vllm serve` on an H100
+    assert _config(qwen30b_shape, **seqs).scheduler_config.max_num_batched_tokens == 512
     monkeypatch.setenv("VLLM_FLASHINFER_EP_LL_ROUND_TOKENS", "512")
-    assert _config(qwen30b_shape).scheduler_config.max_num_batched_tokens > 512
+    assert _config(qwen30b_shape, **seqs).scheduler_config.max_num_batched_tokens > 512
 
 
 def test_round_tokens_below_a_capture_size_are_refused(qwen30b_shape, monkeypatch):

@@ -169,8 +169,9 @@ def test_accepted(request, route, name, backend):
     assert verdict["accepted"], verdict
     if route == "world1":  # the rules of an all2all engine ran on this config
         assert verdict["use_all2all"]
-        if backend == LL:  # the LL capacity (LL's default budget), not lowered
-            assert verdict["max_num_batched_tokens"] == 512, verdict
+        if backend == LL:  # the LL capacity (LL's default budget), not lowered; vLLM
+            # gives 128 sequences here (no GPU): capture sizes to 256, LL keeps 256
+            assert verdict["max_num_batched_tokens"] == 256, verdict
             assert verdict["cudagraphs"] == cudagraph_policy.KEEP_REASON, verdict
         else:  # within NCCL-EP HT's tokens per rank
             assert verdict["max_num_batched_tokens"] <= 8192, verdict

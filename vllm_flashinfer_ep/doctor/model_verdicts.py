@@ -427,7 +427,7 @@ def _ll_budget_check(settings: ServeSettings, now, larger) -> Check:
         "LL step budget",
         True,
         f"--max-num-batched-tokens unset: LL steps take at most {settings.tokens} tokens "
-        f"(the package's default for LL, vLLM's largest default CUDA graph capture size; "
+        f"(the package's default for LL: 512, at most the largest CUDA graph capture size; "
         f"vLLM gives 256 for batched DP MoE{others}); --max-num-batched-tokens "
         f"{LARGER_LL_BUDGET} runs steps above the capture size without graphs for {cost}, "
         "taken from the KV cache, and served slower than the default",

@@ -74,8 +74,12 @@ class ServeSettings:
 
     @property
     def tokens(self) -> int:
-        # LL's default step budget (the default_step_budget patch; doctor reads no capture size)
-        return self.max_num_batched_tokens or rules.LL_DEFAULT_STEP_TOKENS
+        # LL's default step budget (the default_step_budget patch), bound by vLLM's default
+        # capture sizes, 2 x --max-num-seqs (doctor reads no capture size flags)
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        capture = 2 * vllm_defaults(self)[1]
+        return rules.ll_default_step_tokens(rules.VLLM_BATCHED_DP_STEP_TOKENS, capture, capture)
 
     @property
     def ep_world(self) -> int:
@@ -117,9 +121,11 @@ def vllm_defaults(settings: ServeSettings) -> tuple[float, int, bool]:
     seqs = settings.max_num_seqs
     if seqs is None:
         world = settings.tensor_parallel_size * settings.pipeline_parallel_size
+        # vLLM caps an unset --max-num-seqs by the budget it picks itself (256 for LL's
+        # batched DP MoE), before the package raises LL's (the default_step_budget patch)
         seqs = min(
             EngineArgs.get_batch_defaults(world)[1].get(UsageContext.OPENAI_API_SERVER, 128),
-            settings.tokens,
+            settings.max_num_batched_tokens or rules.VLLM_BATCHED_DP_STEP_TOKENS,
         )
     chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
     return gmu, seqs, chunked

@@ -188,16 +188,16 @@ def ll_memory_verdict(
 # in a graph, and a step prefills twice what vLLM's 256 for batched DP MoE does, which
 # queued prompts when served (docs/benchmarks.md).
 LL_DEFAULT_STEP_TOKENS = 512
+# vLLM 0.33.0's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP: what vLLM
+# picks for LL before the package raises it, and what caps an unset --max-num-seqs.
+VLLM_BATCHED_DP_STEP_TOKENS = 256
 
 
-def ll_default_step_tokens(vllm_default: int, capture_max: int | None, limit: int) -> int:
+def ll_default_step_tokens(vllm_default: int, capture_max: int, limit: int) -> int:
     """LL's --max-num-batched-tokens when none is passed: LL_DEFAULT_STEP_TOKENS, not above
-    a largest capture size the user set (steps above it would run without graphs) nor
+    the largest CUDA graph capture size (steps above it would run without graphs) nor
     vLLM's own cap (`limit`: max_num_seqs x max_model_len), never below vLLM's choice."""
-    target = LL_DEFAULT_STEP_TOKENS
-    if capture_max is not None:
-        target = min(target, capture_max)
-    return max(vllm_default, min(target, limit))
+    return max(vllm_default, min(LL_DEFAULT_STEP_TOKENS, capture_max, limit))
 
 
 def round_capacity(step_tokens: int, backend: str) -> int:

@@ -93,8 +93,8 @@ PATCHES: tuple[Patch, ...] = (
         WRAP,
         P.make_default_step_budget,
         ("self", "usage_context", "model_config", "parallel_config"),
-        what="LL's default --max-num-batched-tokens is 512 (the largest default CUDA graph "
-        "capture size), not vLLM's 256 for batched DP MoE; logged, only where unset",
+        what="LL's default --max-num-batched-tokens is 512, not vLLM's 256 for batched DP "
+        "MoE, at most the largest CUDA graph capture size; logged, only where unset",
         why="vLLM's 256 queued prompts when LL was served under load (docs/benchmarks.md); "
         "vLLM keeps one default for every batched DP MoE backend",
         how="wrap: after vLLM's defaults, raise an unset LL budget (config_rules)",

@@ -88,17 +88,15 @@ def make_default_step_budget(original):
             return  # rounds asked (vLLM's budget without EP) or no DP+EP
         vllm_chose = self.max_num_batched_tokens
         chosen = config_rules.ll_default_step_tokens(
-            vllm_chose,
-            explicit_capture_max(self),
-            self.max_num_seqs * model_config.max_model_len,
+            vllm_chose, capture_max(self), self.max_num_seqs * model_config.max_model_len
         )
         if chosen == vllm_chose:
             return
         self.max_num_batched_tokens = chosen
         logger.info(
             "--all2all-backend %s: --max-num-batched-tokens unset, LL steps take up to %d "
-            "tokens (vLLM gives %d for batched DP MoE), within the largest CUDA graph capture "
-            "size; pass --max-num-batched-tokens to choose another.",
+            "tokens (vLLM chose %d), at most the largest CUDA graph capture size; pass "
+            "--max-num-batched-tokens to choose another.",
             LOW_LATENCY,
             chosen,
             vllm_chose,
@@ -107,9 +105,10 @@ def make_default_step_budget(original):
     return _set_default_max_num_seqs_and_batched_tokens_args
 
 
-def explicit_capture_max(args) -> int | None:
-    """The largest CUDA graph capture size the user set on EngineArgs (flags or
-    --compilation-config), None where vLLM picks its default."""
+def capture_max(args) -> int:
+    """The largest CUDA graph capture size: the one the user set on EngineArgs (flags or
+    --compilation-config), else vLLM's default bound by --max-num-seqs (2 x max_num_seqs;
+    with speculative decoding vLLM's is larger, so this errs small)."""
     cc = args.compilation_config
     for value in (args.max_cudagraph_capture_size, getattr(cc, "max_cudagraph_capture_size", None)):
         if value is not None:
@@ -117,7 +116,7 @@ def explicit_capture_max(args) -> int | None:
     for sizes in (args.cudagraph_capture_sizes, getattr(cc, "cudagraph_capture_sizes", None)):
         if sizes:
             return max(sizes)
-    return None
+    return 2 * args.max_num_seqs
 
 
 def make_post_init(original):
