@@ -78,14 +78,11 @@ def test_ll_default_budget_leaves_other_engines_alone(tiny_moe, caplog):
     DP keep vLLM's defaults."""
     from vllm.config import SchedulerConfig
 
-    from vllm_flashinfer_ep.vllm import config_rules
-
     batched_dp = SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP
-    assert config_rules.VLLM_BATCHED_DP_STEP_TOKENS == batched_dp
     with caplog.at_level(logging.INFO):
         assert (
             engine_config(tiny_moe, "deepep_low_latency").scheduler_config.max_num_batched_tokens
-            == SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP
+            == batched_dp
         )
         ht = engine_config(tiny_moe, HIGH_THROUGHPUT).scheduler_config.max_num_batched_tokens
         single = engine_config(tiny_moe, LOW_LATENCY, data_parallel_size=1)

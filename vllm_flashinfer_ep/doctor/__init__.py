@@ -44,6 +44,7 @@ from vllm_flashinfer_ep.doctor.serve_args import accepted_backends, serve_checks
 from vllm_flashinfer_ep.doctor.settings import ServeSettings
 from vllm_flashinfer_ep.runtime import env_checks
 from vllm_flashinfer_ep.runtime.env_checks import Check
+from vllm_flashinfer_ep.vllm import config_rules as rules
 
 __all__ = [
     "ServeSettings",
@@ -173,7 +174,8 @@ def add_parser(subparsers) -> None:
         type=tokens,
         default=None,
         metavar="N",
-        help="tokens per rank the LL fleet is sized for (default: the package's 512 for LL)",
+        help="tokens per rank the LL fleet is sized for (default: the package's "
+        f"{rules.LL_DEFAULT_STEP_TOKENS} for LL, at most the largest CUDA graph capture size)",
     )
     serve.add_argument("--dtype", default="auto", choices=model_shape.DTYPE_CHOICES)
     serve.add_argument("--quantization", "-q", default=None)

@@ -14,6 +14,7 @@ from vllm_flashinfer_ep.doctor.model_config import ModelConfigError, load_model_
 from vllm_flashinfer_ep.doctor.settings import (
     ServeSettings,
     checked_backend,
+    vllm_batched_dp_tokens,
     vllm_default_tokens,
     vllm_defaults,
 )
@@ -427,8 +428,9 @@ def _ll_budget_check(settings: ServeSettings, now, larger) -> Check:
         "LL step budget",
         True,
         f"--max-num-batched-tokens unset: LL steps take at most {settings.tokens} tokens "
-        f"(the package's default for LL: 512, at most the largest CUDA graph capture size; "
-        f"vLLM gives 256 for batched DP MoE{others}); --max-num-batched-tokens "
+        f"(the package's default for LL: {rules.LL_DEFAULT_STEP_TOKENS}, at most the largest "
+        f"CUDA graph capture size; vLLM gives {vllm_batched_dp_tokens()} for batched DP "
+        f"MoE{others}); --max-num-batched-tokens "
         f"{LARGER_LL_BUDGET} runs steps above the capture size without graphs for {cost}, "
         "taken from the KV cache, and served slower than the default",
     )

@@ -79,7 +79,7 @@ class ServeSettings:
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         capture = 2 * vllm_defaults(self)[1]
-        return rules.ll_default_step_tokens(rules.VLLM_BATCHED_DP_STEP_TOKENS, capture, capture)
+        return rules.ll_default_step_tokens(vllm_batched_dp_tokens(), capture, capture)
 
     @property
     def ep_world(self) -> int:
@@ -125,10 +125,18 @@ def vllm_defaults(settings: ServeSettings) -> tuple[float, int, bool]:
         # batched DP MoE), before the package raises LL's (the default_step_budget patch)
         seqs = min(
             EngineArgs.get_batch_defaults(world)[1].get(UsageContext.OPENAI_API_SERVER, 128),
-            settings.max_num_batched_tokens or rules.VLLM_BATCHED_DP_STEP_TOKENS,
+            settings.max_num_batched_tokens or vllm_batched_dp_tokens(),
         )
     chunked = True if settings.enable_chunked_prefill is None else settings.enable_chunked_prefill
     return gmu, seqs, chunked
+
+
+def vllm_batched_dp_tokens() -> int:
+    """vLLM's step budget for batched DP MoE: what it picks for LL before the package
+    raises it (the default_step_budget patch), and what caps an unset --max-num-seqs."""
+    from vllm.config import SchedulerConfig
+
+    return SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP
 
 
 def vllm_default_tokens(settings: ServeSettings) -> int | None:

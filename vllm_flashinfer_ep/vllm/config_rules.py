@@ -188,9 +188,6 @@ def ll_memory_verdict(
 # in a graph, and a step prefills twice what vLLM's 256 for batched DP MoE does, which
 # queued prompts when served (docs/benchmarks.md).
 LL_DEFAULT_STEP_TOKENS = 512
-# vLLM 0.33.0's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP: what vLLM
-# picks for LL before the package raises it, and what caps an unset --max-num-seqs.
-VLLM_BATCHED_DP_STEP_TOKENS = 256
 
 
 def ll_default_step_tokens(vllm_default: int, capture_max: int, limit: int) -> int:
