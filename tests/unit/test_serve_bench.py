@@ -230,6 +230,22 @@ def test_the_budget_table_in_the_docs_is_the_recorded_runs():
     assert serve_bench.problems(doc) == []
 
 
+def test_the_long_prompt_table_in_the_docs_is_the_recorded_runs():
+    """Long prompts through LL at its default budget (asked for nothing, the worker read
+    512) and at 256 beside no EP (one machine): every row docs/benchmarks.md shows is the
+    one the results file tables, every request completed, no handle after load."""
+    doc = json.loads((RESULTS / "serve_world1_qwen3_30b_a3b_prefill_budgets_h100.json").read_text())
+    text = serve_bench.table(doc)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "--max-num-batched-tokens: no_ep 8192, ll 512, ll@256 256;" in text
+    assert "KV cache tokens: no_ep 76096, ll 78048, ll@256 85920" in text
+    assert [r["budget"]["asked"] for r in doc["runs"]] == [None, None, 256]
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 2 and all(row in page for row in rows)
+    assert [r["resolved"]["handles_at_load"]["pooled_created"] for r in doc["runs"]] == [0, 51, 35]
+    assert serve_bench.problems(doc) == []
+
+
 def _run(config, compilation="default", device="NVIDIA H100 80GB HBM3", budget=8192, **rows):
     return {
         "config": config,
