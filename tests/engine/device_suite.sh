@@ -16,7 +16,8 @@
 #          serve-bench-ll serve-bench-noep (issue 46's runs: FULL_DECODE_ONLY, no torch.compile, budget 256, 256/64)
 #          serve-CONFIG-DATASET[-decode-only] (vllm serve + vllm bench serve, one call each; CONFIG noep ll llrounds ht,
 #          DATASET 256x64 2048x256 all; vLLM's default compilation unless -decode-only; SERVE_TOKENS=N passes
-#          --max-num-batched-tokens N; SERVE_ROUND_TOKENS=N serves llrounds at rounds of N, not 512),
+#          --max-num-batched-tokens N; SERVE_CAPTURE=N passes --max-cudagraph-capture-size N;
+#          SERVE_ROUND_TOKENS=N serves llrounds at rounds of N, not 512),
 #          serve-warm-CONFIG[-decode-only]
 #          (start, one unmeasured wave per dataset, stop: compile and JIT caches for later calls);
 #          tests/engine/serve_bench.py --merge joins their serve_*.json into one file and table
@@ -214,6 +215,8 @@ from engine_models import write_tiny_model; print(write_tiny_model(Path('/tmp/ep
         name=${step#serve-}; extra=(); comp=default; suffix=
         # SERVE_TOKENS=N: pass --max-num-batched-tokens N (default: none, each engine's own)
         [ -n "${SERVE_TOKENS:-}" ] && extra=(--max-num-batched-tokens "$SERVE_TOKENS") && suffix=_budget$SERVE_TOKENS
+        # SERVE_CAPTURE=N: pass --max-cudagraph-capture-size N (default compilation only)
+        [ -n "${SERVE_CAPTURE:-}" ] && extra+=(--max-cudagraph-capture-size "$SERVE_CAPTURE") && suffix=$suffix"_capture$SERVE_CAPTURE"
         # SERVE_ROUND_TOKENS=N (llrounds only): rounds of N tokens instead of 512
         [ -n "${SERVE_ROUND_TOKENS:-}" ] && extra+=(--round-tokens "$SERVE_ROUND_TOKENS") && suffix=$suffix"_rounds$SERVE_ROUND_TOKENS"
         [ "$name" != "${name%-decode-only}" ] && comp=decode-only && name=${name%-decode-only}

@@ -83,9 +83,17 @@ KEYS = (
 CREATED = ("pooled_created", "fresh_created", "created_during_capture")
 
 
-def serve_args(config: str, compilation: str, shape: str, tokens: int | None = None) -> list[str]:
+def serve_args(
+    config: str,
+    compilation: str,
+    shape: str,
+    tokens: int | None = None,
+    capture: int | None = None,
+) -> list[str]:
     """vLLM's arguments after the model and port. `default` adds no compilation, eager or
-    -O argument: what vLLM resolves is read back from the worker, not assumed."""
+    -O argument: what vLLM resolves is read back from the worker, not assumed. `tokens`
+    and `capture`: the step budget and largest CUDA graph capture size to pass (None:
+    none passed)."""
     if config not in BACKENDS or compilation not in COMPILATIONS:
         raise ValueError(f"unknown configuration {config!r} / compilation {compilation!r}")
     args = ["--served-model-name", "moe", "--max-model-len", str(MAX_MODEL_LEN)]
@@ -94,6 +102,10 @@ def serve_args(config: str, compilation: str, shape: str, tokens: int | None = N
         args += ["--load-format", "dummy"]
     if tokens is not None:
         args += ["--max-num-batched-tokens", str(tokens)]
+    if capture is not None:
+        if compilation != "default":  # decode-only names its own capture sizes
+            raise ValueError(f"a capture size with compilation {compilation!r}")
+        args += ["--max-cudagraph-capture-size", str(capture)]
     if compilation == "decode-only":
         args += ["--compilation-config", json.dumps(COMPILATION)]
     if BACKENDS[config]:
@@ -306,7 +318,9 @@ def _run(args, work: Path) -> int:
     env = engine_env(write_plugin_dist(work / "plugin"), server_env)
     port = args.port or free_port()
     log_path = Path(args.log or work / f"serve-{args.config}.log")
-    vllm_args = serve_args(args.config, args.compilation, args.shape, args.max_num_batched_tokens)
+    vllm_args = serve_args(
+        args.config, args.compilation, args.shape, args.max_num_batched_tokens, args.capture_size
+    )
     record = {
         "config": args.config,
         "compilation": args.compilation,
@@ -330,6 +344,7 @@ def _run(args, work: Path) -> int:
             record["budget"] = {
                 "max_num_batched_tokens": at_load["max_num_batched_tokens"],
                 "asked": args.max_num_batched_tokens,  # None: vLLM's / the package's default
+                "capture_asked": args.capture_size,  # None: vLLM's capture sizes
                 "source": BUDGET_SOURCE,
             }
             print(
@@ -478,24 +493,27 @@ def config_env(config: str, round_tokens: int | None = None) -> dict[str, str]:
 
 def label(run: dict) -> str:
     """A run's name in tables: its configuration, with its round where rounds split
-    (`ll_rounds/1024`) and the step budget where one was passed (`ll@2048`), so one
-    configuration at several rounds or budgets can sit side by side."""
-    asked = run.get("budget", {}).get("asked")
+    (`ll_rounds/1024`), the step budget where one was passed (`ll@2048`) and the largest
+    capture size where one was passed (`ll@1024+cg1024`), so one configuration at several
+    rounds, budgets or capture sizes can sit side by side."""
+    budget = run.get("budget", {})
     name = run["config"]
     rounds = (run.get("server_env") or {}).get(ROUND_VAR)
     name += f"/{rounds}" if rounds is not None else ""
-    return name if asked is None else f"{name}@{asked}"
+    name += f"@{budget['asked']}" if budget.get("asked") is not None else ""
+    return name + (f"+cg{budget['capture_asked']}" if budget.get("capture_asked") else "")
 
 
 def _labels(runs: dict[tuple[str, str], dict], comp: str) -> list[str]:
     """The labels of one compilation's runs, in CONFIGS order, then by round, then by
-    budget asked."""
+    budget asked, then by capture size asked."""
 
     def order(name: str) -> tuple:
         run = runs[(name, comp)]
         asked = run.get("budget", {}).get("asked")
+        capture = run.get("budget", {}).get("capture_asked") or 0
         rounds = int((run.get("server_env") or {}).get(ROUND_VAR, 0))
-        return CONFIGS.index(run["config"]), rounds, asked is not None, asked or 0
+        return CONFIGS.index(run["config"]), rounds, asked is not None, asked or 0, capture
 
     return sorted((n for n, c in runs if c == comp), key=order)
 
@@ -621,6 +639,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the step budget to pass (default: none passed; vLLM's and the package's own)",
     )
     ap.add_argument(
+        "--max-cudagraph-capture-size",
+        dest="capture_size",
+        type=int,
+        default=None,
+        help="the largest CUDA graph capture size to pass, with --compilation default "
+        "(default: none passed; vLLM's capture sizes)",
+    )
+    ap.add_argument(
         "--round-tokens",
         type=int,
         default=None,
@@ -671,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--config and --out are needed, datasets from {list(DATASETS)} (or --merge)")
     if args.round_tokens is not None and (args.config != "ll_rounds" or args.round_tokens < 1):
         ap.error("--round-tokens takes a positive count, with --config ll_rounds only")
+    if args.capture_size is not None and (args.compilation != "default" or args.capture_size < 1):
+        ap.error("--max-cudagraph-capture-size takes a positive size, with --compilation default")
     return run(args)
 
 

@@ -93,6 +93,18 @@ def test_a_budget_is_passed_only_when_asked():
         serve_bench.serve_args("deepep", "default", "qwen3-30b-a3b")
 
 
+def test_a_capture_size_is_passed_only_when_asked_and_never_beside_decode_only():
+    """vLLM's own parser reads the capture size; decode-only names its own capture sizes
+    in --compilation-config, so a second bound there is refused."""
+    args = serve_bench.serve_args("ll", "default", "qwen3-30b-a3b", 1024, 1024)
+    parsed = _vllm_parser("serve").parse_args(["/m", *args])
+    assert (parsed.max_num_batched_tokens, parsed.max_cudagraph_capture_size) == (1024, 1024)
+    bare = _vllm_parser("serve").parse_args(["/m", *serve_bench.serve_args("ll", "default", "x")])
+    assert bare.max_cudagraph_capture_size is None
+    with pytest.raises(ValueError, match="capture size"):
+        serve_bench.serve_args("ll", "decode-only", "qwen3-30b-a3b", None, 1024)
+
+
 def test_warm_waves_come_first_and_alone_under_warm_only():
     both = ["256x64", "2048x256"]
     waves = serve_bench.plan(both, warm_only=False, warm_wave=True)
@@ -517,7 +529,7 @@ def _stand_ins(
 
     @contextlib.contextmanager
     def served(command, env, log_path, port, startup_s):
-        served.env, served.log = env, Path(log_path)
+        served.env, served.log, served.command = env, Path(log_path), command
         served.log.write_text("INFO ready\n" + VLLM_LOG.split("(APIServer")[0])
         yield Proc()
 
@@ -608,6 +620,33 @@ def test_rounds_of_another_size_serve_with_it_and_sit_beside_512(tmp_path, monke
     assert "| ll_rounds/1024 out tok/s |" in serve_bench.table(joined)
     with pytest.raises(SystemExit):
         _main(tmp_path, monkeypatch, "--config", "ll", "--round-tokens", "1024")
+
+
+def test_a_capture_size_reaches_the_server_and_sits_beside_the_same_budget(
+    tmp_path, monkeypatch, capsys
+):
+    """--max-cudagraph-capture-size 1024 reaches `vllm serve`, is recorded and names the
+    run (`ll@1024+cg1024`), so a merge keeps it beside `ll@1024` instead of replacing it;
+    decode-only or a size below 1 is refused before any server starts."""
+    served, _ = _stand_ins(monkeypatch, [PROBES["at_load"]] * 8)
+    argv = ("--config", "ll", "--max-num-batched-tokens", "1024")
+    rc, out, _ = _main(tmp_path, monkeypatch, *argv, "--max-cudagraph-capture-size", "1024")
+    assert rc == 0, capsys.readouterr().out
+    cmd = served.command
+    assert cmd[cmd.index("--max-cudagraph-capture-size") + 1] == "1024"
+    captured = json.loads(out.read_text())
+    assert captured["runs"][0]["budget"]["capture_asked"] == 1024
+    rc, out, _ = _main(tmp_path, monkeypatch, *argv)
+    assert "--max-cudagraph-capture-size" not in served.command
+    joined = serve_bench.merge([json.loads(out.read_text()), captured])
+    assert [serve_bench.label(r) for r in joined["runs"]] == ["ll@1024", "ll@1024+cg1024"]
+    assert "| ll@1024+cg1024 out tok/s |" in serve_bench.table(joined)
+    for bad in (("--compilation", "decode-only"), ()):
+        size = "1024" if bad else "0"
+        with pytest.raises(SystemExit):
+            _main(
+                tmp_path, monkeypatch, "--config", "ll", *bad, "--max-cudagraph-capture-size", size
+            )
 
 
 def test_prompts_the_prefix_cache_finds_fail_the_run(tmp_path, monkeypatch, capsys):
