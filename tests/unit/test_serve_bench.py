@@ -738,3 +738,21 @@ def test_the_harness_probe_is_what_vllm_s_rpc_endpoint_runs_by_name(monkeypatch)
     answer = run_method(wrapper, name, (), {})
     assert seen == ["the worker"]
     assert json.dumps(answer) == '{"runtimes": [{"algorithm": "low_latency", "counters": {}}]}'
+
+
+def test_the_readme_s_serving_ratios_are_the_recorded_runs():
+    """The README's two serving rows are LL's default against no EP in the results files
+    (256/64 at 512 tokens per step, 2048/256 at the default the worker read)."""
+
+    def ratios(name: str, dataset: str, label: str) -> str:
+        doc = json.loads((RESULTS / name).read_text())
+        runs = {serve_bench.label(r): r["datasets"][dataset]["rows"] for r in doc["runs"]}
+        ll, ref = runs[label], runs["no_ep"]
+        tps = [ll[c]["output_throughput"] / ref[c]["output_throughput"] for c in ref]
+        return " / ".join(f"{r:.2f}" for r in tps)
+
+    readme = (ROOT / "README.md").read_text()
+    short = ratios("serve_world1_qwen3_30b_a3b_budgets_h100.json", "256x64", "ll@512")
+    long = ratios("serve_world1_qwen3_30b_a3b_prefill_budgets_h100.json", "2048x256", "ll")
+    assert f"concurrency 1 / 8 / 32 / 128 | {short} |" in readme
+    assert f"concurrency 8 / 32 | {long} (" in readme
