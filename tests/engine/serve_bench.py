@@ -537,8 +537,8 @@ def facts(run: dict, dataset: str) -> dict:
 
 def merge(docs: list[dict]) -> dict:
     """One results file from several runs' files (one shape, one card): a later file's
-    run of the same configuration, budget asked and compilation replaces its datasets.
-    Warm-ups are left out."""
+    run of the same label (configuration, round, budget and capture size asked) and
+    compilation replaces its datasets. Warm-ups are left out."""
     runs: dict[tuple[str, str], dict] = {}
     notes = []
     for doc in map(_as_doc, docs):
